@@ -1,0 +1,1 @@
+"""grpo-dist: distributed GRPO training with Ray, vLLM and DeepSpeed."""

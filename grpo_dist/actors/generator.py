@@ -1,0 +1,92 @@
+"""Generator actor: one vLLM engine sampling groups of completions, versioned by the weights it holds."""
+
+from __future__ import annotations
+
+import os
+
+from grpo_dist.config import RolloutConfig
+from grpo_dist.types import Completion
+
+
+def engine_environment(rollout: RolloutConfig) -> dict[str, str]:
+    """Environment for a generator process: in-process engine core, bounded CPU KV cache."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(rollout.cpu_kv_cache_gib))),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+class Generator:
+    """Wraps one `vllm.LLM`. Wrapped as a Ray actor by `grpo_dist.cluster` (resources are given there)."""
+
+    def __init__(self, model_path: str, rollout: RolloutConfig, seed: int) -> None:
+        os.environ.update(engine_environment(rollout))
+        from vllm import LLM
+
+        from grpo_dist.actors.weight_sync import WORKER_EXTENSION
+
+        self.rollout = rollout
+        self.weight_version = 0
+        self.llm = LLM(
+            model=model_path,
+            dtype=rollout.dtype,
+            max_model_len=rollout.max_model_len,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            enforce_eager=True,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], group_size: int, greedy: bool = False, first_index: int = 0
+    ) -> list[Completion]:
+        """Sample `group_size` completions per prompt; prompt i of this call gets `prompt_index` first_index + i."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(
+            n=1 if greedy else group_size,
+            temperature=0.0 if greedy else self.rollout.temperature,
+            top_p=1.0 if greedy else self.rollout.top_p,
+            max_tokens=self.rollout.max_new_tokens,
+            logprobs=0,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [
+            self._completion(first_index + i, output.prompt_token_ids, sample)
+            for i, output in enumerate(outputs)
+            for sample in output.outputs
+        ]
+
+    def _completion(self, prompt_index: int, prompt_token_ids: list[int], sample) -> Completion:
+        token_ids = list(sample.token_ids)
+        # One {token_id: Logprob} dict per sampled token; with logprobs=0 it holds the sampled token.
+        logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
+        return Completion(
+            prompt_index=prompt_index,
+            prompt_token_ids=list(prompt_token_ids),
+            token_ids=token_ids,
+            text=sample.text,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason or "length",
+            weight_version=self.weight_version,
+        )
+
+    def update_weights(self, state_dict: dict, weight_version: int) -> int:
+        """Load the learner's weights; completions sampled afterwards carry `weight_version`."""
+        self.llm.collective_rpc("receive_weights", args=(state_dict,))
+        self.llm.reset_prefix_cache()
+        self.weight_version = weight_version
+        return weight_version
+
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probability of each token of `token_ids` after the first, under the engine's current weights."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)
+        steps = output.prompt_logprobs[1:]  # the first token has no logprob
+        return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]

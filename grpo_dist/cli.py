@@ -1,0 +1,71 @@
+"""`grpo-dist` command line: train, check a config, build a tiny model, plot a reward curve.
+
+Only the config module is imported up front, so `--help` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from grpo_dist.config import ConfigError, field_docs, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpo-dist", description="Distributed GRPO training on Ray, vLLM and DeepSpeed.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="run GRPO: grpo-dist train CONFIG [section.key=value ...]")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=5e-6 rollout.group_size=8")
+    check = commands.add_parser("check", help="validate a config (with overrides) and print it, starting nothing")
+    check.add_argument("config")
+    check.add_argument("overrides", nargs="*")
+    commands.add_parser("reference", help="print every config key with its default and meaning")
+    plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
+    plot.add_argument("metrics", help="path to metrics.jsonl")
+    plot.add_argument("out", help="PNG to write")
+    tiny = commands.add_parser("tiny-model", help="write a random-init tiny Qwen2 model with a character tokenizer")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except ConfigError as err:
+        print(f"grpo-dist: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "reference":
+        for key, default, doc in field_docs():
+            print(f"{key:36} {default:24} {doc.splitlines()[0] if doc else ''}")
+        return 0
+    if args.command == "plot":
+        from grpo_dist.plot import plot_rewards
+
+        print(plot_rewards(args.metrics, args.out))
+        return 0
+    if args.command == "tiny-model":
+        from grpo_dist.models import build_tiny_model
+
+        print(build_tiny_model(args.out_dir, seed=args.seed))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "check":
+        import yaml
+
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return 0
+    from grpo_dist.data import DatasetError
+    from grpo_dist.driver import train
+
+    try:
+        print(f"run directory: {train(cfg)}")
+    except DatasetError as err:
+        print(f"grpo-dist: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

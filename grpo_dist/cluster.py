@@ -1,0 +1,108 @@
+"""The Ray side of a run: start or join a cluster, place the actors, and the few remote calls the driver makes.
+
+Resources (CPUs, GPUs, environment) are given here with `.options(...)`; constructor arguments are the actors' own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from grpo_dist.actors.generator import Generator, engine_environment
+from grpo_dist.actors.learner import Learner
+from grpo_dist.actors.reward_worker import RewardWorker
+from grpo_dist.batch import TrainBatch
+from grpo_dist.config import Config
+from grpo_dist.data import PromptRecord
+from grpo_dist.types import Completion, Score, ScoreRequest
+
+
+def actor_cpus(cfg: Config) -> float:
+    """Logical CPUs the actors of a run ask for."""
+    return (
+        cfg.learner.num_cpus
+        + cfg.rollout.num_generators * cfg.rollout.num_cpus
+        + cfg.reward.num_workers * cfg.reward.num_cpus
+    )
+
+
+def start_ray(cfg: Config) -> None:
+    """Join `ray.address`, or start a local cluster big enough for the run's actors."""
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
+        return
+    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": quiet}, log_to_driver=True)
+
+
+@dataclass
+class Cluster:
+    """Handles to every actor of a run."""
+
+    learner: ray.actor.ActorHandle
+    generators: list[ray.actor.ActorHandle]
+    reward_workers: list[ray.actor.ActorHandle]
+
+    @classmethod
+    def start(cls, cfg: Config, model_path: str) -> Cluster:
+        """Create the actors and wait until every engine is up (errors surface here, with the actor named)."""
+        rollout, learner_cfg = cfg.rollout, cfg.learner
+        learner = (
+            ray.remote(Learner)
+            .options(num_cpus=learner_cfg.num_cpus, num_gpus=learner_cfg.num_gpus, name=None)
+            .remote(model_path, learner_cfg, cfg.algorithm, rollout.temperature, cfg.run.seed)
+        )
+        generator_actor = ray.remote(Generator).options(
+            num_cpus=rollout.num_cpus,
+            num_gpus=rollout.num_gpus,
+            runtime_env={"env_vars": engine_environment(rollout)},
+        )
+        generators = [
+            generator_actor.remote(model_path, rollout, cfg.run.seed + index) for index in range(rollout.num_generators)
+        ]
+        reward_actor = ray.remote(RewardWorker).options(num_cpus=cfg.reward.num_cpus)
+        workers = [reward_actor.remote(cfg.reward.functions, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)]
+        cluster = cls(learner, generators, workers)
+        ray.get([actor.__ray_ready__.remote() for actor in [learner, *generators, *workers]])
+        return cluster
+
+    def generate(self, prompts: list[PromptRecord], group_size: int, greedy: bool = False) -> list[Completion]:
+        """Split the prompts across generators; completions come back grouped, in prompt order."""
+        shards = _shards(len(prompts), len(self.generators))
+        calls = [
+            generator.generate.remote([p.token_ids for p in prompts[start:end]], group_size, greedy, start)
+            for generator, (start, end) in zip(self.generators, shards, strict=True)
+            if end > start
+        ]
+        return [completion for shard in ray.get(calls) for completion in shard]
+
+    def score(self, requests: list[ScoreRequest]) -> list[Score]:
+        """Score in parallel across the reward workers, order kept."""
+        shards = _shards(len(requests), len(self.reward_workers))
+        calls = [
+            worker.score.remote(requests[start:end])
+            for worker, (start, end) in zip(self.reward_workers, shards, strict=True)
+            if end > start
+        ]
+        return [score for shard in ray.get(calls) for score in shard]
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        return ray.get(self.learner.train.remote(batch))
+
+    def sync_weights(self, weight_version: int) -> None:
+        """Send the learner's current weights to every generator (one shared object-store copy per node)."""
+        weights = self.learner.state_dict.remote()
+        ray.get([generator.update_weights.remote(weights, weight_version) for generator in self.generators])
+
+    def save(self, out_dir: str) -> str:
+        return ray.get(self.learner.save.remote(out_dir))
+
+
+def _shards(total: int, parts: int) -> list[tuple[int, int]]:
+    """[start, end) ranges cutting `total` items into `parts` near-equal contiguous shards."""
+    bounds = torch.linspace(0, total, parts + 1).round().long().tolist()
+    return list(zip(bounds[:-1], bounds[1:], strict=True))

@@ -1,0 +1,336 @@
+"""The one typed configuration of a grpo-dist run.
+
+Loaded from YAML with dotted command-line overrides (``learner.lr=5e-6``), validated in full before any actor
+starts. This module imports neither torch nor ray, so ``grpo-dist --help`` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: the message names the key and what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class RunConfig(_Section):
+    name: str = "grpo"
+    """Run name: the W&B run name and the sub-directory of `output_dir` this run writes to."""
+    output_dir: str = "outputs"
+    """Directory under which `<name>/` holds metrics.jsonl, the final policy and the W&B files."""
+    steps: int = Field(100, ge=1)
+    """Number of training steps (one rollout batch, one optimizer update and one weight sync each)."""
+    seed: int = 0
+    """Seed for prompt order, model initialisation and sampling."""
+    save_final: bool = True
+    """Save the final policy in Hugging Face format to `<output_dir>/<name>/final`."""
+
+
+class TinyModelConfig(_Section):
+    hidden_size: int = Field(128, ge=64)
+    """Hidden width; `hidden_size / num_heads` must be 64 (vLLM's CPU attention rejects smaller heads)."""
+    num_layers: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    num_heads: int = Field(2, ge=1)
+    """Attention heads per block."""
+    intermediate_size: int = Field(256, ge=1)
+    """MLP width."""
+
+    @model_validator(mode="after")
+    def _head_dim_is_64(self) -> TinyModelConfig:
+        if self.hidden_size != 64 * self.num_heads:
+            raise ValueError(
+                f"hidden_size / num_heads must be 64 (got {self.hidden_size} / {self.num_heads}); "
+                f"set hidden_size to {64 * self.num_heads}"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    path: str
+    """Local directory of a Hugging Face causal LM (config, weights, tokenizer): the initial policy."""
+    tiny: TinyModelConfig | None = None
+    """Build a random-init tiny model with a character tokenizer at `path` when `path` does not exist yet."""
+
+
+class TaskConfig(_Section):
+    name: Literal["last_digit", "add"] = "last_digit"
+    """Bundled synthetic task: `last_digit` (answer the prompt's last digit) or `add` (single-digit sums)."""
+    num_train: int = Field(2000, ge=1)
+    """Training prompts to generate."""
+    num_eval: int = Field(200, ge=1)
+    """Held-out prompts to generate."""
+
+
+class DataConfig(_Section):
+    train_path: str | None = None
+    """JSONL or Parquet file of training prompts (a `prompt` field plus fields passed to the rewards)."""
+    eval_path: str | None = None
+    """Held-out prompts in the same format; accuracy on them is printed before and after training."""
+    task: TaskConfig | None = None
+    """Generate a bundled synthetic task into the run directory instead of reading `train_path`/`eval_path`."""
+    prompt_field: str = "prompt"
+    """Name of the field holding the prompt text."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Prompts longer than this (after the chat template) are skipped and counted."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts per rollout batch; each yields `rollout.group_size` completions."""
+
+    @model_validator(mode="after")
+    def _has_a_source(self) -> DataConfig:
+        if self.task is None and self.train_path is None:
+            raise ValueError("set either data.train_path (a JSONL/Parquet file) or data.task (a bundled task)")
+        if self.task is not None and self.train_path is not None:
+            raise ValueError("set only one of data.train_path and data.task")
+        return self
+
+
+class RolloutConfig(_Section):
+    num_generators: int = Field(1, ge=1)
+    """Generator actors, each running one vLLM engine; prompts of a batch are split between them."""
+    group_size: int = Field(8, ge=2)
+    """G: completions sampled per prompt; advantages are computed within each group."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest completion, in tokens."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the learner scores tokens at the same temperature)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_model_len: int = Field(512, ge=8)
+    """vLLM context length: prompt plus completion."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Engine dtype. float32 on CPU keeps generator and learner logprobs equal to float tolerance."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of each GPU vLLM may take (ignored on CPU)."""
+    cpu_kv_cache_gib: float = Field(1.0, gt=0)
+    """KV-cache size per engine on the CPU backend, in GiB."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved per generator actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per generator actor (0 on a CPU machine)."""
+
+
+class RewardFunctionConfig(_Section):
+    name: str
+    """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`) or a dotted path to
+    a user function `(prompt, completion, **fields) -> float`."""
+    weight: float = 1.0
+    """Weight of this function in the combined reward."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed on every call."""
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFunctionConfig] = Field(min_length=1)
+    """Reward functions, combined by weighted sum."""
+    num_workers: int = Field(2, ge=1)
+    """Reward worker actors scoring completions in parallel."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A call running longer leaves its completion unscored (excluded from its group's statistics)."""
+    num_cpus: float = Field(0.25, gt=0)
+    """CPUs reserved per reward worker."""
+
+
+class AlgorithmConfig(_Section):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "batch_std", "reinforce_pp"] = "grpo"
+    """Advantage estimator (see `grpo_dist.algo.group_advantages`)."""
+    std: Literal["sample", "population"] = "sample"
+    """Group std used by `grpo`: unbiased sample std (DeepSeekMath, TRL) or population std."""
+    eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range of the ratio: 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """Upper clip range of the ratio: 1 + clip_high (DAPO's clip-higher sets it above clip_low)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens; null disables it."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
+    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """How per-token losses become one number (GRPO, DAPO, Dr. GRPO)."""
+    kl_coef: float = Field(0.04, ge=0)
+    """beta: weight of the KL penalty to the frozen reference; 0 never loads the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator; k3 = exp(ref - lp) - (ref - lp) - 1 as in DeepSeekMath."""
+    is_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling between sampling and learner logprobs, capped here; null disables it."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (the token entropy is logged every step either way)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per pass: the rollout batch is cut into this many mini-batches."""
+
+
+class LearnerConfig(_Section):
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm."""
+    micro_batch_size: int = Field(32, ge=1)
+    """Sequences per forward/backward pass; the batch is accumulated over micro-batches."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage."""
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto picks nccl with a GPU and gloo without."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved for the learner actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs for the learner actor (0 on a CPU machine)."""
+
+
+class EvalConfig(_Section):
+    reward: str = "math_answer"
+    """Reward function whose value 1.0 counts as a correct answer when measuring held-out accuracy."""
+    max_prompts: int = Field(200, ge=1)
+    """Held-out prompts scored (greedy decoding) before and after training."""
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    """Ray cluster to join (`auto` or `host:port`); null starts a local cluster for this run."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of the local cluster; null means at least what the actors ask for."""
+
+
+class WandbConfig(_Section):
+    enabled: bool = True
+    """Log to Weights & Biases (offline, to the run directory, when no API key is set)."""
+    project: str = "grpo-dist"
+    """W&B project."""
+    run_name: str | None = None
+    """W&B run name; defaults to `run.name`."""
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """`auto` is online when WANDB_API_KEY is set and offline otherwise."""
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity, length and outputs."""
+    model: ModelConfig
+    """The initial policy."""
+    data: DataConfig
+    """Prompts and their fields."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generators and sampling."""
+    reward: RewardConfig
+    """Reward functions and workers."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages and loss."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """Optimizer and DeepSpeed."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out accuracy."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Cluster to run on."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Experiment tracking."""
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes its outputs."""
+        return Path(self.run.output_dir) / self.run.name
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply `a.b.c=value` overrides and validate everything."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, source=str(path))
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Set `section.key=value` in a raw config dict; the value is parsed as YAML (`8`, `1e-5`, `null`, `[a, b]`)."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} holds a value, not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def validate_config(raw: dict, source: str = "<config>") -> Config:
+    """Validate a raw dict into a Config; every problem is reported with its dotted key."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        problems = [_describe(error) for error in err.errors()]
+        raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(problems)) from None
+
+
+def _describe(error: dict) -> str:
+    location = [str(part) for part in error["loc"]]
+    key = ".".join(location) or "<top level>"
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key{_suggestion(location)}"
+    if error["type"] == "missing":
+        return f"{key}: required key is missing"
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"{key}: {error['msg']}{shown}"
+
+
+def _suggestion(location: list[str]) -> str:
+    """' (did you mean X?)' for a typo in a key, from the valid keys at that level."""
+    model: type[BaseModel] | None = Config
+    for part in location[:-1]:
+        field = model.model_fields.get(part) if model else None
+        model = _section_type(field.annotation) if field else None
+        if model is None:
+            return ""
+    close = difflib.get_close_matches(location[-1], list(model.model_fields), n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean {'.'.join(location[:-1] + close)}?)"
+    return f"; valid keys here: {', '.join(model.model_fields)}"
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    candidates = getattr(annotation, "__args__", (annotation,))
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every field: the config reference in the README and `--help`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        section = _section_type(field.annotation)
+        if section is not None and name != "functions":
+            rows.append((key, "", field.description or ""))
+            rows.extend(field_docs(section, prefix=f"{key}."))
+        else:
+            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+            rows.append((key, default, field.description or ""))
+    return rows

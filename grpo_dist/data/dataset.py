@@ -1,0 +1,193 @@
+"""Prompt datasets: read rows from JSON Lines or Parquet, tokenise prompts, and sample batches of them.
+
+A row is a JSON object (or Parquet record) with a prompt field (``"prompt"`` by default) holding a non-empty
+string; every other field (``answer``, ...) travels with the prompt to the reward functions. Problems are reported
+with the file and the 1-based line (JSON Lines) or row (Parquet) so a bad dataset can be fixed in one pass.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+"""Read as JSON Lines: one object per line, blank lines skipped (a ``.json`` file is read the same way)."""
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, empty or holds a malformed row; the message names the file and line."""
+
+
+class PromptTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer that :func:`encode_prompts` uses."""
+
+    chat_template: str | None
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt ready for generation."""
+
+    text: str  # the prompt exactly as sent to the model (after the chat template, if any)
+    token_ids: list[int]  # [prompt_len] token ids of `text`; no special tokens beyond what the template wrote
+    fields: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer) for rewards
+    index: int = 0  # 0-based position of the row in the dataset file
+
+
+def _check_row(row: Any, prompt_field: str, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}; write one object per line.")
+    if prompt_field not in row:
+        raise DatasetError(
+            f"{where}: missing prompt field {prompt_field!r} (fields present: {sorted(row)}); "
+            f"add it or set the prompt field name to one of these."
+        )
+    prompt = row[prompt_field]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DatasetError(f"{where}: prompt field {prompt_field!r} must be a non-empty string, got {prompt!r}.")
+    return row
+
+
+def _read_jsonl(path: Path, prompt_field: str) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"{path}: not UTF-8 text ({error}); JSON Lines files must be UTF-8.") from error
+    rows = []
+    # split("\n"), not splitlines(): a JSON string may hold a raw U+2028; json.loads ignores a trailing "\r".
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetError(
+                f"{where}: invalid JSON ({error.msg} at column {error.colno}); "
+                f"the file must be JSON Lines, one complete object per line."
+            ) from error
+        rows.append(_check_row(row, prompt_field, where))
+    return rows
+
+
+def _read_parquet(path: Path, prompt_field: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq  # imported here: only Parquet datasets need pyarrow
+
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # pyarrow raises several types for unreadable files; report which
+        raise DatasetError(f"{path}: cannot read as Parquet ({type(error).__name__}: {error}).") from error
+    return [_check_row(row, prompt_field, f"{path}: row {number}") for number, row in enumerate(table.to_pylist(), 1)]
+
+
+def load_rows(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
+    """Read every row of a ``.jsonl``/``.json`` (JSON Lines) or ``.parquet`` file and check its prompt field.
+
+    Raises ``ValueError`` for an unsupported suffix and :class:`DatasetError` for a missing or empty file or the
+    first malformed row (with its file and 1-based line or row number).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise ValueError(
+            f"{path}: unsupported dataset suffix {suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}."
+        )
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found (resolved to {path.resolve()}); check the path.")
+    rows = _read_parquet(path, prompt_field) if suffix in PARQUET_SUFFIXES else _read_jsonl(path, prompt_field)
+    if not rows:
+        raise DatasetError(f"{path}: the dataset has no rows; it needs at least one {{{prompt_field!r}: ...}} row.")
+    return rows
+
+
+def _prompt_text(prompt: str, tokenizer: PromptTokenizer) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        return prompt
+    conversation = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompts(
+    rows: Sequence[dict[str, Any]], tokenizer: PromptTokenizer, max_prompt_tokens: int, prompt_field: str = "prompt"
+) -> tuple[list[PromptRecord], int]:
+    """Apply the chat template (when the tokenizer has one) and tokenise each row's prompt.
+
+    Prompts longer than ``max_prompt_tokens`` are skipped. Returns ``(records, num_skipped)``; raises
+    :class:`DatasetError` if every prompt was skipped.
+    """
+    if max_prompt_tokens < 1:
+        raise ValueError(f"encode_prompts: max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
+    records, num_skipped = [], 0
+    for index, row in enumerate(rows):
+        text = _prompt_text(row[prompt_field], tokenizer)
+        token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(token_ids) > max_prompt_tokens:
+            num_skipped += 1
+            continue
+        fields = {key: value for key, value in row.items() if key != prompt_field}
+        records.append(PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index))
+    if not records:
+        raise DatasetError(
+            f"encode_prompts: all {num_skipped} prompts are longer than max_prompt_tokens={max_prompt_tokens} "
+            f"tokens (after the chat template); raise max_prompt_tokens or shorten the prompts."
+        )
+    return records, num_skipped
+
+
+class PromptSampler:
+    """Endless batches of prompts: each epoch is a fresh shuffle, a pure function of ``(seed, epoch)``.
+
+    Batches always hold ``batch_size`` records; the last batch of an epoch is completed from the next epoch's
+    shuffle, so a record can appear twice in a batch only when ``batch_size`` exceeds the dataset size.
+    ``epoch`` is the epoch the next record will come from. ``state_dict``/``load_state_dict`` resume exactly.
+    """
+
+    def __init__(self, records: Sequence[PromptRecord], batch_size: int, seed: int) -> None:
+        if not records:
+            raise ValueError("PromptSampler: no records to sample from; check the dataset and max_prompt_tokens.")
+        if batch_size < 1:
+            raise ValueError(f"PromptSampler: batch_size must be >= 1, got {batch_size}.")
+        self.records = list(records)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch = 0
+        self._position = 0  # index into the current epoch's order of the next record
+        self._order = self._shuffled_order(self.epoch)
+
+    def _shuffled_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _next_record(self) -> PromptRecord:
+        if self._position == len(self._order):
+            self.epoch += 1
+            self._position = 0
+            self._order = self._shuffled_order(self.epoch)
+        record = self.records[self._order[self._position]]
+        self._position += 1
+        return record
+
+    def __iter__(self) -> Iterator[list[PromptRecord]]:
+        return self
+
+    def __next__(self) -> list[PromptRecord]:
+        return [self._next_record() for _ in range(self.batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position to resume from (the records and seed must be the same on resume)."""
+        return {"epoch": self.epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self._position = int(state["epoch"]), int(state["position"])
+        self._order = self._shuffled_order(self.epoch)

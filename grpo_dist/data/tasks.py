@@ -1,0 +1,113 @@
+"""Bundled synthetic tasks that a tiny random-init model can learn with GRPO on a CPU in minutes.
+
+Each task makes rows ``{"prompt": ..., "answer": ...}`` from a seeded RNG; the answer is graded with the
+``exact_answer`` or ``math_answer`` reward. Prompts use only characters of the tiny model's tokenizer
+(:data:`grpo_dist.models.tiny.CHARACTERS`).
+
+- ``last_digit``: ``"7 3 9 5:"`` -> ``"5"`` (2 to 4 digits; 11,100 distinct prompts).
+- ``add``: ``"3+4="`` -> ``"7"`` (single digits; only 100 distinct prompts, so train and eval sets overlap).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DIGITS = "0123456789"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A synthetic task: how to draw one row, and how many distinct prompts it can produce."""
+
+    name: str
+    description: str
+    make_row: Callable[[random.Random], dict[str, str]]  # rng -> {"prompt": ..., "answer": ...}
+    num_distinct_prompts: int
+
+
+def _last_digit_row(rng: random.Random) -> dict[str, str]:
+    digits = rng.choices(DIGITS, k=rng.randint(2, 4))
+    return {"prompt": " ".join(digits) + ":", "answer": digits[-1]}
+
+
+def _add_row(rng: random.Random) -> dict[str, str]:
+    left, right = rng.randrange(10), rng.randrange(10)
+    return {"prompt": f"{left}+{right}=", "answer": str(left + right)}
+
+
+TASKS: dict[str, Task] = {
+    task.name: task
+    for task in (
+        Task("last_digit", "repeat the last of 2-4 space-separated digits", _last_digit_row, 10**2 + 10**3 + 10**4),
+        Task("add", "sum of two single digits", _add_row, 10 * 10),
+    )
+}
+
+
+def get_task(name: str) -> Task:
+    """The registered task called ``name``; ``ValueError`` listing the valid names otherwise."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}.")
+    return TASKS[name]
+
+
+def make_task_rows(name: str, num_rows: int, seed: int) -> list[dict[str, str]]:
+    """``num_rows`` rows of task ``name`` drawn from ``seed`` (prompts may repeat)."""
+    task = get_task(name)
+    if num_rows < 1:
+        raise ValueError(f"make_task_rows: num_rows must be >= 1, got {num_rows}.")
+    rng = random.Random(seed)
+    return [task.make_row(rng) for _ in range(num_rows)]
+
+
+def _write_jsonl(rows: list[dict[str, str]], out_path: str | Path) -> Path:
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return out_path
+
+
+def write_task(name: str, out_path: str | Path, num_rows: int, seed: int) -> Path:
+    """Write ``num_rows`` rows of task ``name`` to the JSON Lines file ``out_path``; return its path."""
+    return _write_jsonl(make_task_rows(name, num_rows, seed), out_path)
+
+
+def _held_out_rows(task: Task, train_prompts: set[str], num_eval: int, seed: int) -> list[dict[str, str]]:
+    """Draw eval rows from ``seed``, rejecting train prompts when enough other prompts exist."""
+    rng = random.Random(seed)
+    if task.num_distinct_prompts - len(train_prompts) < num_eval:
+        logger.warning(
+            "task %r has only %d distinct prompts; its eval set overlaps the train set",
+            task.name,
+            task.num_distinct_prompts,
+        )
+        return [task.make_row(rng) for _ in range(num_eval)]
+    rows: list[dict[str, str]] = []
+    while len(rows) < num_eval:
+        row = task.make_row(rng)
+        if row["prompt"] not in train_prompts:
+            rows.append(row)
+    return rows
+
+
+def split_task(name: str, out_dir: str | Path, num_train: int, num_eval: int, seed: int) -> tuple[Path, Path]:
+    """Write ``out_dir/train.jsonl`` and ``out_dir/eval.jsonl`` for task ``name``; return both paths.
+
+    The two sets are drawn from different seeds (``seed`` and ``seed + 1``). When the task has at least
+    ``num_eval`` prompts beyond those in the train set, no eval prompt appears in the train set; otherwise
+    (``add`` with more than a few train rows) the sets overlap and a warning is logged.
+    """
+    task = get_task(name)
+    if num_eval < 1:
+        raise ValueError(f"split_task: num_eval must be >= 1, got {num_eval}.")
+    train_rows = make_task_rows(name, num_train, seed)
+    eval_rows = _held_out_rows(task, {row["prompt"] for row in train_rows}, num_eval, seed + 1)
+    out_dir = Path(out_dir)
+    return _write_jsonl(train_rows, out_dir / "train.jsonl"), _write_jsonl(eval_rows, out_dir / "eval.jsonl")

@@ -1,0 +1,107 @@
+"""Per-step metrics: what a rollout batch looked like, and where they go (console, metrics.jsonl, W&B)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_dist.types import Completion, Score
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """mean/std/min/max of the finite entries (NaN when none)."""
+    values = values[torch.isfinite(values)]
+    if values.numel() == 0:
+        return {f"{prefix}/{name}": math.nan for name in ("mean", "std", "min", "max")}
+    std = values.std(unbiased=False) if values.numel() > 1 else torch.tensor(0.0)
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/std": std.item(),
+        f"{prefix}/min": values.min().item(),
+        f"{prefix}/max": values.max().item(),
+    }
+
+
+def rollout_metrics(
+    completions: list[Completion], scores: list[Score], advantages: torch.Tensor, reward_names: list[str]
+) -> dict[str, float]:
+    """Reward, per-function reward, advantage and length statistics of one rollout batch."""
+    totals = torch.tensor([score.total for score in scores])  # [B]
+    per_function = torch.tensor([score.per_function for score in scores])  # [B, F]
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)  # [B]
+    metrics = {**_stats("reward", totals), **_stats("advantage", advantages), **_stats("response_length", lengths)}
+    for column, name in enumerate(reward_names):
+        metrics[f"reward/{name}"] = _stats("r", per_function[:, column])["r/mean"]
+    metrics["reward/unscored"] = float((~torch.isfinite(totals)).sum())
+    metrics["response_length/clipped_fraction"] = sum(c.finish_reason == "length" for c in completions) / len(
+        completions
+    )
+    metrics["tokens/generated"] = float(lengths.sum())
+    return metrics
+
+
+class MetricsSink:
+    """Writes one JSON object per step to `metrics.jsonl` (flushed every step) and mirrors it to W&B."""
+
+    def __init__(self, run_dir: Path, wandb_run: Any | None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.path.open("a")
+        self.wandb_run = wandb_run
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{key: _json_number(value) for key, value in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _json_number(value: float) -> float | None:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def start_wandb(cfg, run_dir: Path):
+    """A W&B run (offline into the run directory when no API key is set), or None when disabled."""
+    mode = cfg.wandb.mode
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    if not cfg.wandb.enabled or mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(
+        project=cfg.wandb.project,
+        name=cfg.wandb.run_name or cfg.run.name,
+        config=cfg.model_dump(mode="json"),
+        dir=str(run_dir),
+        mode=mode,
+        settings=wandb.Settings(silent=True),
+    )
+
+
+class StepTimer:
+    """Wall time of named phases of a step: `with timer("generate"): ...` -> {"time/generate": seconds}."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> StepTimer:
+        self._phase = phase
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.times[f"time/{self._phase}"] = time.perf_counter() - self._start

@@ -1,0 +1,53 @@
+"""Built-in reward functions: plain callables ``(prompt, completion, **fields) -> float``.
+
+``fields`` are the dataset row's other fields (``answer=...``); each function takes the ones it needs and ignores
+the rest (``**_``), so any reward can be used with any dataset that has those fields.
+
+``math_answer`` runs math-verify with its signal-based timeouts switched off (``parsing_timeout=None``,
+``timeout_seconds=None``): ``signal.alarm`` works only on the main thread and rewards run in worker threads.
+The time limit is enforced by the caller instead (:func:`grpo_dist.rewards.registry.score_one`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+NUMBER_PATTERN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+BOXED_PATTERN = re.compile(r"\\boxed\{.+?\}", re.DOTALL)
+
+
+def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
+    """1.0 if math-verify judges the completion's final answer equal to ``answer``, else 0.0.
+
+    The gold ``answer`` may be plain (``"7"``, ``"1/2"``) or LaTeX (``"\\frac{1}{2}"``); the completion may be
+    plain text or contain ``\\boxed{...}``.
+    """
+    from math_verify import parse, verify  # imported here: sympy makes it slow to import
+
+    gold = parse(_as_math(str(answer)), parsing_timeout=None)
+    predicted = parse(completion, parsing_timeout=None)
+    if not gold or not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+def _as_math(text: str) -> str:
+    """Wrap a bare gold answer in ``$...$`` so math-verify parses it as LaTeX (``"7"`` -> ``"$7$"``)."""
+    text = text.strip()
+    return text if "$" in text or "\\boxed" in text else f"${text}$"
+
+
+def exact_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
+    """1.0 if the completion, stripped of surrounding whitespace, equals ``str(answer)`` stripped, else 0.0."""
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def number_format(prompt: str, completion: str, **_: Any) -> float:
+    """1.0 if the stripped completion is one integer or decimal number (``"7"``, ``"-3.5"``), else 0.0."""
+    return 1.0 if NUMBER_PATTERN.fullmatch(completion.strip()) else 0.0
+
+
+def boxed_format(prompt: str, completion: str, **_: Any) -> float:
+    """1.0 if the completion contains a non-empty ``\\boxed{...}``, else 0.0."""
+    return 1.0 if BOXED_PATTERN.search(completion) else 0.0

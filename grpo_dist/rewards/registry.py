@@ -1,0 +1,153 @@
+"""Find reward functions by name and score one completion with several of them, never raising for user code.
+
+A reward is named either as a built-in (``"math_answer"``, see :data:`BUILTIN_REWARDS`) or as the dotted path
+of a user function (``"my_pkg.rewards.length_penalty"``). A completion's reward is the weighted sum of its
+functions' scores; a function that raises or runs past its time limit scores NaN, and a NaN anywhere makes the
+weighted sum NaN, marking the completion as unscored rather than silently scoring it 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import difflib
+import importlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format
+
+RewardFn = Callable[..., float]
+"""``(prompt: str, completion: str, **fields) -> float``."""
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "math_answer": math_answer,
+    "exact_answer": exact_answer,
+    "number_format": number_format,
+    "boxed_format": boxed_format,
+}
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One reward term as configured: which function, its weight, and extra keyword arguments for it."""
+
+    name: str  # a key of BUILTIN_REWARDS or a dotted path "package.module.function"
+    weight: float = 1.0  # multiplies this function's score in the weighted sum
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to every call; they override same-named row fields
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.weight):
+            raise ValueError(f"RewardSpec {self.name!r}: weight must be a finite number, got {self.weight}.")
+
+
+def _unknown_builtin(name: str) -> ValueError:
+    close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(
+        f"unknown reward {name!r}; built-in rewards: {', '.join(BUILTIN_REWARDS)}.{hint} "
+        f"For your own function give its dotted path, e.g. 'my_pkg.rewards.my_reward'."
+    )
+
+
+def _import_user_reward(path: str) -> RewardFn:
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise ValueError(f"reward {path!r}: a dotted path must look like 'package.module.function'.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or whatever the module raised while being imported
+        raise ValueError(
+            f"reward {path!r}: cannot import module {module_name!r} ({type(error).__name__}: {error}); "
+            f"check the spelling and that it is on PYTHONPATH on every node."
+        ) from error
+    if not hasattr(module, attribute):
+        raise ValueError(f"reward {path!r}: module {module_name!r} has no attribute {attribute!r}.")
+    function = getattr(module, attribute)
+    if not callable(function):
+        raise ValueError(f"reward {path!r}: {attribute!r} is a {type(function).__name__}, not a callable.")
+    return function
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The built-in reward called ``name``, or the user function at dotted path ``name``; ``ValueError`` if none."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if "." not in name:
+        raise _unknown_builtin(name)
+    return _import_user_reward(name)
+
+
+def combine(scores: list[float], weights: list[float]) -> float:
+    """Weighted sum ``sum(w * s)``; NaN if any score is NaN (the completion is unscored)."""
+    if len(scores) != len(weights):
+        raise ValueError(f"combine: {len(scores)} scores but {len(weights)} weights; pass one weight per score.")
+    if any(math.isnan(score) for score in scores):
+        return math.nan
+    return math.fsum(score * weight for score, weight in zip(scores, weights, strict=True))
+
+
+def _function_name(function: Callable[..., Any]) -> str:
+    name = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
+    module = getattr(function, "__module__", None)
+    return f"{module}.{name}" if name and module and module != "builtins" else repr(function)
+
+
+def _to_score(value: Any) -> float:
+    """``float(value)``, rejecting values that are not numbers (a str "1" is a bug in the reward, not a score)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
+    score = float(value)
+    if math.isnan(score):
+        raise ValueError("returned NaN")
+    return score
+
+
+def _wait_for_score(future: concurrent.futures.Future, deadline: float, timeout_s: float) -> tuple[float, str | None]:
+    """The score of one submitted call, or NaN and the reason it has none."""
+    try:
+        return _to_score(future.result(timeout=max(0.0, deadline - time.monotonic()))), None
+    except concurrent.futures.TimeoutError:
+        future.cancel()  # frees the slot if it never started; a running call cannot be stopped
+        return math.nan, f"timed out after {timeout_s:g}s"
+    except Exception as error:  # user code: any failure becomes a NaN score and is reported to the caller
+        return math.nan, f"{type(error).__name__}: {error}"
+
+
+def score_one(
+    fns: list[RewardFn],
+    weights: list[float],
+    kwargs_list: list[dict[str, Any]],
+    prompt: str,
+    completion: str,
+    fields: dict[str, Any],
+    timeout_s: float,
+    executor: concurrent.futures.ThreadPoolExecutor,
+) -> tuple[float, list[float], str | None]:
+    """Score one completion with every function in ``executor``; return ``(combined, scores, error)``.
+
+    Function ``i`` is called as ``fns[i](prompt, completion, **fields, **kwargs_list[i])`` (its kwargs win over
+    same-named row fields). All calls are submitted at once and each gets ``timeout_s`` seconds from submission,
+    queueing included, so give the executor at least as many threads as calls in flight. A call that raises,
+    times out or returns a non-number scores NaN and is described in ``error`` (``None`` when all succeeded).
+    A timed-out call keeps its thread until it returns: Python cannot kill a thread.
+    """
+    if not len(fns) == len(weights) == len(kwargs_list):
+        raise ValueError(
+            f"score_one: got {len(fns)} functions, {len(weights)} weights and {len(kwargs_list)} kwargs; "
+            f"pass one of each per reward function."
+        )
+    deadline = time.monotonic() + timeout_s
+    futures = [
+        executor.submit(function, prompt, completion, **{**fields, **kwargs})
+        for function, kwargs in zip(fns, kwargs_list, strict=True)
+    ]
+    scores, errors = [], []
+    for function, future in zip(fns, futures, strict=True):
+        score, error = _wait_for_score(future, deadline, timeout_s)
+        scores.append(score)
+        if error is not None:
+            errors.append(f"reward {_function_name(function)}: {error}")
+    return combine(scores, weights), scores, "; ".join(errors) or None

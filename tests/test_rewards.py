@@ -1,0 +1,190 @@
+"""Built-in rewards, lookup by name and dotted path, weighted combination, and fault-tolerant scoring."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from pathlib import Path
+
+import pytest
+
+from grpo_dist.rewards import (
+    BUILTIN_REWARDS,
+    RewardSpec,
+    boxed_format,
+    combine,
+    exact_answer,
+    math_answer,
+    number_format,
+    resolve_reward,
+    score_one,
+)
+
+FIXTURES = "reward_fixtures"
+
+
+@pytest.fixture(autouse=True)
+def _fixtures_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+@pytest.fixture
+def executor():
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        pytest.param("7", "7", 1.0, id="plain_equal"),
+        pytest.param("\\boxed{7}", "7", 1.0, id="boxed_equal"),
+        pytest.param("The answer is \\boxed{7}.", 7, 1.0, id="boxed_in_text_int_gold"),
+        pytest.param("8", "7", 0.0, id="plain_wrong"),
+        pytest.param("\\boxed{8}", "7", 0.0, id="boxed_wrong"),
+        pytest.param("$\\frac{1}{2}$", "0.5", 1.0, id="fraction_vs_decimal"),
+        pytest.param("no number here", "7", 0.0, id="no_answer"),
+        pytest.param("", "7", 0.0, id="empty_completion"),
+    ],
+)
+def test_math_answer(completion: str, answer: str, expected: float) -> None:
+    assert math_answer("q", completion, answer=answer) == expected
+
+
+def test_math_answer_runs_off_the_main_thread(executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    # math-verify's default signal.alarm timeout raises ValueError outside the main thread.
+    assert executor.submit(math_answer, "q", "\\boxed{7}", answer="7").result() == 1.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        pytest.param("7", "7", 1.0, id="equal"),
+        pytest.param("  7\n", " 7 ", 1.0, id="whitespace_stripped"),
+        pytest.param("7", 7, 1.0, id="int_answer"),
+        pytest.param("07", "7", 0.0, id="not_numeric_equality"),
+        pytest.param("7.", "7", 0.0, id="trailing_dot"),
+    ],
+)
+def test_exact_answer(completion: str, answer: str, expected: float) -> None:
+    assert exact_answer("q", completion, answer=answer) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        pytest.param("7", 1.0, id="integer"),
+        pytest.param(" -12 \n", 1.0, id="negative_padded"),
+        pytest.param("3.25", 1.0, id="decimal"),
+        pytest.param(".5", 1.0, id="leading_dot"),
+        pytest.param("7 8", 0.0, id="two_numbers"),
+        pytest.param("x=7", 0.0, id="text_around"),
+        pytest.param("", 0.0, id="empty"),
+        pytest.param("1e5", 0.0, id="exponent_not_allowed"),
+    ],
+)
+def test_number_format(completion: str, expected: float) -> None:
+    assert number_format("q", completion) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        pytest.param("so \\boxed{42} done", 1.0, id="boxed"),
+        pytest.param("\\boxed{\\frac{1}{2}}", 1.0, id="nested_braces"),
+        pytest.param("\\boxed{}", 0.0, id="empty_box"),
+        pytest.param("boxed{4}", 0.0, id="no_backslash"),
+        pytest.param("42", 0.0, id="plain"),
+    ],
+)
+def test_boxed_format(completion: str, expected: float) -> None:
+    assert boxed_format("q", completion) == expected
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_REWARDS))
+def test_builtins_ignore_unknown_fields(name: str) -> None:
+    score = resolve_reward(name)("q", "7", answer="7", difficulty="easy", source="gsm8k")
+    assert score in (0.0, 1.0)
+
+
+def test_resolve_user_reward_by_dotted_path() -> None:
+    function = resolve_reward(f"{FIXTURES}.length_reward")
+    assert function("q", "abc", scale=2.0) == 6.0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        pytest.param("math_anwser", "Did you mean 'math_answer'", id="typo_suggests_closest"),
+        pytest.param("zzzz", "built-in rewards: math_answer", id="unknown_lists_builtins"),
+        pytest.param("no_such_pkg.mod.fn", "cannot import module 'no_such_pkg.mod'", id="module_missing"),
+        pytest.param(f"{FIXTURES}.nope", "has no attribute 'nope'", id="attribute_missing"),
+        pytest.param(f"{FIXTURES}.NOT_CALLABLE", "is a int, not a callable", id="not_callable"),
+        pytest.param(".fn", "must look like 'package.module.function'", id="empty_module"),
+    ],
+)
+def test_resolve_reward_errors(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        resolve_reward(name)
+    assert repr(name) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("scores", "weights", "expected"),
+    [
+        # 1.0 * 0.5 + 0.0 * 2.0 + 1.0 * -1.0 = -0.5
+        pytest.param([1.0, 0.0, 1.0], [0.5, 2.0, -1.0], -0.5, id="weighted_sum"),
+        pytest.param([], [], 0.0, id="no_functions"),
+        pytest.param([1.0, math.nan], [1.0, 0.0], math.nan, id="nan_even_with_zero_weight"),
+    ],
+)
+def test_combine(scores: list[float], weights: list[float], expected: float) -> None:
+    result = combine(scores, weights)
+    assert math.isnan(result) if math.isnan(expected) else result == pytest.approx(expected)
+
+
+def test_combine_length_mismatch() -> None:
+    with pytest.raises(ValueError, match="2 scores but 1 weights"):
+        combine([1.0, 1.0], [1.0])
+
+
+def test_reward_spec_rejects_nan_weight() -> None:
+    with pytest.raises(ValueError, match="'exact_answer': weight must be a finite number"):
+        RewardSpec("exact_answer", weight=math.nan)
+
+
+def test_score_one_all_succeed(executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    fns = [exact_answer, resolve_reward(f"{FIXTURES}.length_reward")]
+    # exact: "7" == "7" -> 1.0; length: 0.5 * len("7") = 0.5; combined 1.0 * 2.0 + 0.5 * 1.0 = 2.5
+    combined, scores, error = score_one(
+        fns, [2.0, 1.0], [{}, {"scale": 0.5}], "q", "7", {"answer": "7"}, timeout_s=5.0, executor=executor
+    )
+    assert (combined, scores, error) == (2.5, [1.0, 0.5], None)
+
+
+def test_spec_kwargs_override_row_fields(executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    _, scores, error = score_one(
+        [exact_answer], [1.0], [{"answer": "8"}], "q", "8", {"answer": "7"}, timeout_s=5.0, executor=executor
+    )
+    assert (scores, error) == ([1.0], None)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "message"),
+    [
+        pytest.param("raising_reward", {}, "RuntimeError: reward server unreachable", id="raises"),
+        pytest.param("slow_reward", {"delay_s": 1.0}, "timed out after 0.2s", id="times_out"),
+        pytest.param("nan_reward", {}, "ValueError: returned NaN", id="returns_nan"),
+        pytest.param("string_reward", {}, "TypeError: returned str '1.0', expected a float", id="returns_string"),
+    ],
+)
+def test_score_one_failure_gives_nan_and_error(
+    executor: concurrent.futures.ThreadPoolExecutor, name: str, kwargs: dict, message: str
+) -> None:
+    fns = [exact_answer, resolve_reward(f"{FIXTURES}.{name}")]
+    combined, scores, error = score_one(
+        fns, [1.0, 1.0], [{}, kwargs], "q", "7", {"answer": "7"}, timeout_s=0.2, executor=executor
+    )
+    assert math.isnan(combined)
+    assert scores[0] == 1.0 and math.isnan(scores[1])
+    assert error == f"reward {FIXTURES}.{name}: {message}"
