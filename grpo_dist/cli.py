@@ -12,7 +12,9 @@ from grpo_dist.config import ConfigError, field_docs, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="grpo-dist", description="Distributed GRPO training on Ray, vLLM and DeepSpeed.")
+    parser = argparse.ArgumentParser(
+        prog="grpo-dist", description="Distributed GRPO training on Ray, vLLM and DeepSpeed."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run GRPO: grpo-dist train CONFIG [section.key=value ...]")
     train.add_argument("config", help="YAML config file")
@@ -41,9 +43,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{key:36} {default:24} {doc.splitlines()[0] if doc else ''}")
         return 0
     if args.command == "plot":
-        from grpo_dist.plot import plot_rewards
+        from grpo_dist.plot import plot_rewards, reward_summary
 
-        print(plot_rewards(args.metrics, args.out))
+        print(f"reward curve written to {plot_rewards(args.metrics, args.out)}")
+        print(reward_summary(args.metrics))
         return 0
     if args.command == "tiny-model":
         from grpo_dist.models import build_tiny_model

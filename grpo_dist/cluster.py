@@ -65,7 +65,9 @@ class Cluster:
             generator_actor.remote(model_path, rollout, cfg.run.seed + index) for index in range(rollout.num_generators)
         ]
         reward_actor = ray.remote(RewardWorker).options(num_cpus=cfg.reward.num_cpus)
-        workers = [reward_actor.remote(cfg.reward.functions, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)]
+        workers = [
+            reward_actor.remote(cfg.reward.functions, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
+        ]
         cluster = cls(learner, generators, workers)
         ray.get([actor.__ray_ready__.remote() for actor in [learner, *generators, *workers]])
         return cluster

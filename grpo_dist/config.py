@@ -111,8 +111,8 @@ class RolloutConfig(_Section):
     """Engine dtype. float32 on CPU keeps generator and learner logprobs equal to float tolerance."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of each GPU vLLM may take (ignored on CPU)."""
-    cpu_kv_cache_gib: float = Field(1.0, gt=0)
-    """KV-cache size per engine on the CPU backend, in GiB."""
+    cpu_kv_cache_gib: float = Field(0.25, gt=0)
+    """KV-cache size per engine on the CPU backend, in GiB (on a GPU `gpu_memory_utilization` sizes it)."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs reserved per generator actor."""
     num_gpus: float = Field(0.0, ge=0)
@@ -121,8 +121,8 @@ class RolloutConfig(_Section):
 
 class RewardFunctionConfig(_Section):
     name: str
-    """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`) or a dotted path to
-    a user function `(prompt, completion, **fields) -> float`."""
+    """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`, `regex_format`) or the
+    dotted path of a user function `(prompt, completion, **fields) -> float`."""
     weight: float = 1.0
     """Weight of this function in the combined reward."""
     kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from grpo_dist.algo import group_advantages
 from grpo_dist.batch import collate
+from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import PromptRecord, PromptSampler, encode_prompts, load_rows, split_task
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
@@ -37,45 +38,28 @@ class Inputs:
     held_out: list[PromptRecord]
 
 
-def train(cfg: Config) -> Path:
-    """Run GRPO as configured; returns the run directory (metrics.jsonl, final/)."""
+def train(cfg: Config, cluster: Cluster | None = None) -> Path:
+    """Run GRPO as configured; returns the run directory (metrics.jsonl, final/). Starts Ray and the actors
+    unless a running `cluster` is given."""
     inputs = prepare(cfg)
-    from grpo_dist.cluster import Cluster, start_ray
-
-    start_ray(cfg)
-    cluster = Cluster.start(cfg, inputs.model_path)
+    if cluster is None:
+        start_ray(cfg)
+        cluster = Cluster.start(cfg, inputs.model_path)
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir))
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
-    reward_names = [spec.name for spec in cfg.reward.functions]
     report_accuracy(cfg, cluster, inputs.held_out, "before training")
     progress = tqdm(range(1, cfg.run.steps + 1), desc="grpo", unit="step", dynamic_ncols=True)
     try:
         for step in progress:
-            timer, started = StepTimer(), time.perf_counter()
-            prompts = next(sampler)
-            with timer("generate"):
-                completions = cluster.generate(prompts, cfg.rollout.group_size)
-            with timer("reward"):
-                scores = cluster.score(score_requests(prompts, completions))
-            rewards = torch.tensor([score.total for score in scores])  # [B*G]
-            advantages = group_advantages(
-                rewards, cfg.rollout.group_size, cfg.algorithm.estimator, std=cfg.algorithm.std, eps=cfg.algorithm.eps
-            )  # [B*G]
-            batch = collate(completions, advantages, inputs.pad_token_id)
-            with timer("train"):
-                train_metrics = cluster.train(batch)
-            with timer("sync"):
-                cluster.sync_weights(weight_version=step)
-            metrics = {**rollout_metrics(completions, scores, advantages, reward_names), **train_metrics}
-            metrics.update(timer.times, weight_version=step, epoch=sampler.epoch)
-            metrics["tokens_per_s"] = metrics["tokens/generated"] / (time.perf_counter() - started)
-            sink.log(step, metrics)
-            progress.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0.0):.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
+            metrics = train_step(cfg, cluster, next(sampler), inputs.pad_token_id, weight_version=step)
+            sink.log(step, {**metrics, "epoch": sampler.epoch})
+            progress.set_postfix_str(
+                f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} "
+                f"tok/s={metrics['tokens_per_s']:.0f}"
             )
     except BaseException:
-        rescue = cluster.save(str(cfg.run_dir / "interrupted"))
-        log.error("training stopped early; the current policy was saved to %s", rescue)
+        log.error("training stopped early; saving the current policy to %s", cfg.run_dir / "interrupted")
+        cluster.save(str(cfg.run_dir / "interrupted"))
         raise
     finally:
         sink.close()
@@ -85,10 +69,32 @@ def train(cfg: Config) -> Path:
     return cfg.run_dir
 
 
+def train_step(
+    cfg: Config, cluster: Cluster, prompts: list[PromptRecord], pad_token_id: int, weight_version: int
+) -> dict[str, float]:
+    """One GRPO step: sample groups, score them, compute advantages, update the policy, sync the generators."""
+    timer, started = StepTimer(), time.perf_counter()
+    with timer("generate"):
+        completions = cluster.generate(prompts, cfg.rollout.group_size)
+    with timer("reward"):
+        scores = cluster.score(score_requests(prompts, completions))
+    rewards = torch.tensor([score.total for score in scores])  # [B*G], NaN = unscored
+    algo = cfg.algorithm
+    advantages = group_advantages(rewards, cfg.rollout.group_size, algo.estimator, std=algo.std, eps=algo.eps)
+    batch = collate(completions, advantages, pad_token_id)
+    with timer("train"):
+        train_metrics = cluster.train(batch)
+    with timer("sync"):
+        cluster.sync_weights(weight_version)
+    reward_names = [spec.name for spec in cfg.reward.functions]
+    metrics = {**rollout_metrics(completions, scores, advantages, reward_names), **train_metrics, **timer.times}
+    metrics["weight_version"] = weight_version
+    metrics["tokens_per_s"] = metrics["tokens/generated"] / (time.perf_counter() - started)
+    return metrics
+
+
 def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -> list[ScoreRequest]:
-    return [
-        ScoreRequest(prompts[c.prompt_index].text, c.text, prompts[c.prompt_index].fields) for c in completions
-    ]
+    return [ScoreRequest(prompts[c.prompt_index].text, c.text, prompts[c.prompt_index].fields) for c in completions]
 
 
 def report_accuracy(cfg: Config, cluster, held_out: list[PromptRecord], when: str) -> float | None:

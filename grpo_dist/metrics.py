@@ -43,6 +43,7 @@ def rollout_metrics(
         completions
     )
     metrics["tokens/generated"] = float(lengths.sum())
+    metrics["rollout/weight_version"] = float(min(c.weight_version for c in completions))
     return metrics
 
 

@@ -1,9 +1,32 @@
-"""Reward curve of a run, drawn from its metrics.jsonl."""
+"""Reward curve of a run, drawn from its metrics.jsonl, and the before/after summary `make demo` prints."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+
+def read_metrics(metrics_path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each position (fewer at the start)."""
+    averages = []
+    for end in range(1, len(values) + 1):
+        recent = values[max(0, end - window) : end]
+        averages.append(sum(recent) / len(recent))
+    return averages
+
+
+def reward_summary(metrics_path: str | Path, window: int = 10) -> str:
+    """'mean reward: first 10 steps X, last 10 steps Y (+Z)'."""
+    rewards = [row["reward/mean"] for row in read_metrics(metrics_path) if row.get("reward/mean") is not None]
+    if not rewards:
+        return "no steps logged"
+    first = sum(rewards[:window]) / len(rewards[:window])
+    last = sum(rewards[-window:]) / len(rewards[-window:])
+    return f"mean reward: first {window} steps {first:.3f}, last {window} steps {last:.3f} ({last - first:+.3f})"
 
 
 def plot_rewards(metrics_path: str | Path, out_path: str | Path, window: int = 10) -> Path:
@@ -13,18 +36,17 @@ def plot_rewards(metrics_path: str | Path, out_path: str | Path, window: int = 1
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = [row for row in read_metrics(metrics_path) if row.get("reward/mean") is not None]
     steps = [row["step"] for row in rows]
     rewards = [row["reward/mean"] for row in rows]
-    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(steps, rewards, alpha=0.35, label="mean reward")
-    axes.plot(steps, smooth, label=f"moving average ({window} steps)")
+    axes.plot(steps, moving_average(rewards, window), label=f"moving average ({window} steps)")
     axes.set_xlabel("step")
     axes.set_ylabel("reward")
     axes.set_ylim(0, 1)
     axes.grid(alpha=0.3)
-    axes.legend()
+    axes.legend(loc="upper left")
     figure.tight_layout()
     out_path = Path(out_path)
     figure.savefig(out_path, dpi=120)

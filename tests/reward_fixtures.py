@@ -28,3 +28,10 @@ def string_reward(prompt: str, completion: str, **_: Any) -> str:
 
 def nan_reward(prompt: str, completion: str, **_: Any) -> float:
     return float("nan")
+
+
+def flaky_length_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Length of the completion over 4, but raises for lengths divisible by 3: some completions stay unscored."""
+    if len(completion) % 3 == 0:
+        raise ValueError(f"cannot score a completion of length {len(completion)}")
+    return len(completion) / 4

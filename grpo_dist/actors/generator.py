@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from grpo_dist.config import RolloutConfig
@@ -9,10 +10,10 @@ from grpo_dist.types import Completion
 
 
 def engine_environment(rollout: RolloutConfig) -> dict[str, str]:
-    """Environment for a generator process: in-process engine core, bounded CPU KV cache."""
+    """Environment for a generator process: the engine core runs in-process (start-up in seconds, not tens)."""
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(rollout.cpu_kv_cache_gib))),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         "TOKENIZERS_PARALLELISM": "false",
     }
@@ -23,7 +24,12 @@ class Generator:
 
     def __init__(self, model_path: str, rollout: RolloutConfig, seed: int) -> None:
         os.environ.update(engine_environment(rollout))
+        import torch
         from vllm import LLM
+
+        # On each reload vLLM warns that the rotary embedding "failed to load": its cos/sin cache is derived from
+        # the config, not from weights, and is kept as it was. Every real parameter is loaded.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
         from grpo_dist.actors.weight_sync import WORKER_EXTENSION
 
@@ -34,6 +40,7 @@ class Generator:
             dtype=rollout.dtype,
             max_model_len=rollout.max_model_len,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
+            kv_cache_memory_bytes=None if torch.cuda.is_available() else int(rollout.cpu_kv_cache_gib * 2**30),
             enforce_eager=True,
             seed=seed,
             logprobs_mode="processed_logprobs",
@@ -81,6 +88,9 @@ class Generator:
         self.llm.reset_prefix_cache()
         self.weight_version = weight_version
         return weight_version
+
+    def current_weight_version(self) -> int:
+        return self.weight_version
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probability of each token of `token_ids` after the first, under the engine's current weights."""

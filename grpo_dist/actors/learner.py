@@ -116,10 +116,18 @@ class Learner:
             self.engine.backward(loss * share, scale_wrt_gas=False)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * share
+        unsharded_norm = self._unsharded_grad_norm()
         self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         return totals
+
+    def _unsharded_grad_norm(self) -> float | None:
+        """Pre-clipping gradient norm without ZeRO (DeepSpeed reports it only for ZeRO stages)."""
+        if self.cfg.zero_stage != 0:
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
 
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
         logits = self.engine(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits  # [b, T, V]

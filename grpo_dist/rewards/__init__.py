@@ -1,6 +1,6 @@
 """Reward functions: built-ins, lookup by name or dotted path, and fault-tolerant scoring of one completion."""
 
-from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format
+from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format, regex_format
 from grpo_dist.rewards.registry import BUILTIN_REWARDS, RewardFn, RewardSpec, combine, resolve_reward, score_one
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "exact_answer",
     "math_answer",
     "number_format",
+    "regex_format",
     "resolve_reward",
     "score_one",
 ]

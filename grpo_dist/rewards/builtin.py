@@ -10,8 +10,12 @@ The time limit is enforced by the caller instead (:func:`grpo_dist.rewards.regis
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
+
+# math-verify warns on every call that its own timeout is off; the caller enforces one (see above).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 NUMBER_PATTERN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 BOXED_PATTERN = re.compile(r"\\boxed\{.+?\}", re.DOTALL)
@@ -51,3 +55,11 @@ def number_format(prompt: str, completion: str, **_: Any) -> float:
 def boxed_format(prompt: str, completion: str, **_: Any) -> float:
     """1.0 if the completion contains a non-empty ``\\boxed{...}``, else 0.0."""
     return 1.0 if BOXED_PATTERN.search(completion) else 0.0
+
+
+def regex_format(prompt: str, completion: str, pattern: str, **_: Any) -> float:
+    """1.0 if the stripped completion matches ``pattern`` (a Python regex) in full, else 0.0.
+
+    ``pattern`` comes from the reward's ``kwargs`` in the config, e.g. ``{pattern: "[0-9]"}`` for one digit.
+    """
+    return 1.0 if re.fullmatch(pattern, completion.strip()) else 0.0

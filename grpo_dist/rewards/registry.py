@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format
+from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format, regex_format
 
 RewardFn = Callable[..., float]
 """``(prompt: str, completion: str, **fields) -> float``."""
@@ -27,6 +27,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_answer": exact_answer,
     "number_format": number_format,
     "boxed_format": boxed_format,
+    "regex_format": regex_format,
 }
 
 

