@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="validate a config (with overrides) and print it, starting nothing")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
-    commands.add_parser("reference", help="print every config key with its default and meaning")
+    reference = commands.add_parser("reference", help="print every config key with its default and meaning")
+    reference.add_argument("--markdown", action="store_true", help="as the Markdown table of the README")
     plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
     plot.add_argument("metrics", help="path to metrics.jsonl")
     plot.add_argument("out", help="PNG to write")
@@ -37,10 +38,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def reference_text() -> str:
+    return "\n".join(f"{key:36} {default:24} {' '.join(doc.split())}" for key, default, doc in field_docs())
+
+
+def reference_markdown() -> str:
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in field_docs():
+        shown = f"`{default}`" if default else ""
+        rows.append(f"| `{key}` | {shown} | {' '.join(doc.split()).replace('|', '/')} |")
+    return "\n".join(rows)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "reference":
-        for key, default, doc in field_docs():
-            print(f"{key:36} {default:24} {doc.splitlines()[0] if doc else ''}")
+        print(reference_markdown() if args.markdown else reference_text())
         return 0
     if args.command == "plot":
         from grpo_dist.plot import plot_rewards, reward_summary

@@ -54,7 +54,7 @@ class Cluster:
         learner = (
             ray.remote(Learner)
             .options(num_cpus=learner_cfg.num_cpus, num_gpus=learner_cfg.num_gpus, name=None)
-            .remote(model_path, learner_cfg, cfg.algorithm, rollout.temperature, cfg.run.seed)
+            .remote(model_path, learner_cfg, cfg.algorithm, rollout, cfg.run.seed)
         )
         generator_actor = ray.remote(Generator).options(
             num_cpus=rollout.num_cpus,
@@ -102,6 +102,11 @@ class Cluster:
 
     def save(self, out_dir: str) -> str:
         return ray.get(self.learner.save.remote(out_dir))
+
+    def shutdown(self) -> None:
+        """Stop every actor of the run (the Ray cluster itself stays up)."""
+        for actor in [self.learner, *self.generators, *self.reward_workers]:
+            ray.kill(actor)
 
 
 def _shards(total: int, parts: int) -> list[tuple[int, int]]:

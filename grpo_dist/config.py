@@ -44,6 +44,8 @@ class TinyModelConfig(_Section):
     """Attention heads per block."""
     intermediate_size: int = Field(256, ge=1)
     """MLP width."""
+    characters: str | None = None
+    """The tokenizer's characters, one token each; null means all of printable ASCII."""
 
     @model_validator(mode="after")
     def _head_dim_is_64(self) -> TinyModelConfig:
@@ -132,6 +134,9 @@ class RewardFunctionConfig(_Section):
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(min_length=1)
     """Reward functions, combined by weighted sum."""
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Weighted-sum the rewards then compute advantages, or compute each function's advantages then weighted-sum
+    them (one reward's scale cannot drown another's)."""
     num_workers: int = Field(2, ge=1)
     """Reward worker actors scoring completions in parallel."""
     timeout_s: float = Field(10.0, gt=0)
@@ -165,6 +170,18 @@ class AlgorithmConfig(_Section):
     """Truncated importance sampling between sampling and learner logprobs, capped here; null disables it."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (the token entropy is logged every step either way)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch holds
+    `data.prompts_per_step` groups."""
+    max_sampling_rounds: int = Field(4, ge=1)
+    """Cap on generation rounds per step with dynamic sampling; past it the step trains on the groups it has."""
+    overlong: Literal["none", "mask", "soft_penalty"] = "none"
+    """Completions cut at `rollout.max_new_tokens`: kept as they are, masked out of the loss, or given DAPO's soft
+    overlong penalty."""
+    overlong_buffer: int = Field(0, ge=0)
+    """Soft penalty: the last this-many tokens before `rollout.max_new_tokens` are penalised linearly."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Soft penalty: reward subtracted at (and beyond) `rollout.max_new_tokens`."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -240,6 +257,16 @@ class Config(_Section):
     """Cluster to run on."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Experiment tracking."""
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> Config:
+        algorithm = self.algorithm
+        if algorithm.overlong == "soft_penalty" and not 0 < algorithm.overlong_buffer <= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer must be in 1..rollout.max_new_tokens ({self.rollout.max_new_tokens}) "
+                f"with overlong: soft_penalty (got {algorithm.overlong_buffer})"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

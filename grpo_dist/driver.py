@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo_dist.algo import group_advantages
+from grpo_dist.algo import informative_groups, multi_reward_advantages, overlong_penalty
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import PromptRecord, PromptSampler, encode_prompts, load_rows, split_task
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
 from grpo_dist.rewards import resolve_reward, score_one
+from grpo_dist.rollout import Rollout
 from grpo_dist.types import Completion, ScoreRequest
 
 log = logging.getLogger("grpo_dist")
@@ -51,7 +52,7 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
     progress = tqdm(range(1, cfg.run.steps + 1), desc="grpo", unit="step", dynamic_ncols=True)
     try:
         for step in progress:
-            metrics = train_step(cfg, cluster, next(sampler), inputs.pad_token_id, weight_version=step)
+            metrics = train_step(cfg, cluster, sampler, inputs.pad_token_id, weight_version=step)
             sink.log(step, {**metrics, "epoch": sampler.epoch})
             progress.set_postfix_str(
                 f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} "
@@ -70,27 +71,77 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
 
 
 def train_step(
-    cfg: Config, cluster: Cluster, prompts: list[PromptRecord], pad_token_id: int, weight_version: int
+    cfg: Config, cluster: Cluster, sampler: PromptSampler, pad_token_id: int, weight_version: int
 ) -> dict[str, float]:
     """One GRPO step: sample groups, score them, compute advantages, update the policy, sync the generators."""
     timer, started = StepTimer(), time.perf_counter()
-    with timer("generate"):
-        completions = cluster.generate(prompts, cfg.rollout.group_size)
-    with timer("reward"):
-        scores = cluster.score(score_requests(prompts, completions))
-    rewards = torch.tensor([score.total for score in scores])  # [B*G], NaN = unscored
-    algo = cfg.algorithm
-    advantages = group_advantages(rewards, cfg.rollout.group_size, algo.estimator, std=algo.std, eps=algo.eps)
-    batch = collate(completions, advantages, pad_token_id)
+    rollout, sampling_metrics = collect_rollout(cfg, cluster, sampler, timer)
+    rewards, advantages = compute_advantages(cfg, rollout)  # [B*G] each
+    batch = collate(rollout.completions, advantages, pad_token_id, mask_truncated=cfg.algorithm.overlong == "mask")
     with timer("train"):
         train_metrics = cluster.train(batch)
     with timer("sync"):
         cluster.sync_weights(weight_version)
     reward_names = [spec.name for spec in cfg.reward.functions]
-    metrics = {**rollout_metrics(completions, scores, advantages, reward_names), **train_metrics, **timer.times}
-    metrics["weight_version"] = weight_version
+    metrics = rollout_metrics(rollout.completions, rollout.scores, advantages, reward_names)
+    metrics.update(sampling_metrics, **train_metrics, **timer.times, weight_version=weight_version)
+    metrics["reward/shaped_mean"] = rewards.nanmean().item()
     metrics["tokens_per_s"] = metrics["tokens/generated"] / (time.perf_counter() - started)
     return metrics
+
+
+def collect_rollout(
+    cfg: Config, cluster: Cluster, sampler: PromptSampler, timer: StepTimer
+) -> tuple[Rollout, dict[str, float]]:
+    """Generate and score groups; with dynamic sampling (DAPO) keep only groups with unequal rewards, sampling
+    more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent."""
+    algo, wanted = cfg.algorithm, cfg.data.prompts_per_step
+    if not algo.dynamic_sampling:
+        return sample_round(cluster, next(sampler), cfg.rollout.group_size, timer), {}
+    kept, generated, rounds = Rollout(), 0, 0
+    while rounds < algo.max_sampling_rounds:
+        rounds += 1
+        latest = sample_round(cluster, next(sampler), cfg.rollout.group_size, timer)
+        generated += len(latest.prompts)
+        rewards, _ = compute_advantages(cfg, latest)
+        kept = kept + latest.select_groups(informative_groups(rewards, cfg.rollout.group_size).tolist())
+        if len(kept.prompts) >= wanted:
+            break
+    metrics = {
+        "dynamic_sampling/dropped_fraction": 1 - len(kept.prompts) / generated,
+        "dynamic_sampling/rounds": float(rounds),
+    }
+    # Past the cap with nothing informative, the last round still makes a (zero-advantage) step.
+    return (kept.first_groups(wanted) if kept.prompts else latest), metrics
+
+
+def sample_round(cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer) -> Rollout:
+    with timer("generate"):
+        completions = cluster.generate(prompts, group_size)
+    with timer("reward"):
+        scores = cluster.score(score_requests(prompts, completions))
+    return Rollout(prompts, completions, scores)
+
+
+def compute_advantages(cfg: Config, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shaped rewards and advantages [B*G]: the weighted reward functions plus DAPO's soft overlong penalty."""
+    algo = cfg.algorithm
+    per_function = rollout.per_function()  # [B*G, F]
+    weights = [spec.weight for spec in cfg.reward.functions]
+    if algo.overlong == "soft_penalty":
+        penalty = overlong_penalty(
+            rollout.lengths(), cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
+        )  # [B*G]
+        per_function, weights = torch.cat([per_function, penalty[:, None]], dim=1), [*weights, 1.0]
+    return multi_reward_advantages(
+        per_function,
+        weights,
+        cfg.rollout.group_size,
+        combine=cfg.reward.combine,
+        estimator=algo.estimator,
+        std=algo.std,
+        eps=algo.eps,
+    )
 
 
 def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -> list[ScoreRequest]:
@@ -148,14 +199,9 @@ def prepare_model(cfg: Config) -> str:
         from grpo_dist.models import build_tiny_model
 
         tiny = cfg.model.tiny
-        build_tiny_model(
-            path,
-            hidden_size=tiny.hidden_size,
-            num_layers=tiny.num_layers,
-            num_heads=tiny.num_heads,
-            intermediate_size=tiny.intermediate_size,
-            seed=cfg.run.seed,
-        )
+        sizes = tiny.model_dump(exclude={"characters"}, exclude_none=True)
+        characters = {"characters": tiny.characters} if tiny.characters else {}
+        build_tiny_model(path, seed=cfg.run.seed, **sizes, **characters)
         print(f"built a random-init tiny model at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")

@@ -92,7 +92,8 @@ def start_wandb(cfg, run_dir: Path):
 
 
 class StepTimer:
-    """Wall time of named phases of a step: `with timer("generate"): ...` -> {"time/generate": seconds}."""
+    """Wall time of named phases of a step: `with timer("generate"): ...` -> {"time/generate": seconds}.
+    A phase entered several times (dynamic sampling's rounds) adds up."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -105,4 +106,5 @@ class StepTimer:
         self._start = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        self.times[f"time/{self._phase}"] = time.perf_counter() - self._start
+        key = f"time/{self._phase}"
+        self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - self._start

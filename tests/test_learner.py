@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_dist.batch import collate
-from grpo_dist.config import AlgorithmConfig, LearnerConfig
+from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 from grpo_dist.types import Completion
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,11 @@ def model_dir(tmp_path_factory):
 def start_learner(ray_cluster, model_dir, learner: LearnerConfig, algorithm: AlgorithmConfig):
     from grpo_dist.actors.learner import Learner
 
-    return ray_cluster.remote(Learner).options(num_cpus=1).remote(model_dir, learner, algorithm, 1.0, 0)
+    return (
+        ray_cluster.remote(Learner)
+        .options(num_cpus=1)
+        .remote(model_dir, learner, algorithm, RolloutConfig(max_new_tokens=8), 0)
+    )
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3], ids=["zero0", "zero3"])

@@ -103,8 +103,22 @@ def test_boxed_format(completion: str, expected: float) -> None:
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_REWARDS))
 def test_builtins_ignore_unknown_fields(name: str) -> None:
-    score = resolve_reward(name)("q", "7", answer="7", difficulty="easy", source="gsm8k")
+    score = resolve_reward(name)("q", "7", answer="7", pattern="[0-9]", difficulty="easy", source="gsm8k")
     assert score in (0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "completion, pattern, expected",
+    [
+        pytest.param("7", "[0-9]", 1.0, id="one_digit"),
+        pytest.param(" 7\n", "[0-9]", 1.0, id="stripped"),
+        pytest.param("77", "[0-9]", 0.0, id="two_digits_not_full_match"),
+        pytest.param("x7", "[0-9]", 0.0, id="prefix"),
+        pytest.param("<answer>3</answer>", r"<answer>\d+</answer>", 1.0, id="tagged"),
+    ],
+)
+def test_regex_format(completion: str, pattern: str, expected: float) -> None:
+    assert BUILTIN_REWARDS["regex_format"]("q", completion, pattern=pattern) == expected
 
 
 def test_resolve_user_reward_by_dotted_path() -> None:

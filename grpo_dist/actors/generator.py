@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 from grpo_dist.config import RolloutConfig
@@ -26,10 +25,6 @@ class Generator:
         os.environ.update(engine_environment(rollout))
         import torch
         from vllm import LLM
-
-        # On each reload vLLM warns that the rotary embedding "failed to load": its cos/sin cache is derived from
-        # the config, not from weights, and is kept as it was. Every real parameter is loaded.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
         from grpo_dist.actors.weight_sync import WORKER_EXTENSION
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch
-from grpo_dist.config import AlgorithmConfig, LearnerConfig
+from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 
 
 def free_port() -> int:
@@ -40,12 +40,14 @@ class Learner:
     """Holds the policy (DeepSpeed engine) and, when kl_coef > 0, the reference. Made a Ray actor in `cluster`."""
 
     def __init__(
-        self, model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, temperature: float, seed: int
+        self, model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, seed: int
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        self.cfg, self.algo, self.temperature = learner, algorithm, temperature
+        self.cfg, self.algo = learner, algorithm
+        self.temperature = rollout.temperature  # tokens are scored at the temperature they were sampled at
+        self.max_new_tokens = rollout.max_new_tokens  # Dr. GRPO's constant normaliser
         self.weight_version = 0
         self._init_distributed()
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -143,6 +145,7 @@ class Learner:
             dual_clip=self.algo.dual_clip,
             ratio_level=self.algo.ratio_level,
             aggregation=self.algo.aggregation,
+            max_length=self.max_new_tokens,
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
             kl_coef=self.algo.kl_coef,
             kl_estimator=self.algo.kl_estimator,

@@ -1,14 +1,19 @@
-"""Algorithm math, torch only: group advantages (GRPO arXiv 2402.03300 and kin) and the clipped policy loss."""
+"""Algorithm math, torch only: group advantages (GRPO arXiv 2402.03300 and kin), reward shaping, the policy loss."""
 
 from grpo_dist.algo.advantages import ESTIMATORS, STD_MODES, group_advantages
 from grpo_dist.algo.loss import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, policy_loss
+from grpo_dist.algo.shaping import COMBINES, informative_groups, multi_reward_advantages, overlong_penalty
 
 __all__ = [
     "AGGREGATIONS",
+    "COMBINES",
     "ESTIMATORS",
     "KL_ESTIMATORS",
     "RATIO_LEVELS",
     "STD_MODES",
     "group_advantages",
+    "informative_groups",
+    "multi_reward_advantages",
+    "overlong_penalty",
     "policy_loss",
 ]

@@ -47,15 +47,18 @@ def _byte_level_symbol(character: str) -> str:
     return symbol
 
 
-def build_tiny_tokenizer(chat_template: str | None = None, model_max_length: int = 256) -> Qwen2Tokenizer:
-    """Return a tokenizer with one token per character of :data:`CHARACTERS`.
+def build_tiny_tokenizer(
+    chat_template: str | None = None, model_max_length: int = 256, characters: str = CHARACTERS
+) -> Qwen2Tokenizer:
+    """Return a tokenizer with one token per character of ``characters`` (printable ASCII by default).
 
     It is a Qwen2 byte-level BPE tokenizer with an empty merge list, so every character stays its own token.
     Built this way, not as a ``WordLevel`` model, because transformers 5 loads any ``model_type="qwen2"``
     directory with ``Qwen2Tokenizer``, which rebuilds the byte-level pipeline around the saved vocabulary: a
     tokenizer of any other shape would be silently replaced on load (by ``AutoTokenizer`` and by vLLM).
     """
-    symbols = [_byte_level_symbol(character) for character in CHARACTERS]
+    _check_characters(characters)
+    symbols = [_byte_level_symbol(character) for character in characters]
     vocab = {token: token_id for token_id, token in enumerate(SPECIAL_TOKENS + tuple(symbols))}
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
@@ -70,6 +73,15 @@ def build_tiny_tokenizer(chat_template: str | None = None, model_max_length: int
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _check_characters(characters: str) -> None:
+    outside = sorted(set(characters) - set(CHARACTERS))
+    if outside or len(set(characters)) != len(characters) or not characters:
+        raise ValueError(
+            f"characters must be distinct printable ASCII characters, got {characters!r}"
+            + (f" (not printable ASCII: {outside})" if outside else "")
+        )
 
 
 def _check_sizes(hidden_size: int, num_heads: int) -> None:
@@ -120,16 +132,19 @@ def build_tiny_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     chat_template: str | None = None,
+    characters: str = CHARACTERS,
 ) -> Path:
     """Write a random-init Qwen2 model and its character tokenizer to ``out_dir``; return the directory.
 
     The defaults give about 0.34M parameters. The same arguments always produce the same weights.
     ``chat_template`` (a Jinja string) is stored on the tokenizer so ``apply_chat_template`` works.
+    ``characters`` narrows the vocabulary (e.g. ``"0123456789 :"`` for a digits-only task): a small vocabulary
+    makes a random-init model's first samples far more often well-formed.
     """
     _check_sizes(hidden_size, num_heads)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(chat_template, model_max_length=max_position_embeddings)
+    tokenizer = build_tiny_tokenizer(chat_template, model_max_length=max_position_embeddings, characters=characters)
     sizes = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
     sizes.update(intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
     model = _random_init_model(_tiny_config(tokenizer, **sizes), seed)

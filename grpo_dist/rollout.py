@@ -1,0 +1,56 @@
+"""A rollout batch: prompts, their groups of completions, and the completions' scores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from grpo_dist.data import PromptRecord
+from grpo_dist.types import Completion, Score
+
+
+@dataclass
+class Rollout:
+    """P prompts with G completions each; completion i belongs to prompt `completions[i].prompt_index`."""
+
+    prompts: list[PromptRecord] = field(default_factory=list)
+    """[P] the prompts, in group order."""
+    completions: list[Completion] = field(default_factory=list)
+    """[P*G] completions, G consecutive ones per prompt."""
+    scores: list[Score] = field(default_factory=list)
+    """[P*G] the score of each completion."""
+
+    def per_function(self) -> torch.Tensor:
+        """[P*G, F] each reward function's value (NaN where it failed)."""
+        return torch.tensor([score.per_function for score in self.scores], dtype=torch.float)
+
+    def lengths(self) -> torch.Tensor:
+        """[P*G] completion lengths in tokens."""
+        return torch.tensor([len(c.token_ids) for c in self.completions], dtype=torch.float)
+
+    def select_groups(self, keep: list[bool]) -> Rollout:
+        """The rollout restricted to the groups whose flag is set, prompts renumbered."""
+        new_index = {}
+        for old, flag in enumerate(keep):
+            if flag:
+                new_index[old] = len(new_index)
+        pairs = [(c, s) for c, s in zip(self.completions, self.scores, strict=True) if c.prompt_index in new_index]
+        return Rollout(
+            prompts=[p for p, flag in zip(self.prompts, keep, strict=True) if flag],
+            completions=[replace(c, prompt_index=new_index[c.prompt_index]) for c, _ in pairs],
+            scores=[s for _, s in pairs],
+        )
+
+    def first_groups(self, count: int) -> Rollout:
+        """The first `count` groups."""
+        return self.select_groups([index < count for index in range(len(self.prompts))])
+
+    def __add__(self, other: Rollout) -> Rollout:
+        offset = len(self.prompts)
+        return Rollout(
+            prompts=self.prompts + other.prompts,
+            completions=self.completions
+            + [replace(c, prompt_index=c.prompt_index + offset) for c in other.completions],
+            scores=self.scores + other.scores,
+        )
