@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm import tqdm
 
 from grpo_dist.algo import informative_groups, multi_reward_advantages, overlong_penalty
@@ -42,6 +43,7 @@ class Inputs:
 def train(cfg: Config, cluster: Cluster | None = None) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, final/). Starts Ray and the actors
     unless a running `cluster` is given."""
+    start_run_dir(cfg)
     inputs = prepare(cfg)
     if cluster is None:
         start_ray(cfg)
@@ -59,8 +61,7 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
                 f"tok/s={metrics['tokens_per_s']:.0f}"
             )
     except BaseException:
-        log.error("training stopped early; saving the current policy to %s", cfg.run_dir / "interrupted")
-        cluster.save(str(cfg.run_dir / "interrupted"))
+        save_interrupted(cluster, cfg.run_dir / "interrupted")
         raise
     finally:
         sink.close()
@@ -68,6 +69,26 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
     if cfg.run.save_final:
         print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
     return cfg.run_dir
+
+
+def start_run_dir(cfg: Config) -> None:
+    """Create the run directory and record the resolved config; an earlier run there is moved aside, not lost."""
+    run_dir = cfg.run_dir
+    if run_dir.exists() and any(run_dir.iterdir()):
+        kept = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        print(f"an earlier run in {run_dir} was moved to {kept}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def save_interrupted(cluster: Cluster, out_dir: Path) -> None:
+    """Save the current policy when a run stops early; a learner that is itself gone is reported, not raised."""
+    log.error("training stopped early; saving the current policy to %s", out_dir)
+    try:
+        cluster.save(str(out_dir))
+    except Exception as err:  # the original failure is what propagates; this one is only reported
+        log.error("could not save the policy (%s: %s)", type(err).__name__, err)
 
 
 def train_step(
@@ -173,7 +194,7 @@ def prepare(cfg: Config) -> Inputs:
         try:
             resolve_reward(name)
         except ValueError as err:
-            raise ConfigError(f"reward {name!r}: {err}") from None
+            raise ConfigError(str(err)) from None
     model_path = prepare_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:

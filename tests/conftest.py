@@ -38,7 +38,7 @@ def small_config(tmp_path: Path, **sections) -> dict:
             "num_workers": 2,
             "timeout_s": 5,
             "functions": [
-                {"name": "reward_fixtures.flaky_length_reward", "weight": 1.0},
+                {"name": "reward_fixtures.first_char_reward", "weight": 1.0},
                 {"name": "math_answer", "weight": 0.5},
             ],
         },

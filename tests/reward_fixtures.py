@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 import time
 from typing import Any
 
@@ -30,8 +31,9 @@ def nan_reward(prompt: str, completion: str, **_: Any) -> float:
     return float("nan")
 
 
-def flaky_length_reward(prompt: str, completion: str, **_: Any) -> float:
-    """Length of the completion over 4, but raises for lengths divisible by 3: some completions stay unscored."""
-    if len(completion) % 3 == 0:
-        raise ValueError(f"cannot score a completion of length {len(completion)}")
-    return len(completion) / 4
+def first_char_reward(prompt: str, completion: str, **_: Any) -> float:
+    """(code of the first character mod 10) / 10: varies across a tiny random model's samples, so groups have
+    non-zero advantages. Raises for an empty completion or one opening with punctuation: those stay unscored."""
+    if not completion or completion[0] in string.punctuation:
+        raise ValueError(f"cannot score {completion!r}")
+    return (ord(completion[0]) % 10) / 10

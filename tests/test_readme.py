@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import REPO
+
 from grpo_dist.cli import reference_markdown
 
 

@@ -1,0 +1,77 @@
+"""What the driver checks before any actor starts, and how it keeps earlier runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import small_config
+
+from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.data import DatasetError
+from grpo_dist.driver import prepare, start_run_dir
+
+
+@pytest.fixture
+def bad_dataset(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "1 2:", "answer": "2"}\n{"prompt": "3 4:", "answer": "4"\n')
+    return path
+
+
+def config_with_dataset(tmp_path, path):
+    raw = small_config(tmp_path)
+    raw["data"] = {"train_path": str(path), "max_prompt_tokens": 16, "prompts_per_step": 4}
+    raw["reward"] = {"functions": [{"name": "math_answer"}]}
+    return raw
+
+
+def test_malformed_row_is_reported_with_file_and_line_before_ray_starts(tmp_path, bad_dataset):
+    import ray
+
+    cfg = validate_config(config_with_dataset(tmp_path, bad_dataset))
+    with pytest.raises(DatasetError, match=rf"{bad_dataset}:2: "):
+        prepare(cfg)
+    assert not ray.is_initialized()
+
+
+def test_cli_exits_with_the_dataset_error(tmp_path, bad_dataset):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(config_with_dataset(tmp_path, bad_dataset)))
+    result = subprocess.run([sys.executable, "-m", "grpo_dist", "train", str(config)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert f"{bad_dataset}:2:" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "section, values, message",
+    [
+        pytest.param("reward", {"functions": [{"name": "math_anwser"}]}, "Did you mean 'math_answer'?", id="reward"),
+        pytest.param("eval", {"reward": "no_such.module.fn"}, "no_such.module.fn", id="eval-reward"),
+        pytest.param("rollout", {"max_model_len": 16}, "exceeds rollout.max_model_len (16)", id="length-budget"),
+    ],
+)
+def test_bad_inputs_fail_in_prepare(tmp_path, section, values, message):
+    cfg = validate_config(small_config(tmp_path, **{section: values}))
+    with pytest.raises(ConfigError) as error:
+        prepare(cfg)
+    assert message in str(error.value)
+
+
+def test_missing_model_directory(tmp_path):
+    raw = small_config(tmp_path)
+    raw["model"] = {"path": str(tmp_path / "absent")}
+    with pytest.raises(ConfigError, match="is not a Hugging Face model directory"):
+        prepare(validate_config(raw))
+
+
+def test_an_earlier_run_is_moved_aside_not_overwritten(tmp_path):
+    cfg = validate_config(small_config(tmp_path))
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    start_run_dir(cfg)
+    kept = [p for p in cfg.run_dir.parent.iterdir() if p.name.startswith("test-")]
+    assert len(kept) == 1 and (kept[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["config.yaml"]
