@@ -39,7 +39,15 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
     initial = load_file(f"{inputs.model_path}/model.safetensors")
     cluster = Cluster.start(cfg, inputs.model_path)
 
-    run_dir = train(cfg, cluster)
+    try:
+        run_dir = train(cfg, cluster)
+        check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir)
+    finally:
+        cluster.shutdown()
+
+
+def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
+    from grpo_dist.actors.generator import Generator
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -62,6 +70,12 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
         engine = torch.tensor(ray_cluster.get(generator.sequence_logprobs.remote(sequence)))
         torch.testing.assert_close(engine, learner, atol=1e-4, rtol=1e-4)
 
-    # The saved policy is the trained one, readable by transformers.
-    torch.testing.assert_close(hf_logprobs(str(run_dir / "final"), sequence), learner, atol=1e-5, rtol=1e-5)
+    # The saved policy is the trained one, readable by transformers and servable by vLLM.
+    final_dir = str(run_dir / "final")
+    torch.testing.assert_close(hf_logprobs(final_dir, sequence), learner, atol=1e-5, rtol=1e-5)
+    served = ray_cluster.remote(Generator).options(num_cpus=1).remote(final_dir, cfg.rollout, 0)
+    torch.testing.assert_close(
+        torch.tensor(ray_cluster.get(served.sequence_logprobs.remote(sequence))), learner, atol=1e-4, rtol=1e-4
+    )
+    ray_cluster.kill(served)
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B should have logged offline into the run directory"

@@ -45,6 +45,7 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
+        self.model_path = model_path
         self.cfg, self.algo = learner, algorithm
         self.temperature = rollout.temperature  # tokens are scored at the temperature they were sampled at
         self.max_new_tokens = rollout.max_new_tokens  # Dr. GRPO's constant normaliser
@@ -200,7 +201,11 @@ class Learner:
             return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
     def save(self, out_dir: str) -> str:
-        """Save the policy in Hugging Face format (loadable by transformers and vLLM)."""
+        """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and
+        vLLM)."""
+        from transformers import AutoTokenizer
+
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         self.engine.module.save_pretrained(out_dir, state_dict=self.state_dict(), safe_serialization=True)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir
