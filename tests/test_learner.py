@@ -58,6 +58,7 @@ def test_one_update_changes_weights_and_exports_full_tensors(ray_cluster, model_
     assert any(not torch.equal(weights[name], initial[name]) for name in initial)
     assert metrics["ratio/mean"] == 1.0  # one epoch, one mini-batch: old logprobs are the current ones
     assert metrics["grad_norm"] > 0
+    assert "kl" in metrics  # kl_coef defaults to 0.04: the reference model is loaded
     ray_cluster.kill(learner)
 
 
@@ -66,7 +67,7 @@ def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, model_dir):
         ray_cluster,
         model_dir,
         LearnerConfig(lr=1e-2, micro_batch_size=2),
-        AlgorithmConfig(ppo_epochs=2, mini_batches=2),
+        AlgorithmConfig(ppo_epochs=2, mini_batches=2, kl_coef=0.0),
     )
     from grpo_dist.algo import group_advantages
 
@@ -75,4 +76,7 @@ def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, model_dir):
     metrics = ray_cluster.get(learner.train.remote(batch))
     # Four updates; all but the first see weights that moved since the old logprobs were taken.
     assert metrics["ratio/max"] > 1.0
+    # With kl_coef 0 the reference model is never loaded.
+    assert ray_cluster.get(learner.__ray_call__.remote(lambda self: self.reference is None))
+    assert "kl" not in metrics
     ray_cluster.kill(learner)
