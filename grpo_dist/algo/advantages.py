@@ -60,7 +60,7 @@ def group_advantages(
     centered = torch.where(valid, grouped - _masked_mean(grouped, valid), 0.0)  # [N, G]
     ddof = 1 if std == "sample" else 0
     advantages = _ESTIMATOR_FNS[estimator](grouped, valid, centered, ddof, eps)  # [N, G]
-    informative = _spread_mask(grouped, valid)  # [N, G]
+    informative = spread_mask(grouped, valid)  # [N, G]
     return torch.where(informative, advantages, 0.0).reshape(-1).to(out_dtype)  # [N*G]
 
 
@@ -71,18 +71,7 @@ def _check_arguments(rewards: Tensor, group_size: int, estimator: str, std: str,
         )
     if std not in STD_MODES:
         raise ValueError(f"group_advantages: unknown std {std!r}; valid values: {', '.join(STD_MODES)}")
-    if rewards.dim() != 1:
-        raise ValueError(
-            f"group_advantages: rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}; "
-            "flatten the groups contiguously first"
-        )
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_advantages: group_size must be an int >= 1, got {group_size!r}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"group_advantages: {rewards.numel()} rewards is not a multiple of group_size={group_size}; every prompt "
-            "must contribute exactly group_size completions (give an unscorable one a NaN reward, do not drop it)"
-        )
+    check_grouping("group_advantages", rewards, group_size)
     if eps < 0:
         raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
     if torch.isinf(rewards).any():
@@ -90,6 +79,22 @@ def _check_arguments(rewards: Tensor, group_size: int, estimator: str, std: str,
         raise ValueError(
             f"group_advantages: rewards are infinite at positions {positions}; a reward function must return a "
             "finite value, or NaN for a completion it cannot score"
+        )
+
+
+def check_grouping(caller: str, rewards: Tensor, group_size: int) -> None:
+    """Rewards must be 1-D and cut into whole groups of `group_size`; the error names `caller`."""
+    if rewards.dim() != 1:
+        raise ValueError(
+            f"{caller}: rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}; "
+            "flatten the groups contiguously first"
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{caller}: group_size must be an int >= 1, got {group_size!r}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{caller}: {rewards.numel()} rewards is not a multiple of group_size={group_size}; every prompt "
+            "must contribute exactly group_size completions (give an unscorable one a NaN reward, do not drop it)"
         )
 
 
@@ -106,7 +111,7 @@ def _masked_std(values: Tensor, valid: Tensor, ddof: int) -> Tensor:
     return (deviation.square().sum(-1, keepdim=True) / dof).sqrt()
 
 
-def _spread_mask(grouped: Tensor, valid: Tensor) -> Tensor:
+def spread_mask(grouped: Tensor, valid: Tensor) -> Tensor:
     """True for valid rewards of groups whose valid rewards are not all equal (so at least 2 valid). [N, G]"""
     highest = torch.where(valid, grouped, -torch.inf).amax(-1, keepdim=True)  # [N, 1]
     lowest = torch.where(valid, grouped, torch.inf).amin(-1, keepdim=True)  # [N, 1]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grpo_dist.algo.advantages import group_advantages
+from grpo_dist.algo.advantages import check_grouping, group_advantages, spread_mask
 
 COMBINES: tuple[str, ...] = ("sum_then_normalize", "normalize_then_sum")
 """Valid values of ``multi_reward_advantages(combine=...)``."""
@@ -71,27 +71,9 @@ def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
     NaN rewards are left out; a group with fewer than 2 valid rewards is False. These are exactly the groups where
     ``group_advantages`` is not all zeros. Raises ValueError for a bad shape or group_size.
     """
-    _check_grouping("informative_groups", rewards, group_size)
+    check_grouping("informative_groups", rewards, group_size)
     grouped = rewards.reshape(-1, group_size)  # [N, G]
-    valid = ~grouped.isnan()  # [N, G]
-    highest = torch.where(valid, grouped, -torch.inf).amax(-1)  # [N]
-    lowest = torch.where(valid, grouped, torch.inf).amin(-1)  # [N]
-    return highest > lowest  # [N]; False for an all-NaN group (-inf > inf) and a one-valid group
-
-
-def _check_grouping(caller: str, rewards: Tensor, group_size: int) -> None:
-    if rewards.dim() != 1:
-        raise ValueError(
-            f"{caller}: rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}; "
-            "flatten the groups contiguously first"
-        )
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"{caller}: group_size must be an int >= 1, got {group_size!r}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"{caller}: {rewards.numel()} rewards is not a multiple of group_size={group_size}; every prompt "
-            "must contribute exactly group_size completions (give an unscorable one a NaN reward, do not drop it)"
-        )
+    return spread_mask(grouped, ~grouped.isnan()).any(-1)  # [N]
 
 
 def multi_reward_advantages(
