@@ -30,7 +30,8 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(token_ids[1:])[:, None]).squeeze(-1)
 
 
-def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path):
+def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path, monkeypatch):
+    from grpo_dist import driver
     from grpo_dist.cluster import Cluster
     from grpo_dist.driver import prepare, train
 
@@ -42,8 +43,20 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
     try:
         run_dir = train(cfg, cluster)
         check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir)
+        # A run stopped by an error (here: Ctrl-C during a step) keeps the policy it had, and the earlier run.
+        monkeypatch.setattr(driver, "train_step", interrupted_step)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, cluster)
+        sequence = inputs.train[0].token_ids + [7, 8, 9, 2]
+        learner = torch.tensor(ray_cluster.get(cluster.learner.sequence_logprobs.remote(sequence)))
+        torch.testing.assert_close(hf_logprobs(str(run_dir / "interrupted"), sequence), learner, atol=1e-5, rtol=1e-5)
+        assert len(list(run_dir.parent.glob(f"{run_dir.name}-*/final"))) == 1
     finally:
         cluster.shutdown()
+
+
+def interrupted_step(*args, **kwargs):
+    raise KeyboardInterrupt
 
 
 def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
