@@ -169,7 +169,7 @@ def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -
     return [ScoreRequest(prompts[c.prompt_index].text, c.text, prompts[c.prompt_index].fields) for c in completions]
 
 
-def report_accuracy(cfg: Config, cluster, held_out: list[PromptRecord], when: str) -> float | None:
+def report_accuracy(cfg: Config, cluster: Cluster, held_out: list[PromptRecord], when: str) -> float | None:
     """Greedy accuracy on the held-out prompts, judged by `eval.reward` (1.0 = correct); printed and returned."""
     if not held_out:
         return None

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from grpo_dist.config import Config
 from grpo_dist.types import Completion, Score
 
 
@@ -72,7 +73,7 @@ def _json_number(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def start_wandb(cfg, run_dir: Path):
+def start_wandb(cfg: Config, run_dir: Path) -> Any | None:
     """A W&B run (offline into the run directory when no API key is set), or None when disabled."""
     mode = cfg.wandb.mode
     if mode == "auto":
