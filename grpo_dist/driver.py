@@ -203,15 +203,18 @@ def prepare(cfg: Config) -> Inputs:
             f"({cfg.rollout.max_new_tokens}) exceeds rollout.max_model_len ({cfg.rollout.max_model_len})"
         )
     train_path, eval_path = prepare_data(cfg)
-    train, skipped = encode_prompts(load_rows(train_path, cfg.data.prompt_field), tokenizer, cfg.data.max_prompt_tokens)
+    train, skipped = read_prompts(cfg, train_path, tokenizer)
     if skipped:
         print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    held_out = []
-    if eval_path is not None:
-        rows = load_rows(eval_path, cfg.data.prompt_field)
-        held_out, _ = encode_prompts(rows, tokenizer, cfg.data.max_prompt_tokens)
+    held_out = read_prompts(cfg, eval_path, tokenizer)[0] if eval_path is not None else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Inputs(model_path, pad, train, held_out)
+
+
+def read_prompts(cfg: Config, path: Path, tokenizer) -> tuple[list[PromptRecord], int]:
+    """Rows of a dataset file, tokenised; returns the records and how many were over the length limit."""
+    field = cfg.data.prompt_field
+    return encode_prompts(load_rows(path, field), tokenizer, cfg.data.max_prompt_tokens, prompt_field=field)
 
 
 def prepare_model(cfg: Config) -> str:
@@ -219,10 +222,7 @@ def prepare_model(cfg: Config) -> str:
     if cfg.model.tiny is not None and not path.exists():
         from grpo_dist.models import build_tiny_model
 
-        tiny = cfg.model.tiny
-        sizes = tiny.model_dump(exclude={"characters"}, exclude_none=True)
-        characters = {"characters": tiny.characters} if tiny.characters else {}
-        build_tiny_model(path, seed=cfg.run.seed, **sizes, **characters)
+        build_tiny_model(path, seed=cfg.run.seed, **cfg.model.tiny.model_dump(exclude_none=True))
         print(f"built a random-init tiny model at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")

@@ -60,6 +60,15 @@ def test_bad_inputs_fail_in_prepare(tmp_path, section, values, message):
     assert message in str(error.value)
 
 
+def test_a_renamed_prompt_field_is_read(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "1 2:", "answer": "2"}\n')
+    raw = config_with_dataset(tmp_path, path)
+    raw["data"]["prompt_field"] = "question"
+    inputs = prepare(validate_config(raw))
+    assert [(r.text, r.fields) for r in inputs.train] == [("1 2:", {"answer": "2"})]
+
+
 def test_missing_model_directory(tmp_path):
     raw = small_config(tmp_path)
     raw["model"] = {"path": str(tmp_path / "absent")}
