@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,14 +30,22 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with its tensors on `device`."""
+        return self._map(lambda tensor: tensor.to(device))
+
     def select(self, rows: torch.Tensor | slice) -> TrainBatch:
         """The sub-batch of the given rows (a mini- or micro-batch)."""
+        return self._map(lambda tensor: tensor[rows])
+
+    def _map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """A batch with `function` applied to every tensor field."""
         return TrainBatch(
-            input_ids=self.input_ids[rows],
-            attention_mask=self.attention_mask[rows],
-            completion_mask=self.completion_mask[rows],
-            sampling_logprobs=self.sampling_logprobs[rows],
-            advantages=self.advantages[rows],
+            input_ids=function(self.input_ids),
+            attention_mask=function(self.attention_mask),
+            completion_mask=function(self.completion_mask),
+            sampling_logprobs=function(self.sampling_logprobs),
+            advantages=function(self.advantages),
             weight_version=self.weight_version,
         )
 

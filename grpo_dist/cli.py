@@ -55,10 +55,11 @@ def _run(args: argparse.Namespace) -> int:
         print(reference_markdown() if args.markdown else reference_text())
         return 0
     if args.command == "plot":
-        from grpo_dist.plot import plot_rewards, reward_summary
+        from grpo_dist.plot import plot_rewards, reward_summary, step_rewards
 
-        print(f"reward curve written to {plot_rewards(args.metrics, args.out)}")
-        print(reward_summary(args.metrics))
+        steps, rewards = step_rewards(args.metrics)
+        print(f"reward curve written to {plot_rewards(steps, rewards, args.out)}")
+        print(reward_summary(rewards))
         return 0
     if args.command == "tiny-model":
         from grpo_dist.models import build_tiny_model

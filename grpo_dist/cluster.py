@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from grpo_dist.actors.generator import Generator, engine_environment
+from grpo_dist.actors.generator import Generator
 from grpo_dist.actors.learner import Learner
 from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.batch import TrainBatch
@@ -31,7 +31,7 @@ def actor_cpus(cfg: Config) -> float:
 
 def start_ray(cfg: Config) -> None:
     """Join `ray.address`, or start a local cluster big enough for the run's actors."""
-    quiet = {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "1"}
+    quiet = {"TOKENIZERS_PARALLELISM": "false"}
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return
@@ -53,14 +53,10 @@ class Cluster:
         rollout, learner_cfg = cfg.rollout, cfg.learner
         learner = (
             ray.remote(Learner)
-            .options(num_cpus=learner_cfg.num_cpus, num_gpus=learner_cfg.num_gpus, name=None)
+            .options(num_cpus=learner_cfg.num_cpus, num_gpus=learner_cfg.num_gpus)
             .remote(model_path, learner_cfg, cfg.algorithm, rollout, cfg.run.seed)
         )
-        generator_actor = ray.remote(Generator).options(
-            num_cpus=rollout.num_cpus,
-            num_gpus=rollout.num_gpus,
-            runtime_env={"env_vars": engine_environment(rollout)},
-        )
+        generator_actor = ray.remote(Generator).options(num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus)
         generators = [
             generator_actor.remote(model_path, rollout, cfg.run.seed + index) for index in range(rollout.num_generators)
         ]

@@ -7,6 +7,7 @@ starts. This module imports neither torch nor ray, so ``grpo-dist --help`` and c
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -330,6 +331,8 @@ def _suggestion(location: list[str]) -> str:
     """' (did you mean X?)' for a typo in a key, from the valid keys at that level."""
     model: type[BaseModel] | None = Config
     for part in location[:-1]:
+        if part.isdigit():  # an index into a list of sections, e.g. reward.functions.0
+            continue
         field = model.model_fields.get(part) if model else None
         model = _section_type(field.annotation) if field else None
         if model is None:
@@ -354,10 +357,12 @@ def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         section = _section_type(field.annotation)
-        if section is not None and name != "functions":
+        if section is not None and typing.get_origin(field.annotation) is not list:
             rows.append((key, "", field.description or ""))
             rows.extend(field_docs(section, prefix=f"{key}."))
-        else:
-            default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            rows.append((key, default, field.description or ""))
+            continue
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        rows.append((key, default, field.description or ""))
+        if section is not None:  # a list of sections: document the fields of one item
+            rows.extend(field_docs(section, prefix=f"{key}[]."))
     return rows

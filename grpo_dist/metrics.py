@@ -6,6 +6,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -99,13 +101,11 @@ class StepTimer:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
-    def __call__(self, phase: str) -> StepTimer:
-        self._phase = phase
-        return self
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        key = f"time/{self._phase}"
-        self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - self._start
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{phase}"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - started

@@ -19,9 +19,14 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return averages
 
 
-def reward_summary(metrics_path: str | Path, window: int = 10) -> str:
+def step_rewards(metrics_path: str | Path) -> tuple[list[int], list[float]]:
+    """(steps, mean reward) of every logged step that has a reward."""
+    rows = [row for row in read_metrics(metrics_path) if row.get("reward/mean") is not None]
+    return [row["step"] for row in rows], [row["reward/mean"] for row in rows]
+
+
+def reward_summary(rewards: list[float], window: int = 10) -> str:
     """'mean reward: first 10 steps X, last 10 steps Y (+Z)'."""
-    rewards = [row["reward/mean"] for row in read_metrics(metrics_path) if row.get("reward/mean") is not None]
     if not rewards:
         return "no steps logged"
     first = sum(rewards[:window]) / len(rewards[:window])
@@ -29,16 +34,13 @@ def reward_summary(metrics_path: str | Path, window: int = 10) -> str:
     return f"mean reward: first {window} steps {first:.3f}, last {window} steps {last:.3f} ({last - first:+.3f})"
 
 
-def plot_rewards(metrics_path: str | Path, out_path: str | Path, window: int = 10) -> Path:
+def plot_rewards(steps: list[int], rewards: list[float], out_path: str | Path, window: int = 10) -> Path:
     """Mean reward per step and its moving average over `window` steps, saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [row for row in read_metrics(metrics_path) if row.get("reward/mean") is not None]
-    steps = [row["step"] for row in rows]
-    rewards = [row["reward/mean"] for row in rows]
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(steps, rewards, alpha=0.35, label="mean reward")
     axes.plot(steps, moving_average(rewards, window), label=f"moving average ({window} steps)")

@@ -8,14 +8,9 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from strategies import NAN, grouped_rewards, tensor
 
 from grpo_dist.algo import ESTIMATORS, STD_MODES, group_advantages
-
-NAN = math.nan
-
-
-def _tensor(values: list[float]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float64)
 
 
 def test_worked_example_grpo_sample_std() -> None:
@@ -59,14 +54,14 @@ TWO_GROUPS = [1.0, 2.0, 3.0, 4.0, 4.0, 10.0]
     ],
 )
 def test_estimator_matches_hand_values(estimator: str, std: str, expected: list[float]) -> None:
-    advantages = group_advantages(_tensor(TWO_GROUPS), 3, estimator, std=std, eps=0.0)
-    torch.testing.assert_close(advantages, _tensor(expected))
+    advantages = group_advantages(tensor(TWO_GROUPS), 3, estimator, std=std, eps=0.0)
+    torch.testing.assert_close(advantages, tensor(expected))
 
 
 def test_grpo_adds_eps_to_std() -> None:
     # [0, 2]: mean 1, sample std sqrt((1 + 1) / 1) = 1.414214; with eps = 1: +-1 / 2.414214 = +-0.414214
-    advantages = group_advantages(_tensor([0.0, 2.0]), 2, eps=1.0)
-    torch.testing.assert_close(advantages, _tensor([-1 / (2**0.5 + 1), 1 / (2**0.5 + 1)]))
+    advantages = group_advantages(tensor([0.0, 2.0]), 2, eps=1.0)
+    torch.testing.assert_close(advantages, tensor([-1 / (2**0.5 + 1), 1 / (2**0.5 + 1)]))
 
 
 def test_keeps_float32_dtype() -> None:
@@ -99,8 +94,8 @@ def test_keeps_float32_dtype() -> None:
     ],
 )
 def test_nan_rewards_are_left_out(rewards: list[float], group_size: int, estimator: str, expected: list[float]) -> None:
-    advantages = group_advantages(_tensor(rewards), group_size, estimator, eps=0.0)
-    torch.testing.assert_close(advantages, _tensor(expected))
+    advantages = group_advantages(tensor(rewards), group_size, estimator, eps=0.0)
+    torch.testing.assert_close(advantages, tensor(expected))
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -141,22 +136,8 @@ def test_bad_arguments_raise(rewards: torch.Tensor, group_size: int, kwargs: dic
     assert fragment in str(error.value)
 
 
-# Rewards on a grid of 0.5 in [-5, 5]: a group of G <= 8 that is not constant has sample std >= 0.5 / sqrt(8) = 0.18
-# (one member off by 0.5: variance 0.25 / G), so eps = 1e-6 stays negligible next to it even after scaling by 0.1.
-_grid_reward = st.integers(-10, 10).map(lambda step: step * 0.5)
-
-
-@st.composite
-def _grouped_rewards(draw: st.DrawFn, allow_nan: bool) -> tuple[torch.Tensor, int]:
-    group_size = draw(st.integers(2, 8))
-    num_groups = draw(st.integers(1, 6))
-    element = st.one_of(_grid_reward, st.just(NAN)) if allow_nan else _grid_reward
-    values = draw(st.lists(element, min_size=group_size * num_groups, max_size=group_size * num_groups))
-    return _tensor(values), group_size
-
-
 @settings(max_examples=60, deadline=None)
-@given(_grouped_rewards(allow_nan=True), st.sampled_from(ESTIMATORS), st.sampled_from(STD_MODES))
+@given(grouped_rewards(allow_nan=True), st.sampled_from(ESTIMATORS), st.sampled_from(STD_MODES))
 def test_property_finite_and_nan_gets_zero(data: tuple[torch.Tensor, int], estimator: str, std: str) -> None:
     rewards, group_size = data
     advantages = group_advantages(rewards, group_size, estimator, std=std)
@@ -166,7 +147,7 @@ def test_property_finite_and_nan_gets_zero(data: tuple[torch.Tensor, int], estim
 
 
 @settings(max_examples=60, deadline=None)
-@given(_grouped_rewards(allow_nan=True), st.sampled_from(["grpo", "dr_grpo", "rloo"]), st.sampled_from(STD_MODES))
+@given(grouped_rewards(allow_nan=True), st.sampled_from(["grpo", "dr_grpo", "rloo"]), st.sampled_from(STD_MODES))
 def test_property_group_mean_is_zero(data: tuple[torch.Tensor, int], estimator: str, std: str) -> None:
     rewards, group_size = data
     advantages = group_advantages(rewards, group_size, estimator, std=std).reshape(-1, group_size)
@@ -176,7 +157,7 @@ def test_property_group_mean_is_zero(data: tuple[torch.Tensor, int], estimator: 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    _grouped_rewards(allow_nan=True),
+    grouped_rewards(allow_nan=True),
     st.floats(-100, 100),
     st.floats(0.1, 10),
     st.sampled_from(STD_MODES),
@@ -191,7 +172,7 @@ def test_property_grpo_invariant_to_shift_and_positive_scale(
 
 
 @settings(max_examples=60, deadline=None)
-@given(_grouped_rewards(allow_nan=False))
+@given(grouped_rewards(allow_nan=False))
 def test_property_rloo_is_rescaled_dr_grpo(data: tuple[torch.Tensor, int]) -> None:
     rewards, group_size = data
     rloo = group_advantages(rewards, group_size, "rloo")
@@ -200,7 +181,7 @@ def test_property_rloo_is_rescaled_dr_grpo(data: tuple[torch.Tensor, int]) -> No
 
 
 @settings(max_examples=40, deadline=None)
-@given(_grouped_rewards(allow_nan=False))
+@given(grouped_rewards(allow_nan=False))
 def test_property_reinforce_pp_is_whitened(data: tuple[torch.Tensor, int]) -> None:
     rewards, group_size = data
     advantages = group_advantages(rewards, group_size, "reinforce_pp", eps=0.0)

@@ -67,7 +67,7 @@ def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, model_dir):
         ray_cluster,
         model_dir,
         LearnerConfig(lr=1e-2, micro_batch_size=2),
-        AlgorithmConfig(ppo_epochs=2, mini_batches=2, kl_coef=0.0),
+        AlgorithmConfig(ppo_epochs=2, mini_batches=2, kl_coef=0.0, is_cap=2.0),
     )
     from grpo_dist.algo import group_advantages
 
@@ -79,4 +79,6 @@ def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, model_dir):
     # With kl_coef 0 the reference model is never loaded.
     assert ray_cluster.get(learner.__ray_call__.remote(lambda self: self.reference is None))
     assert "kl" not in metrics
+    # is_cap set: the generator's sampling logprobs enter the loss as truncated importance weights.
+    assert 0 < metrics["is_weight/mean"] <= 2.0
     ray_cluster.kill(learner)

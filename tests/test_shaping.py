@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import NAN, grouped_rewards, reward_element, tensor
 
 from grpo_dist.algo import (
     COMBINES,
@@ -19,13 +20,8 @@ from grpo_dist.algo import (
     overlong_penalty,
 )
 
-NAN = math.nan
 SQRT2 = 2**0.5
 SQRT3 = 3**0.5
-
-
-def _tensor(values: list[float] | list[list[float]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -125,7 +121,7 @@ def test_property_overlong_penalty_bounded_and_non_increasing(case: tuple[torch.
     ],
 )
 def test_informative_groups(rewards: list[float], group_size: int, expected: list[bool]) -> None:
-    assert informative_groups(_tensor(rewards), group_size).tolist() == expected
+    assert informative_groups(tensor(rewards), group_size).tolist() == expected
 
 
 @pytest.mark.parametrize(
@@ -143,21 +139,8 @@ def test_informative_groups_bad_arguments(rewards: torch.Tensor, group_size: int
     assert fragment in str(error.value)
 
 
-# Rewards on a grid of 0.5 in [-5, 5], as in test_advantages.py, so eps = 1e-6 is negligible next to any group std.
-_grid_reward = st.integers(-10, 10).map(lambda step: step * 0.5)
-
-
-@st.composite
-def _grouped_rewards(draw: st.DrawFn, allow_nan: bool) -> tuple[torch.Tensor, int]:
-    group_size = draw(st.integers(1, 8))
-    num_groups = draw(st.integers(1, 6))
-    element = st.one_of(_grid_reward, st.just(NAN)) if allow_nan else _grid_reward
-    values = draw(st.lists(element, min_size=group_size * num_groups, max_size=group_size * num_groups))
-    return _tensor(values), group_size
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.one_of(_grouped_rewards(allow_nan=False), _grouped_rewards(allow_nan=True)))
+@given(st.one_of(grouped_rewards(allow_nan=False, min_group_size=1), grouped_rewards(allow_nan=True, min_group_size=1)))
 def test_property_informative_exactly_where_grpo_not_all_zero(data: tuple[torch.Tensor, int]) -> None:
     rewards, group_size = data
     all_zero = group_advantages(rewards, group_size, "grpo").reshape(-1, group_size).eq(0).all(-1)  # [N]
@@ -206,9 +189,9 @@ def test_multi_reward_matches_hand_values(
     expected_rewards: list[float],
     expected_advantages: list[float],
 ) -> None:
-    rewards, advantages = multi_reward_advantages(_tensor(CORRECT_AND_FORMAT), weights, 4, combine, eps=0.0)
-    torch.testing.assert_close(rewards, _tensor(expected_rewards))
-    torch.testing.assert_close(advantages, _tensor(expected_advantages))
+    rewards, advantages = multi_reward_advantages(tensor(CORRECT_AND_FORMAT), weights, 4, combine, eps=0.0)
+    torch.testing.assert_close(rewards, tensor(expected_rewards))
+    torch.testing.assert_close(advantages, tensor(expected_advantages))
 
 
 # Two groups of 3, weights [1, 1]; row 1 has a failed second function, group 2 sums to [4, 4, NaN].
@@ -227,9 +210,9 @@ WITH_FAILURES = [[1.0, 0.0], [0.0, NAN], [3.0, 4.0], [2.0, 2.0], [2.0, 2.0], [NA
     ],
 )
 def test_multi_reward_nan_row_is_unscorable(combine: str, expected_advantages: list[float]) -> None:
-    rewards, advantages = multi_reward_advantages(_tensor(WITH_FAILURES), [1.0, 1.0], 3, combine, eps=0.0)
-    torch.testing.assert_close(rewards, _tensor([1.0, NAN, 7.0, 4.0, 4.0, NAN]), equal_nan=True)
-    torch.testing.assert_close(advantages, _tensor(expected_advantages))
+    rewards, advantages = multi_reward_advantages(tensor(WITH_FAILURES), [1.0, 1.0], 3, combine, eps=0.0)
+    torch.testing.assert_close(rewards, tensor([1.0, NAN, 7.0, 4.0, 4.0, NAN]), equal_nan=True)
+    torch.testing.assert_close(advantages, tensor(expected_advantages))
 
 
 def test_multi_reward_integer_scores_give_default_float() -> None:
@@ -253,7 +236,7 @@ def test_multi_reward_integer_scores_give_default_float() -> None:
         pytest.param(torch.zeros(4), [1.0], {}, "must be 2-D [N, F] with F >= 1 reward functions", id="one_dim"),
         pytest.param(torch.zeros(4, 0), [], {}, "got shape (4, 0)", id="no_functions"),
         pytest.param(
-            _tensor([[0.0, math.inf], [0.0, 0.0]]), [1.0, 0.0], {}, "infinite at [row, column] [[0, 1]]", id="inf"
+            tensor([[0.0, math.inf], [0.0, 0.0]]), [1.0, 0.0], {}, "infinite at [row, column] [[0, 1]]", id="inf"
         ),
     ],
 )
@@ -275,16 +258,15 @@ def test_multi_reward_passes_group_errors_through(combine: str) -> None:
 
 @st.composite
 def _per_function_scores(draw: st.DrawFn, allow_nan: bool) -> tuple[torch.Tensor, int]:
-    rewards, group_size = draw(_grouped_rewards(allow_nan))
+    rewards, group_size = draw(grouped_rewards(allow_nan, min_group_size=1))
     num_functions = draw(st.integers(1, 3))
-    element = st.one_of(_grid_reward, st.just(NAN)) if allow_nan else _grid_reward
-    column = st.lists(element, min_size=rewards.numel(), max_size=rewards.numel())
-    columns = [rewards] + [_tensor(draw(column)) for _ in range(num_functions - 1)]
+    column = st.lists(reward_element(allow_nan), min_size=rewards.numel(), max_size=rewards.numel())
+    columns = [rewards] + [tensor(draw(column)) for _ in range(num_functions - 1)]
     return torch.stack(columns, dim=-1), group_size  # [N, F]
 
 
 @settings(max_examples=60, deadline=None)
-@given(_grouped_rewards(allow_nan=True), st.sampled_from(ESTIMATORS), st.sampled_from(STD_MODES))
+@given(grouped_rewards(min_group_size=1, allow_nan=True), st.sampled_from(ESTIMATORS), st.sampled_from(STD_MODES))
 def test_property_normalize_then_sum_one_function_is_group_advantages(
     data: tuple[torch.Tensor, int], estimator: str, std: str
 ) -> None:

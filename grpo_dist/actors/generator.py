@@ -8,8 +8,9 @@ from grpo_dist.config import RolloutConfig
 from grpo_dist.types import Completion
 
 
-def engine_environment(rollout: RolloutConfig) -> dict[str, str]:
-    """Environment for a generator process: the engine core runs in-process (start-up in seconds, not tens)."""
+def engine_environment() -> dict[str, str]:
+    """Environment for a generator process, set before vLLM is imported: the engine core runs in-process
+    (start-up in seconds, not tens), threads are not pinned (several engines may share the cores)."""
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
@@ -22,7 +23,7 @@ class Generator:
     """Wraps one `vllm.LLM`. Wrapped as a Ray actor by `grpo_dist.cluster` (resources are given there)."""
 
     def __init__(self, model_path: str, rollout: RolloutConfig, seed: int) -> None:
-        os.environ.update(engine_environment(rollout))
+        os.environ.update(engine_environment())
         import torch
         from vllm import LLM
 

@@ -26,14 +26,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
-    """Logprob and entropy of each token given the ones before it, aligned with `input_ids` (position 0 gets 0)."""
-    logits = logits[:, :-1].float() / temperature  # [B, T-1, V]
-    log_probs = F.log_softmax(logits, dim=-1)  # [B, T-1, V]
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, T] logprob of each token given the ones before it, aligned with `input_ids` (position 0 gets 0)."""
+    log_probs = _shifted_log_softmax(logits, temperature)  # [B, T-1, V]
+    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    return F.pad(picked, (1, 0))  # [B, T]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and the entropy of each next-token distribution, both [B, T] (position 0 gets 0)."""
+    log_probs = _shifted_log_softmax(logits, temperature)  # [B, T-1, V]
     picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, T-1]
-    pad = torch.zeros_like(picked[:, :1])
-    return torch.cat([pad, picked], dim=1), torch.cat([pad, entropy], dim=1)  # [B, T] each
+    return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))  # [B, T] each
+
+
+def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-softmax of the logits predicting tokens 1..T-1, at the sampling temperature. [B, T, V] -> [B, T-1, V]"""
+    return F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
 
 
 class Learner:
@@ -91,7 +103,7 @@ class Learner:
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """`ppo_epochs` x `mini_batches` optimizer updates on one rollout batch; bumps the weight version."""
-        batch = self._to_device(batch)
+        batch = batch.to(self.device)
         mini_batches = self._split(len(batch), self.algo.mini_batches)
         reuse = self.algo.ppo_epochs > 1 or len(mini_batches) > 1
         old_logprobs = self._logprobs(self.engine.module, batch) if reuse else None  # [B, T]
@@ -134,7 +146,7 @@ class Learner:
 
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
         logits = self.engine(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits  # [b, T, V]
-        logprobs, entropy = token_logprobs(logits, micro.input_ids, self.temperature)  # [b, T] each
+        logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.temperature)  # [b, T] each
         old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
         loss, metrics = policy_loss(
             logprobs,
@@ -176,20 +188,15 @@ class Learner:
         for rows in self._split(len(batch), math.ceil(len(batch) / self.cfg.micro_batch_size)):
             micro = batch.select(rows)
             logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
-            parts.append(token_logprobs(logits, micro.input_ids, self.temperature)[0])
+            parts.append(token_logprobs(logits, micro.input_ids, self.temperature))
         return torch.cat(parts)
-
-    def _to_device(self, batch: TrainBatch) -> TrainBatch:
-        fields = {name: getattr(batch, name) for name in batch.__dataclass_fields__}
-        moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-        return TrainBatch(**moved)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first under the current policy, at temperature 1 (for checks)."""
         input_ids = torch.tensor([token_ids], device=self.device)
         with torch.no_grad():
             logits = self.engine.module(input_ids=input_ids).logits
-        return token_logprobs(logits, input_ids, 1.0)[0][0, 1:].tolist()
+        return token_logprobs(logits, input_ids, 1.0)[0, 1:].tolist()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded weights on the CPU in Hugging Face names (gathered across ranks under ZeRO-3)."""
