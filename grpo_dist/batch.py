@@ -38,6 +38,11 @@ class TrainBatch:
         """The sub-batch of the given rows (a mini- or micro-batch)."""
         return self._map(lambda tensor: tensor[rows])
 
+    def trimmed(self) -> TrainBatch:
+        """The same rows cut to their longest sequence (right padding beyond it dropped)."""
+        length = int(self.attention_mask.sum(dim=1).max())
+        return self._map(lambda tensor: tensor[:, :length] if tensor.dim() == 2 else tensor)
+
     def _map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
         """A batch with `function` applied to every tensor field."""
         return TrainBatch(
@@ -72,3 +77,81 @@ def collate(
         sampling_logprobs[row, start:end] = torch.tensor(completion.logprobs)
     versions = {c.weight_version for c in completions}
     return TrainBatch(input_ids, attention_mask, completion_mask, sampling_logprobs, advantages.float(), min(versions))
+
+
+@dataclass
+class TrainShard:
+    """Learner group -> one learner rank: its rows of a rollout batch and how to weight their losses so the
+    gradients summed over the ranks equal the single-rank gradient of the whole batch."""
+
+    batch: TrainBatch
+    """[b, T'] this rank's rows, trimmed to their longest sequence (row 0 of the whole batch, with no mini-batch
+    holding it, when the rank has no rows: it still runs every collective)."""
+    mini_batches: list[list[int]]
+    """Per global mini-batch, this rank's rows of it (indices into `batch`); may be empty."""
+    mini_batch_units: list[float]
+    """Per mini-batch, its loss normaliser over all ranks: completion tokens (token-mean) or sequences."""
+    micro_batches: list[int]
+    """Per mini-batch, how many micro-batches every rank runs: the same on all ranks, since forwards are
+    collective under ZeRO-3."""
+    world_size: int
+    """Number of learner ranks; DeepSpeed averages gradients over them, so each rank's loss is scaled by it."""
+    aggregation: str
+    """The loss aggregation, which decides what a row weighs (see `loss_units`)."""
+
+    def micro_batches_of(self, index: int) -> list[tuple[torch.Tensor, float]]:
+        """(rows, share) of each micro-batch of mini-batch `index`: the rows of `batch` it holds (a placeholder
+        row 0 when it holds none) and its share of the whole mini-batch's loss over all ranks (0 for a
+        placeholder). Summed over ranks, share x the micro-batch's aggregated loss is the mini-batch's loss."""
+        units = loss_units(self.batch, self.aggregation)  # [b]
+        rows = torch.tensor(self.mini_batches[index], dtype=torch.long)
+        parts = []
+        for micro in rows.tensor_split(self.micro_batches[index]):
+            share = float(units[micro].sum()) / max(self.mini_batch_units[index], 1e-12)
+            parts.append((micro if len(micro) else torch.tensor([0]), share))
+        return parts
+
+
+def loss_units(batch: TrainBatch, aggregation: str) -> torch.Tensor:
+    """[B] what each row contributes to its mini-batch's loss normaliser: its counted completion tokens for
+    `token-mean`, one sequence for the sequence-mean aggregations."""
+    if aggregation == "token-mean":
+        return batch.completion_mask.sum(dim=1)
+    return torch.ones(len(batch))
+
+
+def shard_batch(
+    batch: TrainBatch, world_size: int, mini_batches: int, micro_batch_size: int, aggregation: str
+) -> list[TrainShard]:
+    """Cut a rollout batch into one shard per rank. Mini-batches are contiguous row ranges (as on one rank);
+    within each, rows go to ranks balanced by token count (longest first, to the least-loaded rank)."""
+    units, tokens = loss_units(batch, aggregation), batch.attention_mask.sum(dim=1)  # [B] each
+    rows_of = [[[] for _ in range(mini_batches)] for _ in range(world_size)]  # [rank][mini-batch] -> rows
+    for index, rows in enumerate(torch.arange(len(batch)).tensor_split(min(mini_batches, len(batch)))):
+        load = [0] * world_size
+        for row in sorted(rows.tolist(), key=lambda r: -int(tokens[r])):
+            rank = load.index(min(load))
+            rows_of[rank][index].append(row)
+            load[rank] += int(tokens[row])
+    used = min(mini_batches, len(batch))
+    mini_batch_units = [sum(float(units[r]) for rank in rows_of for r in rank[m]) for m in range(used)]
+    micro_batches = [
+        max(1, max(-(-len(rank[m]) // micro_batch_size) for rank in rows_of)) for m in range(used)
+    ]  # ceil division, at least one
+    common = {
+        "mini_batch_units": mini_batch_units, "micro_batches": micro_batches, "world_size": world_size,
+        "aggregation": aggregation,
+    }  # fmt: skip
+    return [_shard(batch, rank_rows[:used], common) for rank_rows in rows_of]
+
+
+def _shard(batch: TrainBatch, rows: list[list[int]], common: dict) -> TrainShard:
+    """One rank's shard: its rows gathered in mini-batch order, with their indices in the shard."""
+    flat = [row for mini in rows for row in mini]
+    if not flat:  # no rows for this rank: it runs the same forwards on a placeholder row, weighted 0
+        return TrainShard(batch.select(slice(0, 1)), [[] for _ in rows], **common)
+    local, start = [], 0
+    for mini in rows:
+        local.append(list(range(start, start + len(mini))))
+        start += len(mini)
+    return TrainShard(batch.select(torch.tensor(flat)).trimmed(), local, **common)

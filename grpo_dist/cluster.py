@@ -12,18 +12,18 @@ import ray
 import torch
 
 from grpo_dist.actors.generator import Generator
-from grpo_dist.actors.learner import Learner
 from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
+from grpo_dist.learner_group import LearnerGroup
 from grpo_dist.types import Completion, Score, ScoreRequest
 
 
 def actor_cpus(cfg: Config) -> float:
     """Logical CPUs the actors of a run ask for."""
     return (
-        cfg.learner.num_cpus
+        cfg.learner.num_ranks * cfg.learner.num_cpus
         + cfg.rollout.num_generators * cfg.rollout.num_cpus
         + cfg.reward.num_workers * cfg.reward.num_cpus
     )
@@ -43,19 +43,15 @@ def start_ray(cfg: Config) -> None:
 class Cluster:
     """Handles to every actor of a run."""
 
-    learner: ray.actor.ActorHandle
+    learner: LearnerGroup
     generators: list[ray.actor.ActorHandle]
     reward_workers: list[ray.actor.ActorHandle]
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> Cluster:
         """Create the actors and wait until every engine is up (errors surface here, with the actor named)."""
-        rollout, learner_cfg = cfg.rollout, cfg.learner
-        learner = (
-            ray.remote(Learner)
-            .options(num_cpus=learner_cfg.num_cpus, num_gpus=learner_cfg.num_gpus)
-            .remote(model_path, learner_cfg, cfg.algorithm, rollout, cfg.run.seed)
-        )
+        rollout = cfg.rollout
+        learner = LearnerGroup.start(cfg, model_path, timeout_s=cfg.sync.timeout_s)
         generator_actor = ray.remote(Generator).options(num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus)
         generators = [
             generator_actor.remote(model_path, rollout, cfg.run.seed + index) for index in range(rollout.num_generators)
@@ -65,7 +61,7 @@ class Cluster:
             reward_actor.remote(cfg.reward.functions, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
         ]
         cluster = cls(learner, generators, workers)
-        ray.get([actor.__ray_ready__.remote() for actor in [learner, *generators, *workers]])
+        ray.get([actor.__ray_ready__.remote() for actor in [*generators, *workers]])
         return cluster
 
     def generate(self, prompts: list[PromptRecord], group_size: int, greedy: bool = False) -> list[Completion]:
@@ -89,19 +85,20 @@ class Cluster:
         return [score for shard in ray.get(calls) for score in shard]
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        return ray.get(self.learner.train.remote(batch))
+        return self.learner.train(batch)
 
     def sync_weights(self, weight_version: int) -> None:
         """Send the learner's current weights to every generator (one shared object-store copy per node)."""
-        weights = self.learner.state_dict.remote()
+        weights = self.learner.state_dict()
         ray.get([generator.update_weights.remote(weights, weight_version) for generator in self.generators])
 
     def save(self, out_dir: str) -> str:
-        return ray.get(self.learner.save.remote(out_dir))
+        return self.learner.save(out_dir)
 
     def shutdown(self) -> None:
         """Stop every actor of the run (the Ray cluster itself stays up)."""
-        for actor in [self.learner, *self.generators, *self.reward_workers]:
+        self.learner.shutdown()
+        for actor in [*self.generators, *self.reward_workers]:
             ray.kill(actor)
 
 

@@ -119,7 +119,20 @@ class RolloutConfig(_Section):
     num_cpus: float = Field(1.0, gt=0)
     """CPUs reserved per generator actor."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs per generator actor (0 on a CPU machine)."""
+    """GPUs per generator actor (0 on a CPU machine); with `tensor_parallel_size` > 1, per engine worker (1)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine spans with tensor parallelism (vLLM's Ray executor, all on one node). Needs GPUs: vLLM's
+    CPU backend here runs one worker per engine."""
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_gpus(self) -> RolloutConfig:
+        if self.tensor_parallel_size > 1 and self.num_gpus != 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size} needs rollout.num_gpus=1 (one GPU per "
+                f"engine worker; got {self.num_gpus}); on a CPU machine keep tensor_parallel_size at 1 and add "
+                "generators with rollout.num_generators instead"
+            )
+        return self
 
 
 class RewardFunctionConfig(_Section):
@@ -190,6 +203,11 @@ class AlgorithmConfig(_Section):
 
 
 class LearnerConfig(_Section):
+    num_ranks: int = Field(1, ge=1)
+    """Data-parallel learner ranks (one Ray actor each, one GPU or one CPU slot each) forming one DeepSpeed
+    engine; the batch is split across them by token count."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Learner ranks packed onto as few nodes as possible, or spread one per node where they can be."""
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
@@ -203,13 +221,43 @@ class LearnerConfig(_Section):
     micro_batch_size: int = Field(32, ge=1)
     """Sequences per forward/backward pass; the batch is accumulated over micro-batches."""
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """DeepSpeed ZeRO stage."""
+    """DeepSpeed ZeRO stage: 1 shards the optimizer state over the ranks, 2 also the gradients, 3 also the
+    parameters (and the reference model)."""
+    offload: Literal["none", "optimizer", "optimizer_and_params"] = "none"
+    """DeepSpeed CPU offload: the optimizer state (ZeRO >= 1), or it and the parameters (ZeRO-3)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, about a third more compute)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training precision: auto is bf16 (fp32 master weights) with a GPU and fp32 without."""
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto picks nccl with a GPU and gloo without."""
     num_cpus: float = Field(1.0, gt=0)
-    """CPUs reserved for the learner actor."""
+    """CPUs reserved per learner rank."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs for the learner actor (0 on a CPU machine)."""
+    """GPUs per learner rank (1 on a GPU cluster, 0 on a CPU machine)."""
+    threads: int | None = Field(None, ge=1)
+    """torch threads per learner rank. null: with a GPU, `num_cpus`; without, the node's cores shared among the
+    learner ranks on it (training and generation take turns, so training may use the whole machine)."""
+
+    @model_validator(mode="after")
+    def _offload_fits_the_stage(self) -> LearnerConfig:
+        needed = {"none": 0, "optimizer": 1, "optimizer_and_params": 3}[self.offload]
+        if self.zero_stage < needed:
+            raise ValueError(
+                f"learner.offload={self.offload} needs learner.zero_stage >= {needed} (got {self.zero_stage})"
+            )
+        return self
+
+
+class SyncConfig(_Section):
+    transport: Literal["auto", "broadcast", "object_store"] = "auto"
+    """How new weights reach the generators: `broadcast` streams them in buckets from learner rank 0 over one
+    process group with every engine worker (NCCL on GPUs, gloo on CPUs); `object_store` ships the full state dict
+    through Ray's object store; `auto` picks broadcast where the installed vLLM has weight transfer."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Broadcast bucket size in MiB; the learner holds at most two buckets at a time for a sync."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
 
 
 class EvalConfig(_Section):
@@ -224,6 +272,9 @@ class RayConfig(_Section):
     """Ray cluster to join (`auto` or `host:port`); null starts a local cluster for this run."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the local cluster; null means at least what the actors ask for."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """A run whose actors cannot all be placed within this many seconds fails, listing what it asked for and what
+    the cluster has."""
 
 
 class WandbConfig(_Section):
@@ -252,6 +303,8 @@ class Config(_Section):
     """Advantages and loss."""
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     """Optimizer and DeepSpeed."""
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    """Weight sync from the learner to the generators."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out accuracy."""
     ray: RayConfig = Field(default_factory=RayConfig)

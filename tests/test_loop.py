@@ -48,7 +48,7 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
         with pytest.raises(KeyboardInterrupt):
             train(cfg, cluster)
         sequence = inputs.train[0].token_ids + [7, 8, 9, 2]
-        learner = torch.tensor(ray_cluster.get(cluster.learner.sequence_logprobs.remote(sequence)))
+        learner = torch.tensor(cluster.learner.sequence_logprobs(sequence))
         torch.testing.assert_close(hf_logprobs(str(run_dir / "interrupted"), sequence), learner, atol=1e-5, rtol=1e-5)
         assert len(list(run_dir.parent.glob(f"{run_dir.name}-*/final"))) == 1
     finally:
@@ -70,12 +70,12 @@ def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
     # first_char_reward raises for some completions; they are counted as unscored, not fatal.
     assert sum(row["reward/unscored"] for row in rows) > 0
 
-    final = ray_cluster.get(cluster.learner.state_dict.remote())
+    final = ray_cluster.get(cluster.learner.state_dict())
     unchanged = [name for name, tensor in initial.items() if torch.equal(final[name], tensor)]
     assert unchanged == []
 
     sequence = inputs.train[0].token_ids + [7, 8, 9, 2]
-    learner = torch.tensor(ray_cluster.get(cluster.learner.sequence_logprobs.remote(sequence)))
+    learner = torch.tensor(cluster.learner.sequence_logprobs(sequence))
     before = hf_logprobs(inputs.model_path, sequence)
     assert not torch.allclose(learner, before, atol=1e-3), "the policy should have moved away from the initial one"
     for generator in cluster.generators:

@@ -1,13 +1,19 @@
-"""Learner actor: the policy under DeepSpeed, the frozen reference, and one optimizer update per rollout batch.
+"""Learner rank: one data-parallel rank of the policy under DeepSpeed, its part of the frozen reference, and one
+optimizer update per rollout batch.
 
 The learner is algorithm-blind: advantages arrive with the batch; it scores tokens, runs `grpo_dist.algo.policy_loss`
 and steps. Old logprobs are the learner's own before the first update; with one epoch and one mini-batch they are
 the current logprobs detached (ratio exactly 1) and no extra forward pass is spent.
+
+Several ranks form one DeepSpeed engine (`grpo_dist.learner_group` starts them and splits each batch). Each rank
+weights its micro-batch losses by their share of the whole mini-batch times the world size, so DeepSpeed's average
+of the ranks' gradients is the single-rank gradient of the whole batch. Every rank runs the same number of forward
+passes (a rank short of rows runs a placeholder row weighted 0): under ZeRO-3 a forward gathers parameters from all
+ranks. The reference model is a full copy on each rank under ZeRO 0-2 and sharded over the ranks under ZeRO-3.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from pathlib import Path
@@ -16,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_dist.algo import policy_loss
-from grpo_dist.batch import TrainBatch
+from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 
 
@@ -49,86 +55,152 @@ def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tens
 
 
 class Learner:
-    """Holds the policy (DeepSpeed engine) and, when kl_coef > 0, the reference. Made a Ray actor in `cluster`."""
+    """One learner rank: the policy (DeepSpeed engine) and, when kl_coef > 0, the reference. Made a Ray actor by
+    `grpo_dist.learner_group`; `setup` joins the ranks' process group and builds the engines."""
 
     def __init__(
         self, model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, seed: int
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(seed)
-        self.model_path = model_path
+        self.model_path, self.seed = model_path, seed
         self.cfg, self.algo = learner, algorithm
         self.temperature = rollout.temperature  # tokens are scored at the temperature they were sampled at
         self.max_new_tokens = rollout.max_new_tokens  # Dr. GRPO's constant normaliser
         self.weight_version = 0
-        self._init_distributed()
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.rank = 0
+
+    def node(self) -> tuple[str, str]:
+        """(node id, node IP) of this rank's process, for the group's rendezvous and local ranks."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def setup(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master: tuple[str, int]):
+        """Join the ranks' process group and build the policy and reference engines (collective: every rank
+        calls it at once). Returns the torch threads this rank uses."""
+        from transformers import AutoModelForCausalLM
+
+        self.rank = rank
+        torch.set_num_threads(self._threads(local_world_size))
+        self._init_distributed(rank, world_size, local_rank, master)
+        torch.manual_seed(self.seed)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = self._deepspeed_engine(model)
         self.device = self.engine.device
-        self.reference = None
-        if algorithm.kl_coef > 0:
-            self.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
-            self.reference.eval().requires_grad_(False)
+        self.reference = self._reference() if self.algo.kl_coef > 0 else None
+        return torch.get_num_threads()
 
-    def _init_distributed(self) -> None:
+    def _threads(self, local_world_size: int) -> int:
+        """`learner.threads`, else with a GPU the CPUs reserved, else the node's cores shared by its ranks."""
+        if self.cfg.threads is not None:
+            return self.cfg.threads
+        if torch.cuda.is_available():
+            return max(1, int(self.cfg.num_cpus))
+        return max(1, len(os.sched_getaffinity(0)) // local_world_size)
+
+    def _init_distributed(self, rank: int, world_size: int, local_rank: int, master: tuple[str, int]) -> None:
         import deepspeed
 
-        for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
-            os.environ.setdefault(key, value)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        address, port = master
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+            MASTER_ADDR=address, MASTER_PORT=str(port),
+        )  # fmt: skip
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
+        deepspeed.init_distributed(dist_backend=self._backend(), verbose=False)
+
+    def _backend(self) -> str:
         backend = self.cfg.dist_backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        return ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+
+    @property
+    def bf16(self) -> bool:
+        """Train in bf16 (fp32 master weights): `learner.dtype`, auto meaning with a GPU."""
+        return self.cfg.dtype == "bfloat16" or (self.cfg.dtype == "auto" and torch.cuda.is_available())
+
+    def _zero_config(self, stage: int) -> dict:
+        zero: dict = {"stage": stage}
+        pin = torch.cuda.is_available()
+        if self.cfg.offload in ("optimizer", "optimizer_and_params") and stage >= 1:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if self.cfg.offload == "optimizer_and_params" and stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        return zero
+
+    def _ds_config(self, stage: int) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": self.cfg.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.cfg.max_grad_norm,
+            "zero_optimization": self._zero_config(stage),
+            "bf16": {"enabled": self.bf16},
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+
+    def _reference(self):
+        """The frozen reference: sharded over the ranks by a ZeRO-3 inference engine under ZeRO-3, else a full copy
+        on this rank."""
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval().requires_grad_(False)
+        if self.cfg.zero_stage != 3:
+            return reference.to(self.device)
+        config = {**self._ds_config(3), "gradient_clipping": 0.0}
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=reference, config=config)
+        return engine.module
 
     def _deepspeed_engine(self, model):
         import deepspeed
 
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas, weight_decay=self.cfg.weight_decay
-        )
+        options = {"lr": self.cfg.lr, "betas": self.cfg.betas, "weight_decay": self.cfg.weight_decay}
+        if self.cfg.offload == "none":
+            optimizer = torch.optim.AdamW(model.parameters(), **options)
+        else:  # the optimizer step runs on the CPU: DeepSpeed's vectorised Adam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **options)
         warmup = self.cfg.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
-        ds_config = {
-            "train_micro_batch_size_per_gpu": self.cfg.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": self.cfg.max_grad_norm,
-            "zero_optimization": {"stage": self.cfg.zero_stage},
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._ds_config(self.cfg.zero_stage)
+        )
         return engine
 
-    def train(self, batch: TrainBatch) -> dict[str, float]:
-        """`ppo_epochs` x `mini_batches` optimizer updates on one rollout batch; bumps the weight version."""
-        batch = batch.to(self.device)
-        mini_batches = self._split(len(batch), self.algo.mini_batches)
-        reuse = self.algo.ppo_epochs > 1 or len(mini_batches) > 1
-        old_logprobs = self._logprobs(self.engine.module, batch) if reuse else None  # [B, T]
-        ref_logprobs = self._logprobs(self.reference, batch) if self.reference is not None else None  # [B, T]
+    def train(self, shard: TrainShard) -> dict[str, float]:
+        """`ppo_epochs` x mini-batches optimizer updates on this rank's shard of a rollout batch (collective: every
+        rank calls it with its own shard). Metrics are this rank's share of the whole batch's: the group sums
+        them over the ranks. Bumps the weight version."""
+        batch = shard.batch.to(self.device)
+        reuse = self.algo.ppo_epochs > 1 or len(shard.mini_batches) > 1
+        old_logprobs = self._logprobs(self.engine.module, batch, shard) if reuse else None  # [b, T]
+        ref_logprobs = self._logprobs(self.reference, batch, shard) if self.reference is not None else None  # [b, T]
         history: list[dict[str, float]] = []
         for _ in range(self.algo.ppo_epochs):
-            for rows in mini_batches:
-                history.append(self._update(batch, rows, old_logprobs, ref_logprobs))
+            for index in range(len(shard.mini_batches)):
+                history.append(self._update(batch, shard, index, old_logprobs, ref_logprobs))
         self.weight_version += 1
         metrics = {key: sum(step[key] for step in history) / len(history) for key in history[0]}
         metrics["lr"] = self.engine.get_lr()[0]
         return metrics
 
-    def _update(self, batch: TrainBatch, rows: torch.Tensor, old_logprobs, ref_logprobs) -> dict[str, float]:
-        """One optimizer step over the given rows, accumulated over micro-batches."""
-        micro_batches = self._split(len(rows), math.ceil(len(rows) / self.cfg.micro_batch_size))
-        self.engine.set_gradient_accumulation_boundary(False)
+    def _update(self, batch: TrainBatch, shard: TrainShard, index: int, old_logprobs, ref_logprobs):
+        """One optimizer step over mini-batch `index`, accumulated over micro-batches."""
+        micro_batches = shard.micro_batches_of(index)  # a placeholder row, weighted 0, keeps the ranks in step
         totals: dict[str, float] = {}
-        tokens_total = batch.completion_mask[rows].sum().clamp(min=1)
-        for index, micro in enumerate(micro_batches):
-            select = rows[micro]
-            share = self._share(batch, select, len(rows), tokens_total)
-            self.engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+        for position, (select, share) in enumerate(micro_batches):
+            self.engine.set_gradient_accumulation_boundary(position == len(micro_batches) - 1)
             loss, metrics = self._micro_loss(batch.select(select), select, old_logprobs, ref_logprobs)
-            self.engine.backward(loss * share, scale_wrt_gas=False)
+            self.engine.backward(loss * (share * shard.world_size), scale_wrt_gas=False)
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * share
         unsharded_norm = self._unsharded_grad_norm()
@@ -138,7 +210,8 @@ class Learner:
         return totals
 
     def _unsharded_grad_norm(self) -> float | None:
-        """Pre-clipping gradient norm without ZeRO (DeepSpeed reports it only for ZeRO stages)."""
+        """Pre-clipping gradient norm without ZeRO (DeepSpeed reports it only for ZeRO stages); the gradients are
+        already averaged over the ranks here."""
         if self.cfg.zero_stage != 0:
             return None
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
@@ -170,25 +243,17 @@ class Learner:
         metrics["loss"] = loss.item()
         return loss, metrics
 
-    def _share(self, batch: TrainBatch, select: torch.Tensor, rows: int, tokens_total: torch.Tensor) -> float:
-        """Weight of a micro-batch's loss so the accumulated gradient equals the whole mini-batch's."""
-        if self.algo.aggregation == "token-mean":
-            return float(batch.completion_mask[select].sum() / tokens_total)
-        return len(select) / rows
-
-    @staticmethod
-    def _split(size: int, parts: int) -> list[torch.Tensor]:
-        """Row indices cut into `parts` near-equal chunks (never empty)."""
-        return list(torch.arange(size).tensor_split(min(parts, size)))
-
     @torch.no_grad()
-    def _logprobs(self, model, batch: TrainBatch) -> torch.Tensor:
-        """[B, T] logprobs of every token under `model`, computed micro-batch by micro-batch."""
+    def _logprobs(self, model, batch: TrainBatch, shard: TrainShard) -> torch.Tensor:
+        """[b, T] logprobs of every token under `model`, in as many forward passes as every other rank runs."""
+        passes = sum(shard.micro_batches)
         parts = []
-        for rows in self._split(len(batch), math.ceil(len(batch) / self.cfg.micro_batch_size)):
-            micro = batch.select(rows)
+        for rows in torch.arange(len(batch)).tensor_split(passes):
+            select = rows if len(rows) else torch.tensor([0])  # a placeholder pass keeps the ranks in step
+            micro = batch.select(select)
             logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
-            parts.append(token_logprobs(logits, micro.input_ids, self.temperature))
+            if len(rows):
+                parts.append(token_logprobs(logits, micro.input_ids, self.temperature))
         return torch.cat(parts)
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -199,20 +264,25 @@ class Learner:
         return token_logprobs(logits, input_ids, 1.0)[0, 1:].tolist()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights on the CPU in Hugging Face names (gathered across ranks under ZeRO-3)."""
+        """Full, unsharded weights on the CPU in Hugging Face names, on rank 0 (empty on the others). Collective:
+        under ZeRO-3 every rank takes part in gathering them."""
         import deepspeed
 
         module = self.engine.module
         params = list(module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero_stage == 3):
+            if self.rank != 0:
+                return {}
             return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
     def save(self, out_dir: str) -> str:
         """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and
-        vLLM)."""
+        vLLM); collective, rank 0 writes."""
         from transformers import AutoTokenizer
 
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        self.engine.module.save_pretrained(out_dir, state_dict=self.state_dict(), safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+        state_dict = self.state_dict()
+        if self.rank == 0:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir
