@@ -79,15 +79,25 @@ def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, tmp_path, m
     group.shutdown()
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3], ids=["zero2", "zero3"])
-def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_stage):
+@pytest.mark.parametrize(
+    "zero_stage, offload",
+    [
+        pytest.param(2, "none", id="zero2"),
+        pytest.param(3, "none", id="zero3"),
+        pytest.param(3, "optimizer_and_params", id="zero3-offload"),
+    ],
+)
+def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_stage, offload):
     """The same batch on 1 rank and on 2 ranks (split by tokens, losses weighted by share): the same loss, grad
     norm and updated weights. token-mean weighs rows by their tokens, the hardest case; two mini-batches run the
-    old-logprob pass and two optimizer steps; kl_coef > 0 puts the reference on the ranks (sharded under ZeRO-3)."""
+    old-logprob pass and two optimizer steps; kl_coef > 0 puts the reference on the ranks (sharded under ZeRO-3).
+    With offload the 2 ranks step DeepSpeed's CPU Adam on offloaded state and still match 1 rank's torch AdamW."""
     algorithm = {"aggregation": "token-mean", "mini_batches": 2, "kl_coef": 0.04}
     results = []
     for ranks in (1, 2):
         learner = {"num_ranks": ranks, "zero_stage": zero_stage, "micro_batch_size": 2}
+        if ranks == 2:
+            learner["offload"] = offload
         group = start_group(ray_cluster, tmp_path, model_dir, learner, algorithm)
         assert group.threads == [max(1, len(os.sched_getaffinity(0)) // ranks)] * ranks  # the node's cores, shared
         metrics = group.train(sample_batch())
