@@ -17,6 +17,7 @@ from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
 from grpo_dist.learner_group import LearnerGroup
+from grpo_dist.transports import WeightTransport, make_transport, wire_backend
 from grpo_dist.types import Completion, Score, ScoreRequest
 
 
@@ -46,6 +47,7 @@ class Cluster:
     learner: LearnerGroup
     generators: list[ray.actor.ActorHandle]
     reward_workers: list[ray.actor.ActorHandle]
+    transport: WeightTransport
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> Cluster:
@@ -54,15 +56,17 @@ class Cluster:
         learner = LearnerGroup.start(cfg, model_path, timeout_s=cfg.sync.timeout_s)
         generator_actor = ray.remote(Generator).options(num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus)
         generators = [
-            generator_actor.remote(model_path, rollout, cfg.run.seed + index) for index in range(rollout.num_generators)
+            generator_actor.remote(model_path, rollout, cfg.run.seed + index, wire_backend(cfg))
+            for index in range(rollout.num_generators)
         ]
         reward_actor = ray.remote(RewardWorker).options(num_cpus=cfg.reward.num_cpus)
         workers = [
             reward_actor.remote(cfg.reward.functions, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
         ]
-        cluster = cls(learner, generators, workers)
         ray.get([actor.__ray_ready__.remote() for actor in [*generators, *workers]])
-        return cluster
+        transport = make_transport(cfg, learner, generators)
+        transport.connect()
+        return cls(learner, generators, workers, transport)
 
     def generate(self, prompts: list[PromptRecord], group_size: int, greedy: bool = False) -> list[Completion]:
         """Split the prompts across generators; completions come back grouped, in prompt order."""
@@ -88,9 +92,8 @@ class Cluster:
         return self.learner.train(batch)
 
     def sync_weights(self, weight_version: int) -> None:
-        """Send the learner's current weights to every generator (one shared object-store copy per node)."""
-        weights = self.learner.state_dict()
-        ray.get([generator.update_weights.remote(weights, weight_version) for generator in self.generators])
+        """Load the learner's current weights into every generator, by the configured transport."""
+        self.transport.sync(weight_version)
 
     def save(self, out_dir: str) -> str:
         return self.learner.save(out_dir)

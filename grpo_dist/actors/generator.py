@@ -22,10 +22,13 @@ def engine_environment() -> dict[str, str]:
 class Generator:
     """Wraps one `vllm.LLM`. Wrapped as a Ray actor by `grpo_dist.cluster` (resources are given there)."""
 
-    def __init__(self, model_path: str, rollout: RolloutConfig, seed: int) -> None:
+    def __init__(self, model_path: str, rollout: RolloutConfig, seed: int, weight_transfer: str | None = None) -> None:
+        """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
+        None when weights come through the object store."""
         os.environ.update(engine_environment())
         import torch
         from vllm import LLM
+        from vllm.config.weight_transfer import WeightTransferConfig
 
         from grpo_dist.actors.weight_sync import WORKER_EXTENSION
 
@@ -41,6 +44,9 @@ class Generator:
             seed=seed,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config=WeightTransferConfig(backend=weight_transfer) if weight_transfer else None,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else None,
         )
 
     def generate(
@@ -78,12 +84,28 @@ class Generator:
             weight_version=self.weight_version,
         )
 
-    def update_weights(self, state_dict: dict, weight_version: int) -> int:
+    def load_weights(self, state_dict: dict, weight_version: int) -> int:
         """Load the learner's weights; completions sampled afterwards carry `weight_version`."""
         self.llm.collective_rpc("receive_weights", args=(state_dict,))
         self.llm.reset_prefix_cache()
         self.weight_version = weight_version
         return weight_version
+
+    # The broadcast transport's control plane (`grpo_dist.transports.broadcast.GeneratorClient`): vLLM runs each
+    # on every worker of the engine, where the weight-transfer engine lives.
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+        self.weight_version = weight_version
 
     def current_weight_version(self) -> int:
         return self.weight_version

@@ -275,6 +275,16 @@ class Learner:
                 return {}
             return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
+    def connect_weights(self, spec, generators: list) -> None:
+        """Open this rank's side of the broadcast weight transport (collective; rank 0 meets the generators)."""
+        from grpo_dist.transports.broadcast import WeightSender
+
+        self.weight_sender = WeightSender(spec, self.rank, self.engine.module, self.cfg.zero_stage == 3, generators)
+
+    def send_weights(self, weight_version: int) -> None:
+        """Stream the current weights to the generators (collective: every rank gathers, rank 0 sends)."""
+        self.weight_sender.send(weight_version)
+
     def save(self, out_dir: str) -> str:
         """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and
         vLLM); collective, rank 0 writes."""

@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+import grpo_dist.transports.gloo  # noqa: F401  registers the gloo weight-transfer engine inside each vLLM worker
+
 WORKER_EXTENSION = f"{__name__}.WeightReceiver"
 
 

@@ -1,0 +1,81 @@
+"""Weight transports: how a new policy gets from the learner group to the generators, behind one interface.
+
+`connect()` once after the actors start, `sync(weight_version)` after each training step, `close()` at the end.
+`sync.transport` picks the module, here and nowhere else:
+
+- `broadcast` (`grpo_dist.transports.broadcast`): learner rank 0 and every vLLM worker form one process group
+  through vLLM's weight-transfer engines; weights stream in buckets in Hugging Face names (NCCL on GPUs, gloo on
+  CPUs: the same protocol either way).
+- `object_store` (`grpo_dist.transports.object_store`): rank 0 puts the full state dict in Ray's object store and
+  every generator loads it; the fallback where vLLM has no weight transfer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+import ray
+
+from grpo_dist.config import Config
+
+
+class WeightTransport(Protocol):
+    name: str
+
+    def connect(self) -> None:
+        """Set up whatever the transport needs between the learner ranks and the generators (once)."""
+
+    def sync(self, weight_version: int) -> None:
+        """Load the learner's current weights into every generator; their completions then carry the version."""
+
+    def close(self) -> None:
+        """Release the transport's resources (the actors themselves stay up)."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed or did not finish in `sync.timeout_s`; the message names the transport and the actor."""
+
+
+def transport_name(cfg: Config) -> str:
+    """`sync.transport`, with `auto` resolved: broadcast where the installed vLLM has weight transfer."""
+    if cfg.sync.transport != "auto":
+        return cfg.sync.transport
+    return "broadcast" if importlib.util.find_spec("vllm.distributed.weight_transfer") else "object_store"
+
+
+def wire_backend(cfg: Config) -> str | None:
+    """The vLLM weight-transfer backend the generators' engines are built with (None for the object store):
+    NCCL when the learner and the engines are both on GPUs, else gloo."""
+    if transport_name(cfg) != "broadcast":
+        return None
+    return "nccl" if cfg.learner.num_gpus > 0 and cfg.rollout.num_gpus > 0 else "gloo"
+
+
+def make_transport(cfg: Config, learner, generators: list[ray.actor.ActorHandle]) -> WeightTransport:
+    """The transport `sync.transport` names, between a `LearnerGroup` and the generator actors."""
+    if transport_name(cfg) == "broadcast":
+        from grpo_dist.transports.broadcast import BroadcastTransport
+
+        return BroadcastTransport(cfg, learner, generators)
+    from grpo_dist.transports.object_store import ObjectStoreTransport
+
+    return ObjectStoreTransport(cfg, learner, generators)
+
+
+def wait_all(refs: list[ray.ObjectRef], actors: list[str], call: str, timeout_s: float, transport: str) -> list:
+    """Results of one call per actor; fails naming the first actor that failed or did not answer in time."""
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref, actor in zip(refs, actors, strict=True):
+        if ref in pending:
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as err:
+            raise WeightSyncError(f"{transport} weight sync: {actor}: {call} failed: {err}") from err
+    if pending:
+        hung = [actor for ref, actor in zip(refs, actors, strict=True) if ref in pending]
+        raise WeightSyncError(
+            f"{transport} weight sync: {', '.join(hung)}: {call} did not return within {timeout_s:.0f} s"
+        )
+    return ray.get(refs)

@@ -1,0 +1,35 @@
+"""Object-store transport: learner rank 0 returns the full state dict (every rank gathers it under ZeRO-3), Ray keeps
+one copy per node, and each generator loads it through vLLM's in-place reload (`grpo_dist.actors.weight_sync`).
+
+Simple and always available, but the whole model crosses host memory on every sync and rank 0 holds all of it.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from grpo_dist.config import Config
+from grpo_dist.transports import wait_all
+
+
+class ObjectStoreTransport:
+    name = "object_store"
+
+    def __init__(self, cfg: Config, learner, generators: list[ray.actor.ActorHandle]) -> None:
+        self.learner, self.generators = learner, generators
+        self.timeout_s = cfg.sync.timeout_s
+
+    def connect(self) -> None:
+        pass
+
+    def sync(self, weight_version: int) -> None:
+        weights = self.learner.state_dict()
+        calls = [generator.load_weights.remote(weights, weight_version) for generator in self.generators]
+        wait_all(calls, _names(self.generators), "load_weights", self.timeout_s, self.name)
+
+    def close(self) -> None:
+        pass
+
+
+def _names(generators: list) -> list[str]:
+    return [f"generator {index}" for index in range(len(generators))]
