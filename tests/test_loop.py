@@ -35,10 +35,18 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
     from grpo_dist.cluster import Cluster
     from grpo_dist.driver import prepare, train
 
-    cfg = validate_config(small_config(tmp_path, wandb={"enabled": True, "mode": "offline"}))
+    # The scaled-out shape: 2 learner ranks under ZeRO-3, 2 generators, weights broadcast over gloo.
+    raw = small_config(
+        tmp_path,
+        wandb={"enabled": True, "mode": "offline"},
+        learner={"num_ranks": 2, "zero_stage": 3},
+        rollout={"num_generators": 2},
+    )
+    cfg = validate_config(raw)
     inputs = prepare(cfg)
     initial = load_file(f"{inputs.model_path}/model.safetensors")
     cluster = Cluster.start(cfg, inputs.model_path)
+    assert (len(cluster.learner.ranks), len(cluster.generators), cluster.transport.name) == (2, 2, "broadcast")
 
     try:
         run_dir = train(cfg, cluster)
