@@ -136,22 +136,28 @@ def _init_info(spec: SenderSpec, rank: int):
 
 def model_source(module, zero3: bool):
     """A vLLM `WeightSource` over a Hugging Face module trained by DeepSpeed: full shapes from metadata without
-    gathering; under ZeRO-3 iteration gathers one parameter at a time (a collective on every rank) and frees it
+    gathering; under ZeRO-3 iteration gathers one decoder layer at a time (a collective on every rank) and frees it
     once the next is asked for. Tied weights are sent under each of their names (as in the module's state dict):
     vLLM's layerwise reload waits for `lm_head.weight` even when it is the embedding."""
     import deepspeed
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
+
+    named = dict(module.named_parameters(remove_duplicate=False))
+    groups = layerwise_groups(list(named))  # decoder layers in order; metadata and iteration both follow it
+    params = {name: named[name] for group in groups for name in group}
 
     class ModelSource(WeightSource):
         def metadata(self) -> list[ParamMeta]:
             return [
                 ParamMeta(name, param.dtype, tuple(param.ds_shape if zero3 else param.shape))
-                for name, param in module.named_parameters(remove_duplicate=False)
+                for name, param in params.items()
             ]
 
         def __iter__(self):
-            for name, param in module.named_parameters(remove_duplicate=False):
-                with deepspeed.zero.GatheredParameters([param], enabled=zero3):
-                    yield name, param.data
+            for names in groups:
+                layer = list({id(params[name]): params[name] for name in names}.values())
+                with deepspeed.zero.GatheredParameters(layer, enabled=zero3):
+                    for name in names:
+                        yield name, params[name].data
 
     return ModelSource()

@@ -206,6 +206,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.bucket_bytes = init_info.bucket_bytes
+        engine.buffers = [None, None]  # kept between syncs: allocating (and faulting in) buckets each time is slow
         if not engine.is_sender:
             return engine
         worker_info = GlooWeightTransferInitInfo(
@@ -249,7 +250,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _send(self, buckets: list[tuple[list[Slot], int]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Pack each bucket into one of two buffers while the previous bucket is on the wire."""
-        buffers: list[torch.Tensor | None] = [None, None]
+        buffers: list[torch.Tensor | None] = self.buffers
         works: list = [None, None]
         for index, (slots, size) in enumerate(buckets):
             side = index % 2

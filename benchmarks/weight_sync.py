@@ -1,0 +1,137 @@
+"""Weight sync: seconds and GB/s of each transport beside a bare broadcast of the same bytes, in one run.
+
+    .venv/bin/python benchmarks/weight_sync.py [--sizes 30m 300m] [--repeats 3] [--ranks 1] [--zero-stage 3]
+
+For each Qwen2-shaped random-init model it starts a learner group and one generator (vLLM, weight transfer over
+gloo on this machine) and times, from the driver, a full sync by each transport (`broadcast`, `object_store`), then
+a bare gloo broadcast of the same number of bytes, in chunks of `sync.bucket_mb`, between the same two processes
+(learner rank 0 and the generator): no gathering, packing or loading, the practical limit of the wire. Prints one
+JSON line per (model, transport) with `ratio` = bare seconds / transport seconds (1.0 would be the wire's speed).
+Each figure is the median of `--repeats` syncs after one warm-up. Run by hand; CI never runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import ray
+import torch
+
+from grpo_dist.actors.generator import Generator
+from grpo_dist.config import validate_config
+from grpo_dist.learner_group import LearnerGroup
+from grpo_dist.models import build_tiny_model
+from grpo_dist.transports import make_transport
+
+SIZES = {
+    "30m": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "intermediate_size": 1536},
+    "300m": {"hidden_size": 1024, "num_layers": 22, "num_heads": 16, "intermediate_size": 3072},
+}
+
+
+def config(model_dir: str, transport: str, args: argparse.Namespace) -> dict:
+    return {
+        "model": {"path": model_dir},
+        "data": {"task": {"name": "last_digit"}},
+        "reward": {"functions": [{"name": "math_answer"}]},
+        "algorithm": {"kl_coef": 0.0},
+        "rollout": {"max_model_len": 64, "cpu_kv_cache_gib": 0.1},
+        "learner": {"num_ranks": args.ranks, "zero_stage": args.zero_stage},
+        "sync": {"transport": transport, "bucket_mb": args.bucket_mb},
+        "wandb": {"enabled": False},
+    }
+
+
+def sent_bytes(learner: LearnerGroup) -> tuple[int, int]:
+    """(parameters, bytes a sync sends): every named parameter, tied ones under each name, at the learner's dtype."""
+
+    def count(self):
+        params = list(self.engine.module.named_parameters(remove_duplicate=False))
+        shapes = [(getattr(p, "ds_shape", p.shape), p.dtype) for _, p in params]
+        unique = {id(p): getattr(p, "ds_numel", p.numel()) for _, p in params}
+        return sum(unique.values()), sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes)
+
+    return learner.call("__ray_call__", count)[0]
+
+
+def bare_broadcast(rank: int, address: str, port: int, world: int, total: int, chunk: int) -> float:
+    """Broadcast `total` bytes from rank 0 in chunks of `chunk`, one after another; seconds on this rank."""
+    from grpo_dist.transports.gloo import broadcast, open_group
+
+    group = open_group(address, port, rank, world, 600)
+    buffer = torch.ones(min(chunk, total), dtype=torch.uint8)
+    broadcast(group, buffer).wait()  # warm-up
+    started = time.perf_counter()
+    for offset in range(0, total, chunk):
+        broadcast(group, buffer[: min(chunk, total - offset)]).wait()
+    return time.perf_counter() - started
+
+
+def time_bare(learner: LearnerGroup, generator, total: int, chunk: int) -> float:
+    (_, address), *_ = learner.call("node")
+    port = learner.call("free_port")[0]
+    sender = learner.ranks[0].__ray_call__.remote(lambda self: bare_broadcast(0, address, port, 2, total, chunk))
+    receiver = generator.__ray_call__.remote(lambda self: bare_broadcast(1, address, port, 2, total, chunk))
+    started = time.perf_counter()
+    ray.get([sender, receiver], timeout=1200)
+    return time.perf_counter() - started
+
+
+def time_sync(transport, repeats: int) -> float:
+    transport.sync(0)  # warm-up
+    seconds = []
+    for version in range(1, repeats + 1):
+        started = time.perf_counter()
+        transport.sync(version)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def measure(size: str, args: argparse.Namespace) -> None:
+    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix=f"weight-sync-{size}-"), **SIZES[size]))
+    cfg = validate_config(config(model_dir, "broadcast", args))
+    learner = LearnerGroup.start(cfg, model_dir)
+    generator = ray.remote(Generator).options(num_cpus=1).remote(model_dir, cfg.rollout, 0, "gloo")
+    try:
+        ray.get(generator.__ray_ready__.remote(), timeout=600)
+        parameters, nbytes = sent_bytes(learner)
+        chunk = int(args.bucket_mb * 2**20)
+        bare = statistics.median(time_bare(learner, generator, nbytes, chunk) for _ in range(args.repeats))
+        rows = [("bare_gloo_broadcast", bare)]
+        for name in ("broadcast", "object_store"):
+            transport = make_transport(validate_config(config(model_dir, name, args)), learner, [generator])
+            transport.connect()
+            rows.append((name, time_sync(transport, args.repeats)))
+        for name, seconds in rows:
+            result = {
+                "size": size, "parameters": parameters, "bytes": nbytes, "ranks": args.ranks,
+                "zero_stage": args.zero_stage, "bucket_mb": args.bucket_mb, "transport": name,
+                "seconds": round(seconds, 4), "gb_per_s": round(nbytes / seconds / 1e9, 3),
+                "ratio": round(bare / seconds, 3),
+            }  # fmt: skip
+            print(json.dumps(result), flush=True)
+    finally:
+        learner.shutdown()
+        ray.kill(generator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["30m", "300m"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--zero-stage", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    args = parser.parse_args()
+    ray.init(num_cpus=max(4, args.ranks + 2), include_dashboard=False, log_to_driver=False)
+    for size in args.sizes:
+        measure(size, args)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
