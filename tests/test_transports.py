@@ -90,3 +90,33 @@ def test_every_generator_holds_the_learners_weights_after_each_transport(ray_clu
         learner.shutdown()
         for generator in generators:
             ray_cluster.kill(generator)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_nccl_broadcast_reaches_both_workers_of_a_tensor_parallel_engine(ray_cluster, tmp_path):
+    """On GPUs: 2 learner ranks under ZeRO-3 and one engine of tensor_parallel_size 2 (vLLM's Ray executor, a
+    worker per GPU): the NCCL broadcast reaches both workers and the engine's logprobs equal the learner's."""
+    from test_learner import sample_batch
+
+    from grpo_dist.cluster import Cluster
+    from grpo_dist.models import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "model"))
+    raw = small_config(
+        tmp_path,
+        learner={"num_ranks": 2, "zero_stage": 3, "micro_batch_size": 2, "lr": 1e-2, "num_gpus": 1},
+        rollout={"num_generators": 1, "tensor_parallel_size": 2, "num_gpus": 1, "dtype": "float32"},
+    )
+    cfg = validate_config(raw)
+    cluster = Cluster.start(cfg, model_dir)
+    try:
+        assert cluster.transport.name == "broadcast"
+        cluster.train(sample_batch())
+        cluster.sync_weights(1)
+        sequence = [10, 11, 12, 7, 8, 9, 2]
+        expected = torch.tensor(cluster.learner.sequence_logprobs(sequence))
+        got = torch.tensor(ray_cluster.get(cluster.generators[0].sequence_logprobs.remote(sequence)))
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the learner trains in bf16 on GPUs
+    finally:
+        cluster.shutdown()
