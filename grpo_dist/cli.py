@@ -6,9 +6,13 @@ Only the config module is imported up front, so `--help` and config errors are i
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 
-from grpo_dist.config import ConfigError, field_docs, load_config
+from grpo_dist.config import Config, ConfigError, field_docs, load_config
+
+CONNECT_TIMEOUT_S = 10.0  # `check --cluster`: how long the cluster's address may take to answer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="validate a config (with overrides) and print it, starting nothing")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
+    check.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="also connect to the running Ray cluster at ADDRESS (host:port or auto) and print where each placement "
+        "group would go; exit 1 when the run does not fit, 2 when the cluster cannot be reached",
+    )
     reference = commands.add_parser("reference", help="print every config key with its default and meaning")
     reference.add_argument("--markdown", action="store_true", help="as the Markdown table of the README")
     plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
@@ -71,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
         import yaml
 
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        return 0
+        return _check_cluster(cfg, args.cluster) if args.cluster else 0
     from grpo_dist.data import DatasetError
     from grpo_dist.driver import train
 
@@ -81,6 +91,49 @@ def _run(args: argparse.Namespace) -> int:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_cluster(cfg: Config, address: str) -> int:
+    """Print the placement plan of `cfg` on the Ray cluster at `address`: 0 if it fits, 1 if not, 2 if the cluster
+    cannot be reached. Every step is bounded: a TCP probe of the address first, then one connection attempt."""
+    import ray
+
+    problem = _unreachable(address)
+    if problem is None:
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "1")  # one attempt (~40 s), not Ray's 20
+        try:
+            ray.init(address=address, logging_level="warning", log_to_driver=False)
+        except (ConnectionError, ValueError, ray.exceptions.RayError) as err:
+            problem = f"{type(err).__name__}: {err}"
+    if problem is not None:
+        print(
+            f"grpo-dist: cannot connect to the Ray cluster at {address}: {problem}\n"
+            "Is it running (`ray status` on its head node) and is the address the head's GCS address (port 6379 by "
+            "default)? A cluster started with token authentication needs RAY_AUTH_MODE=token and its token in "
+            "~/.ray/auth_token (or RAY_AUTH_TOKEN) here too.",
+            file=sys.stderr,
+        )
+        return 2
+    from grpo_dist.placement import cluster_nodes, describe, fits
+
+    try:
+        nodes = cluster_nodes()
+    finally:
+        ray.shutdown()
+    print(describe(cfg, nodes))
+    return 0 if fits(cfg, nodes) else 1
+
+
+def _unreachable(address: str) -> str | None:
+    """Why nothing answers at `address` within CONNECT_TIMEOUT_S, or None (also for `auto`, which Ray resolves)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        return f"nothing answers at {host}:{port} within {CONNECT_TIMEOUT_S:g} s ({err})"
+    return None
 
 
 if __name__ == "__main__":

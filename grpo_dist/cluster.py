@@ -17,6 +17,7 @@ from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
 from grpo_dist.learner_group import LearnerGroup
+from grpo_dist.placement import Placement, generator_resources, place
 from grpo_dist.transports import WeightTransport, make_transport, wire_backend
 from grpo_dist.types import Completion, Score, ScoreRequest
 
@@ -42,31 +43,50 @@ def start_ray(cfg: Config) -> None:
 
 @dataclass
 class Cluster:
-    """Handles to every actor of a run."""
+    """Handles to every actor of a run, their placement groups and the weight transport between them."""
 
     learner: LearnerGroup
     generators: list[ray.actor.ActorHandle]
     reward_workers: list[ray.actor.ActorHandle]
     transport: WeightTransport
+    placement: Placement
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> Cluster:
-        """Create the actors and wait until every engine is up (errors surface here, with the actor named)."""
-        rollout = cfg.rollout
-        learner = LearnerGroup.start(cfg, model_path, timeout_s=cfg.sync.timeout_s)
-        generator_actor = ray.remote(Generator).options(num_cpus=rollout.num_cpus, num_gpus=rollout.num_gpus)
-        generators = [
-            generator_actor.remote(model_path, rollout, cfg.run.seed + index, wire_backend(cfg))
-            for index in range(rollout.num_generators)
-        ]
-        reward_actor = ray.remote(RewardWorker).options(num_cpus=cfg.reward.num_cpus)
-        workers = [
-            reward_actor.remote(cfg.reward.functions, cfg.reward.timeout_s) for _ in range(cfg.reward.num_workers)
-        ]
-        ray.get([actor.__ray_ready__.remote() for actor in [*generators, *workers]])
-        transport = make_transport(cfg, learner, generators)
-        transport.connect()
-        return cls(learner, generators, workers, transport)
+        """Reserve the placement groups, create the actors in them, wait until every engine is up and connect the
+        weight transport (errors surface here, with the actor named). On any failure nothing is left running."""
+        placement = place(cfg)
+        started: list[ray.actor.ActorHandle] = []
+        try:
+            learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies(), timeout_s=cfg.sync.timeout_s)
+            started += learner.ranks
+            generator_actor = ray.remote(Generator)
+            generators = [
+                generator_actor.options(
+                    **generator_resources(cfg), scheduling_strategy=placement.generator_strategy(index)
+                ).remote(model_path, cfg.rollout, cfg.run.seed + index, wire_backend(cfg))
+                for index in range(cfg.rollout.num_generators)
+            ]
+            started += generators
+            reward_actor = ray.remote(RewardWorker)
+            workers = [
+                reward_actor.options(
+                    num_cpus=cfg.reward.num_cpus, scheduling_strategy=placement.reward_strategy(index)
+                ).remote(cfg.reward.functions, cfg.reward.timeout_s)
+                for index in range(cfg.reward.num_workers)
+            ]
+            started += workers
+            names = [f"generator {i}" for i in range(len(generators))]
+            names += [f"reward worker {i}" for i in range(len(workers))]
+            _wait_ready([*generators, *workers], names, cfg.sync.timeout_s)
+            transport = make_transport(cfg, learner, generators)
+            transport.connect()
+        except BaseException:
+            for actor in started:
+                ray.kill(actor)
+            placement.remove()
+            raise
+        return cls(learner, generators, workers, transport, placement)
 
     def generate(self, prompts: list[PromptRecord], group_size: int, greedy: bool = False) -> list[Completion]:
         """Split the prompts across generators; completions come back grouped, in prompt order."""
@@ -103,6 +123,22 @@ class Cluster:
         self.learner.shutdown()
         for actor in [*self.generators, *self.reward_workers]:
             ray.kill(actor)
+        self.placement.remove()
+
+
+def _wait_ready(actors: list[ray.actor.ActorHandle], names: list[str], timeout_s: float) -> None:
+    """Wait for the actors' constructors (engines loading their models); fail naming the first that failed or hung."""
+    refs = [actor.__ray_ready__.remote() for actor in actors]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref, name in zip(refs, names, strict=True):
+        if ref not in pending:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                raise RuntimeError(f"{name} failed to start: {err}") from err
+    if pending:
+        hung = [name for ref, name in zip(refs, names, strict=True) if ref in pending]
+        raise RuntimeError(f"{', '.join(hung)} did not start within {timeout_s:.0f} s (sync.timeout_s)")
 
 
 def _shards(total: int, parts: int) -> list[tuple[int, int]]:
