@@ -5,8 +5,10 @@
 For each Qwen2-shaped random-init model it starts a learner group and one generator (vLLM, weight transfer over
 gloo on this machine) and times, from the driver, a full sync by each transport (`broadcast`, `object_store`), then
 a bare gloo broadcast of the same number of bytes, in chunks of `sync.bucket_mb`, between the same two processes
-(learner rank 0 and the generator): no gathering, packing or loading, the practical limit of the wire. Prints one
-JSON line per (model, transport) with `ratio` = bare seconds / transport seconds (1.0 would be the wire's speed).
+(learner rank 0 and the generator): no gathering, packing or loading, the practical limit of the wire. It also
+times `engine_load_only`: vLLM loading the same weights already in the generator's memory (what any transport's
+receiving end must do). Prints one JSON line per (model, row) with `ratio` = bare seconds / row seconds (1.0 would
+be the wire's speed).
 Each figure is the median of `--repeats` syncs after one warm-up. Run by hand; CI never runs it.
 """
 
@@ -76,9 +78,26 @@ def time_bare(learner: LearnerGroup, generator, total: int, chunk: int) -> float
     port = learner.call("free_port")[0]
     sender = learner.ranks[0].__ray_call__.remote(lambda self: bare_broadcast(0, address, port, 2, total, chunk))
     receiver = generator.__ray_call__.remote(lambda self: bare_broadcast(1, address, port, 2, total, chunk))
+    return max(ray.get([sender, receiver], timeout=1200))  # the wire alone: after the rendezvous and a warm-up
+
+
+def load_into_engine(self, weights: dict) -> float:
+    """Inside a vLLM worker: seconds to load weights already in its memory (the receiving end's own work)."""
+    engine = self.weight_transfer_engine
     started = time.perf_counter()
-    ray.get([sender, receiver], timeout=1200)
+    engine.start_weight_update()
+    engine.model.load_weights(list(weights.items()))
+    engine.finish_weight_update()
     return time.perf_counter() - started
+
+
+def time_load(learner: LearnerGroup, generator) -> float:
+    weights = ray.get(learner.state_dict(), timeout=1200)
+
+    def load(self, weights):
+        return self.llm.collective_rpc(load_into_engine, args=(weights,))[0]
+
+    return ray.get(generator.__ray_call__.remote(load, weights), timeout=1200)
 
 
 def time_sync(transport, repeats: int) -> float:
@@ -101,7 +120,8 @@ def measure(size: str, args: argparse.Namespace) -> None:
         parameters, nbytes = sent_bytes(learner)
         chunk = int(args.bucket_mb * 2**20)
         bare = statistics.median(time_bare(learner, generator, nbytes, chunk) for _ in range(args.repeats))
-        rows = [("bare_gloo_broadcast", bare)]
+        load = statistics.median(time_load(learner, generator) for _ in range(args.repeats))
+        rows = [("bare_gloo_broadcast", bare), ("engine_load_only", load)]
         for name in ("broadcast", "object_store"):
             transport = make_transport(validate_config(config(model_dir, name, args)), learner, [generator])
             transport.connect()
