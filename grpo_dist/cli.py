@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 from grpo_dist.config import Config, ConfigError, field_docs, load_config
-
-CONNECT_TIMEOUT_S = 10.0  # `check --cluster`: how long the cluster's address may take to answer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         print(f"run directory: {train(cfg)}")
-    except DatasetError as err:
+    except (DatasetError, ConnectionError) as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
     return 0
@@ -98,7 +95,9 @@ def _check_cluster(cfg: Config, address: str) -> int:
     cannot be reached. Every step is bounded: a TCP probe of the address first, then one connection attempt."""
     import ray
 
-    problem = _unreachable(address)
+    from grpo_dist.cluster import unreachable
+
+    problem = unreachable(address)
     if problem is None:
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "1")  # one attempt (~40 s), not Ray's 20
         try:
@@ -122,18 +121,6 @@ def _check_cluster(cfg: Config, address: str) -> int:
         ray.shutdown()
     print(describe(cfg, nodes))
     return 0 if fits(cfg, nodes) else 1
-
-
-def _unreachable(address: str) -> str | None:
-    """Why nothing answers at `address` within CONNECT_TIMEOUT_S, or None (also for `auto`, which Ray resolves)."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if address == "auto" or not sep or not port.isdigit():
-        return None
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as err:
-        return f"nothing answers at {host}:{port} within {CONNECT_TIMEOUT_S:g} s ({err})"
-    return None
 
 
 if __name__ == "__main__":

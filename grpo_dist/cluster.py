@@ -6,6 +6,7 @@ Resources (CPUs, GPUs, environment) are given here with `.options(...)`; constru
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import ray
@@ -32,13 +33,34 @@ def actor_cpus(cfg: Config) -> float:
 
 
 def start_ray(cfg: Config) -> None:
-    """Join `ray.address`, or start a local cluster big enough for the run's actors."""
+    """Join `ray.address`, or start a local cluster of this run's own big enough for its actors (even where another
+    Ray cluster runs on the machine: that one is joined only when named in `ray.address`)."""
     quiet = {"TOKENIZERS_PARALLELISM": "false"}
     if cfg.ray.address:
+        if problem := unreachable(cfg.ray.address):
+            raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")  # Ray's own retries would take minutes
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": quiet}, log_to_driver=True)
+    ray.init(
+        address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": quiet}, log_to_driver=True
+    )
+
+
+CONNECT_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
+
+
+def unreachable(address: str) -> str | None:
+    """Why nothing answers at `address` within CONNECT_TIMEOUT_S, or None (also for `auto`, which Ray resolves)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        return f"nothing answers at {host}:{port} within {CONNECT_TIMEOUT_S:g} s ({err})"
+    return None
 
 
 @dataclass

@@ -8,6 +8,7 @@ Everything that can be wrong with the inputs is checked by `prepare` before any 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,8 +44,12 @@ class Inputs:
 def train(cfg: Config, cluster: Cluster | None = None) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, final/). Starts Ray and the actors
     unless a running `cluster` is given."""
-    start_run_dir(cfg)
-    inputs = prepare(cfg)
+    earlier = start_run_dir(cfg)
+    try:
+        inputs = prepare(cfg)
+    except BaseException:
+        discard_run_dir(cfg, earlier)
+        raise
     if cluster is None:
         start_ray(cfg)
         cluster = Cluster.start(cfg, inputs.model_path)
@@ -71,15 +76,25 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
     return cfg.run_dir
 
 
-def start_run_dir(cfg: Config) -> None:
-    """Create the run directory and record the resolved config; an earlier run there is moved aside, not lost."""
+def start_run_dir(cfg: Config) -> Path | None:
+    """Create the run directory and record the resolved config; an earlier run there is moved aside, not lost.
+    Returns where the earlier run went (None if there was none)."""
     run_dir = cfg.run_dir
+    kept = None
     if run_dir.exists() and any(run_dir.iterdir()):
         kept = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(kept)
         print(f"an earlier run in {run_dir} was moved to {kept}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return kept
+
+
+def discard_run_dir(cfg: Config, earlier: Path | None) -> None:
+    """Undo `start_run_dir` after a failed pre-flight check: no new run directory, the earlier run back in place."""
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    if earlier is not None:
+        earlier.rename(cfg.run_dir)
 
 
 def save_interrupted(cluster: Cluster, out_dir: Path) -> None:
@@ -204,6 +219,11 @@ def prepare(cfg: Config) -> Inputs:
         )
     train_path, eval_path = prepare_data(cfg)
     train, skipped = read_prompts(cfg, train_path, tokenizer)
+    if len(train) < cfg.data.prompts_per_step:
+        raise ConfigError(
+            f"data.prompts_per_step ({cfg.data.prompts_per_step}) is more than the {len(train)} usable training "
+            f"prompts of {train_path}: a step would repeat prompts; lower it or add data"
+        )
     if skipped:
         print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     held_out = read_prompts(cfg, eval_path, tokenizer)[0] if eval_path is not None else []

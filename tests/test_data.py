@@ -97,7 +97,7 @@ def test_parquet_bad_row_names_row_number(tmp_path: Path) -> None:
         ),
         pytest.param("bad.parquet", b"not parquet", DatasetError, "cannot read as Parquet", id="not_parquet"),
         pytest.param(
-            "d.csv", b"prompt\n1+1=\n", ValueError, r"unsupported dataset suffix '\.csv'.*\.parquet", id="csv"
+            "d.csv", b"prompt\n1+1=\n", DatasetError, r"unsupported dataset suffix '\.csv'.*\.parquet", id="csv"
         ),
     ],
 )

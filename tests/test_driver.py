@@ -51,6 +51,9 @@ def test_cli_exits_with_the_dataset_error(tmp_path, bad_dataset):
         pytest.param("reward", {"functions": [{"name": "math_anwser"}]}, "Did you mean 'math_answer'?", id="reward"),
         pytest.param("eval", {"reward": "no_such.module.fn"}, "no_such.module.fn", id="eval-reward"),
         pytest.param("rollout", {"max_model_len": 16}, "exceeds rollout.max_model_len (16)", id="length-budget"),
+        pytest.param(
+            "data", {"prompts_per_step": 65}, "data.prompts_per_step (65) is more than the 64", id="step-over-dataset"
+        ),
     ],
 )
 def test_bad_inputs_fail_in_prepare(tmp_path, section, values, message):
@@ -64,7 +67,7 @@ def test_a_renamed_prompt_field_is_read(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text('{"question": "1 2:", "answer": "2"}\n')
     raw = config_with_dataset(tmp_path, path)
-    raw["data"]["prompt_field"] = "question"
+    raw["data"].update(prompt_field="question", prompts_per_step=1)
     inputs = prepare(validate_config(raw))
     assert [(r.text, r.fields) for r in inputs.train] == [("1 2:", {"answer": "2"})]
 
@@ -84,3 +87,26 @@ def test_an_earlier_run_is_moved_aside_not_overwritten(tmp_path):
     kept = [p for p in cfg.run_dir.parent.iterdir() if p.name.startswith("test-")]
     assert len(kept) == 1 and (kept[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["config.yaml"]
+
+
+def test_a_failed_preflight_check_leaves_no_run_directory_and_the_earlier_run_in_place(tmp_path):
+    from grpo_dist.driver import train
+
+    cfg = validate_config(small_config(tmp_path, data={"prompts_per_step": 65}))
+    with pytest.raises(ConfigError):
+        train(cfg)
+    assert not cfg.run_dir.exists()
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError):
+        train(cfg)
+    assert [p.name for p in cfg.run_dir.parent.iterdir() if p.name.startswith("test")] == ["test"]
+    assert (cfg.run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
+    from grpo_dist.cluster import start_ray
+
+    cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
+    with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):
+        start_ray(cfg)

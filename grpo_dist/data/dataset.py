@@ -93,13 +93,13 @@ def _read_parquet(path: Path, prompt_field: str) -> list[dict[str, Any]]:
 def load_rows(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
     """Read every row of a ``.jsonl``/``.json`` (JSON Lines) or ``.parquet`` file and check its prompt field.
 
-    Raises ``ValueError`` for an unsupported suffix and :class:`DatasetError` for a missing or empty file or the
+    Raises :class:`DatasetError` for an unsupported suffix (naming the supported ones), a missing or empty file or the
     first malformed row (with its file and 1-based line or row number).
     """
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
-        raise ValueError(
+        raise DatasetError(
             f"{path}: unsupported dataset suffix {suffix or '(none)'!r}; supported: {', '.join(SUPPORTED_SUFFIXES)}."
         )
     if not path.is_file():
