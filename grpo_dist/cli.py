@@ -20,6 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="run GRPO: grpo-dist train CONFIG [section.key=value ...]")
     train.add_argument("config", help="YAML config file")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=5e-6 rollout.group_size=8")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="CHECKPOINT",
+        help="continue the run in run.output_dir/run.name from its latest checkpoint (or from CHECKPOINT)",
+    )
     check = commands.add_parser("check", help="validate a config (with overrides) and print it, starting nothing")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
@@ -83,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     from grpo_dist.driver import train
 
     try:
-        print(f"run directory: {train(cfg)}")
+        print(f"run directory: {train(cfg, resume=args.resume)}")
     except (DatasetError, ConnectionError) as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2

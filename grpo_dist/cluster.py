@@ -110,11 +110,16 @@ class Cluster:
             raise
         return cls(learner, generators, workers, transport, placement)
 
-    def generate(self, prompts: list[PromptRecord], group_size: int, greedy: bool = False) -> list[Completion]:
-        """Split the prompts across generators; completions come back grouped, in prompt order."""
+    def generate(
+        self, prompts: list[PromptRecord], group_size: int, greedy: bool = False, seeds: list[int] | None = None
+    ) -> list[Completion]:
+        """Split the prompts across generators; completions come back grouped, in prompt order. `seeds`: one
+        sampling seed per prompt."""
         shards = _shards(len(prompts), len(self.generators))
         calls = [
-            generator.generate.remote([p.token_ids for p in prompts[start:end]], group_size, greedy, start)
+            generator.generate.remote(
+                [p.token_ids for p in prompts[start:end]], group_size, greedy, start, seeds and seeds[start:end]
+            )
             for generator, (start, end) in zip(self.generators, shards, strict=True)
             if end > start
         ]

@@ -260,6 +260,18 @@ class SyncConfig(_Section):
     """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
 
 
+class CheckpointConfig(_Section):
+    every_steps: int = Field(50, ge=0)
+    """Write a checkpoint every this many steps (and at the last step); 0 writes none."""
+    keep: int = Field(3, ge=1)
+    """How many of the newest checkpoints to keep."""
+    dir: str | None = None
+    """Where checkpoints go; null means `<run dir>/checkpoints`. With learner ranks on several nodes it must be
+    a filesystem every node shares."""
+    save_hf: bool = False
+    """Also write a Hugging Face copy of the policy into each checkpoint (`hf/`)."""
+
+
 class EvalConfig(_Section):
     reward: str = "math_answer"
     """Reward function whose value 1.0 counts as a correct answer when measuring held-out accuracy."""
@@ -269,7 +281,8 @@ class EvalConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = None
-    """Ray cluster to join (`auto` or `host:port`); null starts a local cluster for this run."""
+    """Ray cluster to join (`auto` or `host:port`; one that does not answer fails at once, naming it); null starts
+    a local cluster for this run, even where another Ray cluster runs on the machine."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the local cluster; null means at least what the actors ask for."""
     placement_timeout_s: float = Field(60.0, gt=0)
@@ -305,6 +318,8 @@ class Config(_Section):
     """Optimizer and DeepSpeed."""
     sync: SyncConfig = Field(default_factory=SyncConfig)
     """Weight sync from the learner to the generators."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out accuracy."""
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -326,6 +341,10 @@ class Config(_Section):
     def run_dir(self) -> Path:
         """Where this run writes its outputs."""
         return Path(self.run.output_dir) / self.run.name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

@@ -8,6 +8,7 @@ Everything that can be wrong with the inputs is checked by `prepare` before any 
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from grpo_dist import checkpoints
 from grpo_dist.algo import informative_groups, multi_reward_advantages, overlong_penalty
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_ray
@@ -41,22 +43,27 @@ class Inputs:
     held_out: list[PromptRecord]
 
 
-def train(cfg: Config, cluster: Cluster | None = None) -> Path:
-    """Run GRPO as configured; returns the run directory (metrics.jsonl, final/). Starts Ray and the actors
-    unless a running `cluster` is given."""
-    earlier = start_run_dir(cfg)
+def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = False) -> Path:
+    """Run GRPO as configured; returns the run directory (metrics.jsonl, checkpoints/, final/). Starts Ray and the
+    actors unless a running `cluster` is given. `resume`: continue from the run's latest checkpoint (True) or
+    from the checkpoint at a path."""
+    checkpoint = find_checkpoint(cfg, resume)
+    earlier = None if checkpoint else start_run_dir(cfg)
     try:
         inputs = prepare(cfg)
     except BaseException:
-        discard_run_dir(cfg, earlier)
+        if checkpoint is None:
+            discard_run_dir(cfg, earlier)
         raise
     if cluster is None:
         start_ray(cfg)
         cluster = Cluster.start(cfg, inputs.model_path)
-    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir))
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
-    report_accuracy(cfg, cluster, inputs.held_out, "before training")
-    progress = tqdm(range(1, cfg.run.steps + 1), desc="grpo", unit="step", dynamic_ncols=True)
+    done, wandb_id = resume_from(cluster, sampler, checkpoint) if checkpoint else (0, None)
+    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=done)
+    if done == 0:
+        report_accuracy(cfg, cluster, inputs.held_out, "before training")
+    progress = tqdm(range(done + 1, cfg.run.steps + 1), desc="grpo", unit="step", dynamic_ncols=True)
     try:
         for step in progress:
             metrics = train_step(cfg, cluster, sampler, inputs.pad_token_id, weight_version=step)
@@ -65,6 +72,9 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
                 f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} "
                 f"tok/s={metrics['tokens_per_s']:.0f}"
             )
+            every = cfg.checkpoint.every_steps
+            if every and (step % every == 0 or step == cfg.run.steps):
+                checkpoints.save(cfg, cluster, step, run_state(sampler, sink))
     except BaseException:
         save_interrupted(cluster, cfg.run_dir / "interrupted")
         raise
@@ -74,6 +84,33 @@ def train(cfg: Config, cluster: Cluster | None = None) -> Path:
     if cfg.run.save_final:
         print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
     return cfg.run_dir
+
+
+def find_checkpoint(cfg: Config, resume: str | bool) -> Path | None:
+    """The checkpoint a resumed run starts from, after checking the config against it (None: a new run)."""
+    if not resume:
+        return None
+    checkpoint = checkpoints.find(cfg, resume if isinstance(resume, str) else None)
+    for change in checkpoints.check_config(cfg, checkpoint):
+        print(f"resuming with a changed setting: {change}")
+    return checkpoint
+
+
+def resume_from(cluster: Cluster, sampler: PromptSampler, checkpoint: Path) -> tuple[int, str | None]:
+    """Load a checkpoint into the learner group, the generators, the sampler and the driver's random generators;
+    returns the last step it holds and its W&B run id."""
+    state = checkpoints.load_state(checkpoint)
+    cluster.learner.load_checkpoint(str(checkpoint / "learner"))
+    cluster.sync_weights(state["step"])
+    sampler.load_state_dict(state["sampler"])
+    checkpoints.restore_random_state(state["random"])
+    print(f"resumed from {checkpoint} after step {state['step']}")
+    return state["step"], state["wandb_id"]
+
+
+def run_state(sampler: PromptSampler, sink: MetricsSink) -> dict:
+    """What the driver carries from step to step, for a checkpoint."""
+    return {"sampler": sampler.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
 
 
 def start_run_dir(cfg: Config) -> Path | None:
@@ -111,7 +148,7 @@ def train_step(
 ) -> dict[str, float]:
     """One GRPO step: sample groups, score them, compute advantages, update the policy, sync the generators."""
     timer, started = StepTimer(), time.perf_counter()
-    rollout, sampling_metrics = collect_rollout(cfg, cluster, sampler, timer)
+    rollout, sampling_metrics = collect_rollout(cfg, cluster, sampler, timer, weight_version)
     rewards, advantages = compute_advantages(cfg, rollout)  # [B*G] each
     batch = collate(rollout.completions, advantages, pad_token_id, mask_truncated=cfg.algorithm.overlong == "mask")
     with timer("train"):
@@ -127,17 +164,19 @@ def train_step(
 
 
 def collect_rollout(
-    cfg: Config, cluster: Cluster, sampler: PromptSampler, timer: StepTimer
+    cfg: Config, cluster: Cluster, sampler: PromptSampler, timer: StepTimer, step: int
 ) -> tuple[Rollout, dict[str, float]]:
     """Generate and score groups; with dynamic sampling (DAPO) keep only groups with unequal rewards, sampling
-    more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent."""
+    more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent. Sampling is
+    seeded by (run seed, step, round, prompt), so a resumed run draws the same completions."""
     algo, wanted = cfg.algorithm, cfg.data.prompts_per_step
+    group_size, seed = cfg.rollout.group_size, cfg.run.seed
     if not algo.dynamic_sampling:
-        return sample_round(cluster, next(sampler), cfg.rollout.group_size, timer), {}
+        return sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:1"), {}
     kept, generated, rounds = Rollout(), 0, 0
     while rounds < algo.max_sampling_rounds:
         rounds += 1
-        latest = sample_round(cluster, next(sampler), cfg.rollout.group_size, timer)
+        latest = sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:{rounds}")
         generated += len(latest.prompts)
         rewards, _ = compute_advantages(cfg, latest)
         kept = kept + latest.select_groups(informative_groups(rewards, cfg.rollout.group_size).tolist())
@@ -151,9 +190,12 @@ def collect_rollout(
     return (kept.first_groups(wanted) if kept.prompts else latest), metrics
 
 
-def sample_round(cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer) -> Rollout:
+def sample_round(
+    cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer, seed_key: str
+) -> Rollout:
+    seeds = random.Random(seed_key)
     with timer("generate"):
-        completions = cluster.generate(prompts, group_size)
+        completions = cluster.generate(prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts])
     with timer("reward"):
         scores = cluster.score(score_requests(prompts, completions))
     return Rollout(prompts, completions, scores)

@@ -91,6 +91,12 @@ class LearnerGroup:
     def save(self, out_dir: str) -> str:
         return self._call("save", out_dir)[0]
 
+    def save_checkpoint(self, path: str) -> None:
+        self._call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self._call("load_checkpoint", path)
+
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self._call("sequence_logprobs", token_ids)[0]
 

@@ -53,10 +53,18 @@ def rollout_metrics(
 class MetricsSink:
     """Writes one JSON object per step to `metrics.jsonl` (flushed every step) and mirrors it to W&B."""
 
-    def __init__(self, run_dir: Path, wandb_run: Any | None) -> None:
+    def __init__(self, run_dir: Path, wandb_run: Any | None, after_step: int = 0) -> None:
+        """`after_step`: a resumed run's last checkpointed step; rows after it (steps done again) are dropped."""
         self.path = run_dir / "metrics.jsonl"
+        if after_step and self.path.exists():
+            rows = self.path.read_text().splitlines()
+            self.path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= after_step))
         self.file = self.path.open("a")
         self.wandb_run = wandb_run
+
+    @property
+    def wandb_id(self) -> str | None:
+        return None if self.wandb_run is None else self.wandb_run.id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{key: _json_number(value) for key, value in metrics.items()}}
@@ -75,8 +83,9 @@ def _json_number(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def start_wandb(cfg: Config, run_dir: Path) -> Any | None:
-    """A W&B run (offline into the run directory when no API key is set), or None when disabled."""
+def start_wandb(cfg: Config, run_dir: Path, run_id: str | None = None) -> Any | None:
+    """A W&B run (offline into the run directory when no API key is set), or None when disabled; `run_id`
+    continues that run (a resumed one)."""
     mode = cfg.wandb.mode
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -90,6 +99,8 @@ def start_wandb(cfg: Config, run_dir: Path) -> Any | None:
         config=cfg.model_dump(mode="json"),
         dir=str(run_dir),
         mode=mode,
+        id=run_id,
+        resume="allow" if run_id else None,
         settings=wandb.Settings(silent=True),
     )
 

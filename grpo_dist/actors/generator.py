@@ -50,18 +50,29 @@ class Generator:
         )
 
     def generate(
-        self, prompt_token_ids: list[list[int]], group_size: int, greedy: bool = False, first_index: int = 0
+        self,
+        prompt_token_ids: list[list[int]],
+        group_size: int,
+        greedy: bool = False,
+        first_index: int = 0,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
-        """Sample `group_size` completions per prompt; prompt i of this call gets `prompt_index` first_index + i."""
+        """Sample `group_size` completions per prompt; prompt i of this call gets `prompt_index` first_index + i.
+        With `seeds`, prompt i's samples use seeds[i], seeds[i] + 1, ... (vLLM's per-request seeds), so the same
+        weights give the same completions whichever generator draws them."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(
-            n=1 if greedy else group_size,
-            temperature=0.0 if greedy else self.rollout.temperature,
-            top_p=1.0 if greedy else self.rollout.top_p,
-            max_tokens=self.rollout.max_new_tokens,
-            logprobs=0,
-        )
+        params = [
+            SamplingParams(
+                n=1 if greedy else group_size,
+                temperature=0.0 if greedy else self.rollout.temperature,
+                top_p=1.0 if greedy else self.rollout.top_p,
+                max_tokens=self.rollout.max_new_tokens,
+                logprobs=0,
+                seed=None if seeds is None else seeds[i],
+            )
+            for i in range(len(prompt_token_ids))
+        ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [

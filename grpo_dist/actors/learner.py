@@ -275,6 +275,17 @@ class Learner:
                 return {}
             return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
 
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's DeepSpeed state (model, optimizer, scheduler) under `path` (collective)."""
+        self.engine.save_checkpoint(path, tag="state", client_state={"weight_version": self.weight_version})
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote, on the same number of ranks (collective)."""
+        _, client_state = self.engine.load_checkpoint(path, tag="state")
+        if client_state is None:
+            raise RuntimeError(f"learner rank {self.rank}: no DeepSpeed checkpoint in {path}")
+        self.weight_version = client_state["weight_version"]
+
     def connect_weights(self, spec, generators: list) -> None:
         """Open this rank's side of the broadcast weight transport (collective; rank 0 meets the generators)."""
         from grpo_dist.transports.broadcast import WeightSender
