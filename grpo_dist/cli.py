@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from grpo_dist.config import Config, ConfigError, field_docs, load_config
@@ -90,12 +91,24 @@ def _run(args: argparse.Namespace) -> int:
     from grpo_dist.data import DatasetError
     from grpo_dist.driver import train
 
+    signal.signal(signal.SIGTERM, _stop)  # preemption, `ray job stop`: the same clean stop as Ctrl-C
     try:
         print(f"run directory: {train(cfg, resume=args.resume)}")
+    except KeyboardInterrupt:
+        print(
+            f"grpo-dist: stopped; the policy is in {cfg.run_dir / 'interrupted'}, and `grpo-dist train "
+            f"{args.config} --resume` continues from the latest checkpoint in {cfg.checkpoint_dir}",
+            file=sys.stderr,
+        )
+        return 130
     except (DatasetError, ConnectionError) as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _check_cluster(cfg: Config, address: str) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,7 +57,10 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
             discard_run_dir(cfg, earlier)
         raise
     if cluster is None:
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         start_ray(cfg)
+        if callable(on_sigterm):  # Ray installs a SIGTERM handler that aborts; keep the caller's clean stop
+            signal.signal(signal.SIGTERM, on_sigterm)
         cluster = Cluster.start(cfg, inputs.model_path)
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     done, wandb_id = resume_from(cluster, sampler, checkpoint) if checkpoint else (0, None)
@@ -75,14 +79,15 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
             every = cfg.checkpoint.every_steps
             if every and (step % every == 0 or step == cfg.run.steps):
                 checkpoints.save(cfg, cluster, step, run_state(sampler, sink))
-    except BaseException:
+        sink.close()
+        report_accuracy(cfg, cluster, inputs.held_out, "after training")
+        if cfg.run.save_final:
+            print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
+    except BaseException:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
         save_interrupted(cluster, cfg.run_dir / "interrupted")
         raise
     finally:
         sink.close()
-    report_accuracy(cfg, cluster, inputs.held_out, "after training")
-    if cfg.run.save_final:
-        print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
     return cfg.run_dir
 
 

@@ -74,9 +74,11 @@ class MetricsSink:
             self.wandb_run.log(metrics, step=step)
 
     def close(self) -> None:
+        """Idempotent: the driver closes the sink after training and again on the way out."""
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+            self.wandb_run = None
 
 
 def _json_number(value: float) -> float | None:

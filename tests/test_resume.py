@@ -80,3 +80,22 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
         checkpoints.check_config(cfg, checkpoints.find(cfg, str(checkpoint)))
     raw["rollout"]["group_size"] = 4
     assert checkpoints.check_config(validate_config(raw), checkpoint) == ["learner.lr: 0.01 -> 0.005"]
+
+
+def test_sigterm_stops_cleanly_with_the_policy_saved(tmp_path):
+    """Preemption or `ray job stop`: SIGTERM mid-run writes interrupted/ and exits 130 with no traceback."""
+    raw = small_config(tmp_path, run={"name": "stopped", "steps": 50}, checkpoint={"every_steps": 1})
+    path = tmp_path / "stopped.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    run = grpo_dist("train", str(path), stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "outputs" / "stopped"
+    deadline = time.monotonic() + 600
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert "--resume" in err
+    assert (run_dir / "interrupted" / "model.safetensors").is_file()
