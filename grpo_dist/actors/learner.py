@@ -105,6 +105,9 @@ class Learner:
     def _init_distributed(self, rank: int, world_size: int, local_rank: int, master: tuple[str, int]) -> None:
         import deepspeed
 
+        from grpo_dist import native_ops
+
+        native_ops.load(native_ops.needed(self.cfg.offload, torch.cuda.is_available()))
         address, port = master
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
