@@ -1,6 +1,7 @@
-"""The Ray side of a run: start or join a cluster, place the actors, and the few remote calls the driver makes.
+"""The Ray side of a run: start or join a cluster, place the actors by role, and the few calls the driver makes.
 
-Resources (CPUs, GPUs, environment) are given here with `.options(...)`; constructor arguments are the actors' own.
+Each role is its own module (`grpo_dist.learner_group`, `grpo_dist.generator_pool`, `grpo_dist.reward_pool`); the
+cluster joins them with the weight transport, and brings a replaced generator or learner group back into it.
 """
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ import socket
 from dataclasses import dataclass
 
 import ray
-import torch
 
-from grpo_dist.actors.generator import Generator
-from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
-from grpo_dist.learner_group import LearnerGroup
-from grpo_dist.placement import Placement, generator_resources, place
-from grpo_dist.transports import WeightTransport, make_transport, wire_backend
+from grpo_dist.faults import FaultLog
+from grpo_dist.generator_pool import GeneratorPool
+from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerLost
+from grpo_dist.placement import Placement, place
+from grpo_dist.reward_pool import RewardPool
+from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
 from grpo_dist.types import Completion, Score, ScoreRequest
 
 
@@ -65,82 +66,88 @@ def unreachable(address: str) -> str | None:
 
 @dataclass
 class Cluster:
-    """Handles to every actor of a run, their placement groups and the weight transport between them."""
+    """The run's actors, by role (the learner group, the generator pool, the reward pool), their placement groups,
+    the weight transport between them, and the log of the faults they survived."""
 
+    cfg: Config
+    model_path: str
     learner: LearnerGroup
-    generators: list[ray.actor.ActorHandle]
-    reward_workers: list[ray.actor.ActorHandle]
+    generators: GeneratorPool
+    rewards: RewardPool
     transport: WeightTransport
     placement: Placement
+    faults: FaultLog
+    weight_version: int = 0  # the weights the generators hold (0: the initial model)
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> Cluster:
         """Reserve the placement groups, create the actors in them, wait until every engine is up and connect the
         weight transport (errors surface here, with the actor named). On any failure nothing is left running."""
-        placement = place(cfg)
-        started: list[ray.actor.ActorHandle] = []
+        placement, faults = place(cfg), FaultLog()
+        started: list = []
         try:
             learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies(), timeout_s=cfg.sync.timeout_s)
-            started += learner.ranks
-            generator_actor = ray.remote(Generator)
-            generators = [
-                generator_actor.options(
-                    **generator_resources(cfg), scheduling_strategy=placement.generator_strategy(index)
-                ).remote(model_path, cfg.rollout, cfg.run.seed + index, wire_backend(cfg))
-                for index in range(cfg.rollout.num_generators)
-            ]
-            started += generators
-            reward_actor = ray.remote(RewardWorker)
-            workers = [
-                reward_actor.options(
-                    num_cpus=cfg.reward.num_cpus, scheduling_strategy=placement.reward_strategy(index)
-                ).remote(cfg.reward.functions, cfg.reward.timeout_s)
-                for index in range(cfg.reward.num_workers)
-            ]
-            started += workers
-            names = [f"generator {i}" for i in range(len(generators))]
-            names += [f"reward worker {i}" for i in range(len(workers))]
-            _wait_ready([*generators, *workers], names, cfg.sync.timeout_s)
-            transport = make_transport(cfg, learner, generators)
+            started.append(learner)
+            generators = GeneratorPool(cfg, model_path, placement, faults)
+            started.append(generators)
+            rewards = RewardPool(cfg, placement, faults)
+            started.append(rewards)
+            generators.pool.wait_ready()
+            rewards.pool.wait_ready()
+            transport = make_transport(cfg, learner, generators.actors)
             transport.connect()
         except BaseException:
-            for actor in started:
-                ray.kill(actor)
+            for role in started:
+                role.shutdown()
             placement.remove()
             raise
-        return cls(learner, generators, workers, transport, placement)
+        cluster = cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
+        generators.rejoin = cluster.reconnect
+        return cluster
 
     def generate(
         self, prompts: list[PromptRecord], group_size: int, greedy: bool = False, seeds: list[int] | None = None
     ) -> list[Completion]:
-        """Split the prompts across generators; completions come back grouped, in prompt order. `seeds`: one
-        sampling seed per prompt."""
-        shards = _shards(len(prompts), len(self.generators))
-        calls = [
-            generator.generate.remote(
-                [p.token_ids for p in prompts[start:end]], group_size, greedy, start, seeds and seeds[start:end]
-            )
-            for generator, (start, end) in zip(self.generators, shards, strict=True)
-            if end > start
-        ]
-        return [completion for shard in ray.get(calls) for completion in shard]
+        return self.generators.generate(prompts, group_size, greedy, seeds)
 
     def score(self, requests: list[ScoreRequest]) -> list[Score]:
-        """Score in parallel across the reward workers, order kept."""
-        shards = _shards(len(requests), len(self.reward_workers))
-        calls = [
-            worker.score.remote(requests[start:end])
-            for worker, (start, end) in zip(self.reward_workers, shards, strict=True)
-            if end > start
-        ]
-        return [score for shard in ray.get(calls) for score in shard]
+        return self.rewards.score(requests)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         return self.learner.train(batch)
 
     def sync_weights(self, weight_version: int) -> None:
-        """Load the learner's current weights into every generator, by the configured transport."""
-        self.transport.sync(weight_version)
+        """Load the learner's current weights into every generator, by the configured transport. A sync that
+        fails because a generator is gone is done again once it is replaced; otherwise the error is raised."""
+        try:
+            self.transport.sync(weight_version)
+        except LearnerLost:
+            raise
+        except (WeightSyncError, LearnerGroupError):
+            if not self.generators.replace_unresponsive():
+                raise
+            self.weight_version = weight_version
+            self.reconnect()
+        self.weight_version = weight_version
+
+    def reconnect(self) -> None:
+        """Connect the weight transport afresh (after a generator or the learner group was replaced) and load the
+        current weights into every generator."""
+        self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
+        self.transport.connect()
+        if self.weight_version:
+            self.transport.sync(self.weight_version)
+
+    def restart_learner(self) -> None:
+        """Replace every learner rank with a fresh one in the same placement (weights: the initial model's; the
+        caller loads a checkpoint), then reconnect the transport."""
+        self.learner.shutdown()
+        self.generators.replace_unresponsive()  # one lost with the learner (the same node) must not stall the sync
+        strategies = self.placement.learner_strategies()
+        self.learner = LearnerGroup.start(self.cfg, self.model_path, strategies, timeout_s=self.cfg.sync.timeout_s)
+        self.weight_version = 0
+        self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
+        self.transport.connect()
 
     def save(self, out_dir: str) -> str:
         return self.learner.save(out_dir)
@@ -148,27 +155,6 @@ class Cluster:
     def shutdown(self) -> None:
         """Stop every actor of the run (the Ray cluster itself stays up)."""
         self.learner.shutdown()
-        for actor in [*self.generators, *self.reward_workers]:
-            ray.kill(actor)
+        self.generators.shutdown()
+        self.rewards.shutdown()
         self.placement.remove()
-
-
-def _wait_ready(actors: list[ray.actor.ActorHandle], names: list[str], timeout_s: float) -> None:
-    """Wait for the actors' constructors (engines loading their models); fail naming the first that failed or hung."""
-    refs = [actor.__ray_ready__.remote() for actor in actors]
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    for ref, name in zip(refs, names, strict=True):
-        if ref not in pending:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
-                raise RuntimeError(f"{name} failed to start: {err}") from err
-    if pending:
-        hung = [name for ref, name in zip(refs, names, strict=True) if ref in pending]
-        raise RuntimeError(f"{', '.join(hung)} did not start within {timeout_s:.0f} s (sync.timeout_s)")
-
-
-def _shards(total: int, parts: int) -> list[tuple[int, int]]:
-    """[start, end) ranges cutting `total` items into `parts` near-equal contiguous shards."""
-    bounds = torch.linspace(0, total, parts + 1).round().long().tolist()
-    return list(zip(bounds[:-1], bounds[1:], strict=True))

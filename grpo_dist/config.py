@@ -157,6 +157,11 @@ class RewardConfig(_Section):
     """A call running longer leaves its completion unscored (excluded from its group's statistics)."""
     num_cpus: float = Field(0.25, gt=0)
     """CPUs reserved per reward worker."""
+    max_unscored_fraction: float = Field(0.9, gt=0, le=1)
+    """A run stops, printing each failing function's first error, when more than this fraction of a step's
+    completions is unscored for `max_unscored_steps` steps in a row (training on nothing is not training)."""
+    max_unscored_steps: int = Field(3, ge=1)
+    """Consecutive steps over `max_unscored_fraction` that stop a run."""
 
 
 class AlgorithmConfig(_Section):
@@ -260,6 +265,24 @@ class SyncConfig(_Section):
     """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
 
 
+class FaultsConfig(_Section):
+    generate_timeout_s: float = Field(600.0, gt=0)
+    """A generator whose share of a step's generation takes longer is treated as hung: killed, replaced and its
+    prompts generated again elsewhere."""
+    score_timeout_s: float = Field(120.0, gt=0)
+    """A reward worker whose share of a step's scoring takes longer is treated as hung: killed, replaced and its
+    completions scored again."""
+    max_generator_restarts: int = Field(10, ge=0)
+    """Generator replacements a run may make before it stops."""
+    max_reward_worker_restarts: int = Field(20, ge=0)
+    """Reward worker replacements a run may make before it stops."""
+    max_learner_restarts: int = Field(3, ge=0)
+    """Times the learner group may be restarted from the latest checkpoint after losing a rank."""
+    rescore_attempts: int = Field(1, ge=0)
+    """Times completions whose reward worker died or hung are scored again (on a new worker) before they are left
+    unscored."""
+
+
 class CheckpointConfig(_Section):
     every_steps: int = Field(50, ge=0)
     """Write a checkpoint every this many steps (and at the last step); 0 writes none."""
@@ -318,6 +341,8 @@ class Config(_Section):
     """Optimizer and DeepSpeed."""
     sync: SyncConfig = Field(default_factory=SyncConfig)
     """Weight sync from the learner to the generators."""
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    """What a run survives: bounds on every remote call and how many replacements it may make."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)

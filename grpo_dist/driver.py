@@ -26,6 +26,8 @@ from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import PromptRecord, PromptSampler, encode_prompts, load_rows, split_task
+from grpo_dist.faults import RunFailed
+from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
 from grpo_dist.rewards import resolve_reward, score_one
 from grpo_dist.rollout import Rollout
@@ -56,29 +58,36 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         if checkpoint is None:
             discard_run_dir(cfg, earlier)
         raise
-    if cluster is None:
+    own_cluster = cluster is None
+    if own_cluster:
         on_sigterm = signal.getsignal(signal.SIGTERM)
         start_ray(cfg)
         if callable(on_sigterm):  # Ray installs a SIGTERM handler that aborts; keep the caller's clean stop
             signal.signal(signal.SIGTERM, on_sigterm)
         cluster = Cluster.start(cfg, inputs.model_path)
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
-    done, wandb_id = resume_from(cluster, sampler, checkpoint) if checkpoint else (0, None)
-    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=done)
-    if done == 0:
+    step, wandb_id = resume_from(cluster, sampler, checkpoint) if checkpoint else (0, None)
+    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=step)
+    if step == 0:
         report_accuracy(cfg, cluster, inputs.held_out, "before training")
-    progress = tqdm(range(done + 1, cfg.run.steps + 1), desc="grpo", unit="step", dynamic_ncols=True)
+    progress = tqdm(total=cfg.run.steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
     try:
-        for step in progress:
-            metrics = train_step(cfg, cluster, sampler, inputs.pad_token_id, weight_version=step)
-            sink.log(step, {**metrics, "epoch": sampler.epoch})
-            progress.set_postfix_str(
-                f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} "
-                f"tok/s={metrics['tokens_per_s']:.0f}"
-            )
-            every = cfg.checkpoint.every_steps
-            if every and (step % every == 0 or step == cfg.run.steps):
-                checkpoints.save(cfg, cluster, step, run_state(sampler, sink))
+        while step < cfg.run.steps:
+            try:
+                metrics = train_step(cfg, cluster, sampler, inputs.pad_token_id, weight_version=step + 1)
+                step += 1
+                sink.log(step, {**metrics, "epoch": sampler.epoch})
+                progress.update(1)
+                progress.set_postfix_str(
+                    f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} "
+                    f"tok/s={metrics['tokens_per_s']:.0f}"
+                )
+                if checkpoint_due(cfg, step):
+                    checkpoints.save(cfg, cluster, step, run_state(sampler, sink))
+            except LearnerLost as lost:
+                step = restart_learner(cfg, cluster, sampler, sink, lost)
+                progress.n = step
+                progress.refresh()
         sink.close()
         report_accuracy(cfg, cluster, inputs.held_out, "after training")
         if cfg.run.save_final:
@@ -88,7 +97,36 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         raise
     finally:
         sink.close()
+        progress.close()
+        if own_cluster:
+            cluster.shutdown()
     return cfg.run_dir
+
+
+def checkpoint_due(cfg: Config, step: int) -> bool:
+    every = cfg.checkpoint.every_steps
+    return bool(every) and (step % every == 0 or step == cfg.run.steps)
+
+
+def restart_learner(cfg: Config, cluster: Cluster, sampler: PromptSampler, sink: MetricsSink, lost: LearnerLost) -> int:
+    """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler, random state and
+    metrics back to its step (the steps since are done again). Returns that step."""
+    restarts = cluster.faults.counts["learner_restarts"]
+    if restarts >= cfg.faults.max_learner_restarts:
+        raise RunFailed(
+            f"{lost}; the learner group was already restarted {restarts} times (faults.max_learner_restarts)"
+        )
+    if not (cfg.checkpoint_dir / checkpoints.LATEST).is_file():
+        raise RunFailed(f"{lost}; no checkpoint to restart the learner group from yet (checkpoint.every_steps)")
+    started = time.monotonic()
+    cluster.restart_learner()
+    step, _ = resume_from(cluster, sampler, checkpoints.find(cfg, None))
+    sink.rewind(step)
+    cluster.faults.record(
+        "learner_restarts",
+        f"{lost}; restarted the learner group from step {step} in {time.monotonic() - started:.1f} s",
+    )
+    return step
 
 
 def find_checkpoint(cfg: Config, resume: str | bool) -> Path | None:
@@ -163,6 +201,7 @@ def train_step(
     reward_names = [spec.name for spec in cfg.reward.functions]
     metrics = rollout_metrics(rollout.completions, rollout.scores, advantages, reward_names)
     metrics.update(sampling_metrics, **train_metrics, **timer.times, weight_version=weight_version)
+    metrics.update(cluster.rewards.failures.end_step(), **cluster.faults.metrics())
     metrics["reward/shaped_mean"] = rewards.nanmean().item()
     metrics["tokens_per_s"] = metrics["tokens/generated"] / (time.perf_counter() - started)
     return metrics

@@ -16,12 +16,17 @@ import ray
 from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config
+from grpo_dist.faults import first_line
 
 FROM_RANK_0 = ("grad_norm", "lr")  # global values every rank knows; the other metrics are summed over the ranks
 
 
 class LearnerGroupError(RuntimeError):
-    """A learner rank failed or did not answer in time; the message names the rank and the call."""
+    """A learner rank's call failed; the message names the rank and the call."""
+
+
+class LearnerLost(LearnerGroupError):
+    """A learner rank died or did not answer within the bound: the group must be restarted."""
 
 
 class LearnerGroup:
@@ -106,7 +111,7 @@ class LearnerGroup:
 
     def shutdown(self) -> None:
         for rank in self.ranks:
-            ray.kill(rank)
+            ray.kill(rank, no_restart=True)
 
     def _call(self, method: str, *args: Any) -> list[Any]:
         return self._wait([getattr(rank, method).remote(*args) for rank in self.ranks], method)
@@ -117,11 +122,14 @@ class LearnerGroup:
         for ref in refs:
             if ref in pending:
                 continue
+            rank = first_rank + refs.index(ref)
             try:
                 ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                raise LearnerLost(f"learner rank {rank} died during {method} ({first_line(err)})") from err
             except ray.exceptions.RayError as err:
-                raise LearnerGroupError(f"learner rank {first_rank + refs.index(ref)}: {method} failed: {err}") from err
+                raise LearnerGroupError(f"learner rank {rank}: {method} failed: {err}") from err
         if pending:
             hung = [first_rank + index for index, ref in enumerate(refs) if ref in pending]
-            raise LearnerGroupError(f"learner rank(s) {hung}: {method} did not return within {self.timeout_s:.0f} s")
+            raise LearnerLost(f"learner rank(s) {hung}: {method} did not return within {self.timeout_s:.0f} s")
         return ray.get(refs)

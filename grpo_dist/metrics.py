@@ -57,10 +57,19 @@ class MetricsSink:
         """`after_step`: a resumed run's last checkpointed step; rows after it (steps done again) are dropped."""
         self.path = run_dir / "metrics.jsonl"
         if after_step and self.path.exists():
-            rows = self.path.read_text().splitlines()
-            self.path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= after_step))
+            self._keep_until(after_step)
         self.file = self.path.open("a")
         self.wandb_run = wandb_run
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows after `step`: the run goes back to it (a learner group restarted from a checkpoint)."""
+        self.file.close()
+        self._keep_until(step)
+        self.file = self.path.open("a")
+
+    def _keep_until(self, step: int) -> None:
+        rows = self.path.read_text().splitlines()
+        self.path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= step))
 
     @property
     def wandb_id(self) -> str | None:

@@ -45,5 +45,6 @@ class Score:
     """Weighted sum of the functions' values; NaN when any function failed (the completion is unscored)."""
     per_function: list[float]
     """Value of each configured reward function, in config order; NaN where it failed."""
-    error: str | None = None
-    """Why the completion is unscored: the failing function and its exception or time-out."""
+    failures: dict[str, str] = field(default_factory=dict)
+    """Why the completion is unscored: each failing function's configured name -> its exception, time-out or the
+    worker's loss. Empty when every function returned a finite number."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+import sys
 import time
 from typing import Any
 
@@ -29,6 +30,14 @@ def string_reward(prompt: str, completion: str, **_: Any) -> str:
 
 def nan_reward(prompt: str, completion: str, **_: Any) -> float:
     return float("nan")
+
+
+def inf_reward(prompt: str, completion: str, **_: Any) -> float:
+    return float("inf")
+
+
+def exiting_reward(prompt: str, completion: str, **_: Any) -> float:
+    sys.exit(3)
 
 
 def first_char_reward(prompt: str, completion: str, **_: Any) -> float:

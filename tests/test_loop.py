@@ -17,6 +17,8 @@ REQUIRED_METRICS = [
     "step", "reward/mean", "reward/std", "reward/reward_fixtures.first_char_reward", "reward/math_answer",
     "advantage/mean", "advantage/std", "loss", "kl", "clip_fraction", "grad_norm", "response_length/mean",
     "tokens_per_s", "time/generate", "time/reward", "time/train", "time/sync", "weight_version", "entropy",
+    "faults/generator_restarts", "faults/reward_worker_restarts", "faults/learner_restarts",
+    "reward_failures/reward_fixtures.first_char_reward", "reward_failures/math_answer",
 ]  # fmt: skip
 
 
@@ -46,7 +48,7 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
     inputs = prepare(cfg)
     initial = load_file(f"{inputs.model_path}/model.safetensors")
     cluster = Cluster.start(cfg, inputs.model_path)
-    assert (len(cluster.learner.ranks), len(cluster.generators), cluster.transport.name) == (2, 2, "broadcast")
+    assert (len(cluster.learner.ranks), len(cluster.generators.actors), cluster.transport.name) == (2, 2, "broadcast")
 
     try:
         run_dir = train(cfg, cluster)
@@ -75,8 +77,12 @@ def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
     assert [set(REQUIRED_METRICS) - set(row) for row in rows] == [set()] * 3
     # Each batch was sampled by the weights of the step before it: syncs take effect on the next batch.
     assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2]
-    # first_char_reward raises for some completions; they are counted as unscored, not fatal.
+    # first_char_reward raises for some completions; they are counted as unscored, not fatal, and named.
     assert sum(row["reward/unscored"] for row in rows) > 0
+    failures = [row["reward_failures/reward_fixtures.first_char_reward"] for row in rows]
+    assert failures == [row["reward/unscored"] for row in rows]
+    assert {row["reward_failures/math_answer"] for row in rows} == {0.0}
+    assert {row[f"faults/{name}"] for row in rows for name in ("generator_restarts", "learner_restarts")} == {0.0}
 
     final = ray_cluster.get(cluster.learner.state_dict())
     unchanged = [name for name, tensor in initial.items() if torch.equal(final[name], tensor)]
@@ -86,7 +92,7 @@ def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
     learner = torch.tensor(cluster.learner.sequence_logprobs(sequence))
     before = hf_logprobs(inputs.model_path, sequence)
     assert not torch.allclose(learner, before, atol=1e-3), "the policy should have moved away from the initial one"
-    for generator in cluster.generators:
+    for generator in cluster.generators.actors:
         assert ray_cluster.get(generator.current_weight_version.remote()) == 3
         engine = torch.tensor(ray_cluster.get(generator.sequence_logprobs.remote(sequence)))
         torch.testing.assert_close(engine, learner, atol=1e-4, rtol=1e-4)

@@ -170,17 +170,17 @@ def test_reward_spec_rejects_nan_weight() -> None:
 def test_score_one_all_succeed(executor: concurrent.futures.ThreadPoolExecutor) -> None:
     fns = [exact_answer, resolve_reward(f"{FIXTURES}.length_reward")]
     # exact: "7" == "7" -> 1.0; length: 0.5 * len("7") = 0.5; combined 1.0 * 2.0 + 0.5 * 1.0 = 2.5
-    combined, scores, error = score_one(
+    combined, scores, errors = score_one(
         fns, [2.0, 1.0], [{}, {"scale": 0.5}], "q", "7", {"answer": "7"}, timeout_s=5.0, executor=executor
     )
-    assert (combined, scores, error) == (2.5, [1.0, 0.5], None)
+    assert (combined, scores, errors) == (2.5, [1.0, 0.5], [None, None])
 
 
 def test_spec_kwargs_override_row_fields(executor: concurrent.futures.ThreadPoolExecutor) -> None:
-    _, scores, error = score_one(
+    _, scores, errors = score_one(
         [exact_answer], [1.0], [{"answer": "8"}], "q", "8", {"answer": "7"}, timeout_s=5.0, executor=executor
     )
-    assert (scores, error) == ([1.0], None)
+    assert (scores, errors) == ([1.0], [None])
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,9 @@ def test_spec_kwargs_override_row_fields(executor: concurrent.futures.ThreadPool
     [
         pytest.param("raising_reward", {}, "RuntimeError: reward server unreachable", id="raises"),
         pytest.param("slow_reward", {"delay_s": 1.0}, "timed out after 0.2s", id="times_out"),
-        pytest.param("nan_reward", {}, "ValueError: returned NaN", id="returns_nan"),
+        pytest.param("nan_reward", {}, "ValueError: returned nan, expected a finite number", id="returns_nan"),
+        pytest.param("inf_reward", {}, "ValueError: returned inf, expected a finite number", id="returns_inf"),
+        pytest.param("exiting_reward", {}, "SystemExit: 3", id="calls_sys_exit"),
         pytest.param("string_reward", {}, "TypeError: returned str '1.0', expected a float", id="returns_string"),
     ],
 )
@@ -196,9 +198,9 @@ def test_score_one_failure_gives_nan_and_error(
     executor: concurrent.futures.ThreadPoolExecutor, name: str, kwargs: dict, message: str
 ) -> None:
     fns = [exact_answer, resolve_reward(f"{FIXTURES}.{name}")]
-    combined, scores, error = score_one(
+    combined, scores, errors = score_one(
         fns, [1.0, 1.0], [{}, kwargs], "q", "7", {"answer": "7"}, timeout_s=0.2, executor=executor
     )
     assert math.isnan(combined)
     assert scores[0] == 1.0 and math.isnan(scores[1])
-    assert error == f"reward {FIXTURES}.{name}: {message}"
+    assert errors == [None, message]

@@ -116,7 +116,7 @@ def test_nccl_broadcast_reaches_both_workers_of_a_tensor_parallel_engine(ray_clu
         cluster.sync_weights(1)
         sequence = [10, 11, 12, 7, 8, 9, 2]
         expected = torch.tensor(cluster.learner.sequence_logprobs(sequence))
-        got = torch.tensor(ray_cluster.get(cluster.generators[0].sequence_logprobs.remote(sequence)))
+        got = torch.tensor(ray_cluster.get(cluster.generators.actors[0].sequence_logprobs.remote(sequence)))
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # the learner trains in bf16 on GPUs
     finally:
         cluster.shutdown()

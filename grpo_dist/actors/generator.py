@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from grpo_dist.actors import die_with_parent
 from grpo_dist.config import RolloutConfig
 from grpo_dist.types import Completion
 
@@ -25,6 +26,7 @@ class Generator:
     def __init__(self, model_path: str, rollout: RolloutConfig, seed: int, weight_transfer: str | None = None) -> None:
         """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
         None when weights come through the object store."""
+        die_with_parent()
         os.environ.update(engine_environment())
         import torch
         from vllm import LLM

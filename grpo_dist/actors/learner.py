@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from grpo_dist.actors import die_with_parent
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
@@ -61,6 +62,7 @@ class Learner:
     def __init__(
         self, model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, seed: int
     ) -> None:
+        die_with_parent()
         self.model_path, self.seed = model_path, seed
         self.cfg, self.algo = learner, algorithm
         self.temperature = rollout.temperature  # tokens are scored at the temperature they were sampled at

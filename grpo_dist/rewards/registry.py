@@ -90,19 +90,13 @@ def combine(scores: list[float], weights: list[float]) -> float:
     return math.fsum(score * weight for score, weight in zip(scores, weights, strict=True))
 
 
-def _function_name(function: Callable[..., Any]) -> str:
-    name = getattr(function, "__qualname__", None) or getattr(function, "__name__", None)
-    module = getattr(function, "__module__", None)
-    return f"{module}.{name}" if name and module and module != "builtins" else repr(function)
-
-
 def _to_score(value: Any) -> float:
     """``float(value)``, rejecting values that are not numbers (a str "1" is a bug in the reward, not a score)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
     score = float(value)
-    if math.isnan(score):
-        raise ValueError("returned NaN")
+    if not math.isfinite(score):
+        raise ValueError(f"returned {score}, expected a finite number")
     return score
 
 
@@ -113,7 +107,7 @@ def _wait_for_score(future: concurrent.futures.Future, deadline: float, timeout_
     except concurrent.futures.TimeoutError:
         future.cancel()  # frees the slot if it never started; a running call cannot be stopped
         return math.nan, f"timed out after {timeout_s:g}s"
-    except Exception as error:  # user code: any failure becomes a NaN score and is reported to the caller
+    except BaseException as error:  # user code, even sys.exit(): any failure is a NaN score, reported to the caller
         return math.nan, f"{type(error).__name__}: {error}"
 
 
@@ -126,13 +120,14 @@ def score_one(
     fields: dict[str, Any],
     timeout_s: float,
     executor: concurrent.futures.ThreadPoolExecutor,
-) -> tuple[float, list[float], str | None]:
-    """Score one completion with every function in ``executor``; return ``(combined, scores, error)``.
+) -> tuple[float, list[float], list[str | None]]:
+    """Score one completion with every function in ``executor``; return ``(combined, scores, errors)``.
 
     Function ``i`` is called as ``fns[i](prompt, completion, **fields, **kwargs_list[i])`` (its kwargs win over
     same-named row fields). All calls are submitted at once and each gets ``timeout_s`` seconds from submission,
     queueing included, so give the executor at least as many threads as calls in flight. A call that raises,
-    times out or returns a non-number scores NaN and is described in ``error`` (``None`` when all succeeded).
+    times out, exits or returns a non-number or a non-finite one scores NaN, and ``errors[i]`` says why (``None``
+    where function ``i`` succeeded).
     A timed-out call keeps its thread until it returns: Python cannot kill a thread.
     """
     if not len(fns) == len(weights) == len(kwargs_list):
@@ -146,9 +141,8 @@ def score_one(
         for function, kwargs in zip(fns, kwargs_list, strict=True)
     ]
     scores, errors = [], []
-    for function, future in zip(fns, futures, strict=True):
+    for future in futures:
         score, error = _wait_for_score(future, deadline, timeout_s)
         scores.append(score)
-        if error is not None:
-            errors.append(f"reward {_function_name(function)}: {error}")
-    return combine(scores, weights), scores, "; ".join(errors) or None
+        errors.append(error)
+    return combine(scores, weights), scores, errors

@@ -1,0 +1,117 @@
+"""The reward pool: reward workers scoring a step's completions in parallel, and every reward failure made visible.
+
+A worker that dies (user code calling `os._exit`, a crashing C extension) or does not finish its share within
+`faults.score_timeout_s` (a call stuck holding the interpreter) is killed and replaced, and its share is scored
+again on the new worker up to `faults.rescore_attempts` times; after that those completions are unscored. A worker
+reporting half its threads stuck in calls past `reward.timeout_s` is replaced before it runs out of threads.
+
+`RewardFailures` counts each function's failures per step (`reward_failures/<name>`), prints the first error of
+each kind with the function's name, and stops a run that is scoring (almost) nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import ray
+
+from grpo_dist.actors.reward_worker import RewardWorker
+from grpo_dist.config import Config
+from grpo_dist.faults import ActorPool, FaultLog, RunFailed, split
+from grpo_dist.placement import Placement
+from grpo_dist.types import Score, ScoreRequest
+
+
+class RewardPool:
+    def __init__(self, cfg: Config, placement: Placement, faults: FaultLog) -> None:
+        self.cfg, self.placement, self.faults = cfg, placement, faults
+        self.names = [spec.name for spec in cfg.reward.functions]
+        self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
+        self.pool = ActorPool(
+            "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
+            cfg.faults.max_reward_worker_restarts, cfg.sync.timeout_s,
+        )  # fmt: skip
+
+    def _start(self, slot: int) -> ray.actor.ActorHandle:
+        return (
+            ray.remote(RewardWorker)
+            .options(num_cpus=self.cfg.reward.num_cpus, scheduling_strategy=self.placement.reward_strategy(slot))
+            .remote(self.cfg.reward.functions, self.cfg.reward.timeout_s)
+        )
+
+    def score(self, requests: list[ScoreRequest]) -> list[Score]:
+        """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored."""
+        shards = split(len(requests), len(self.pool.actors))
+        scored: dict[int, list[Score]] = {}
+        for attempt in range(1 + self.cfg.faults.rescore_attempts):
+            args = {slot: (requests[start:end],) for slot, (start, end) in shards.items()}
+            outcomes = self.pool.call("score", args, self.cfg.faults.score_timeout_s)
+            for slot, outcome in outcomes.items():
+                if outcome.fault is None:
+                    scored[slot], exhausted = outcome.value
+                    if exhausted:
+                        self.pool.replace(slot, "has half its threads stuck past reward.timeout_s")
+                else:
+                    self.pool.replace(slot, f"{outcome.fault} while scoring {_count(shards[slot])} completions")
+            shards = {slot: span for slot, span in shards.items() if slot not in scored}
+            if shards and attempt < self.cfg.faults.rescore_attempts:
+                self.faults.count("rescored", sum(_count(span) for span in shards.values()))
+        for slot, span in shards.items():
+            self.faults.record("unscored", f"{_count(span)} completions left unscored: their reward worker was lost "
+                               f"{1 + self.cfg.faults.rescore_attempts} times", _count(span))  # fmt: skip
+            scored[slot] = [self._lost() for _ in range(_count(span))]
+        scores = [score for slot in sorted(scored) for score in scored[slot]]
+        self.failures.observe(scores)
+        return scores
+
+    def _lost(self) -> Score:
+        why = f"the reward worker died or hung while running these functions: {', '.join(self.names)}"
+        return Score(math.nan, [math.nan] * len(self.names), {name: why for name in self.names})
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+
+class RewardFailures:
+    """Per-step failure counts of each reward function, the first error of each kind printed with the function's
+    name, and a stop when more than `max_fraction` of the completions are unscored `max_steps` steps in a row."""
+
+    def __init__(self, names: list[str], max_fraction: float, max_steps: int) -> None:
+        self.names, self.max_fraction, self.max_steps = names, max_fraction, max_steps
+        self.counts: Counter[str] = Counter()
+        self.first: dict[str, str] = {}  # function -> its first error
+        self.printed: set[tuple[str, str]] = set()  # (function, kind of error)
+        self.unscored = self.total = 0
+        self.bad_steps = 0
+
+    def observe(self, scores: list[Score]) -> None:
+        for score in scores:
+            for name, error in score.failures.items():
+                self.counts[name] += 1
+                self.first.setdefault(name, error)
+                kind = (name, error.split(":")[0].split(" ")[0])
+                if kind not in self.printed:
+                    self.printed.add(kind)
+                    print(f"reward {name} failed: {error} (later failures are counted in reward_failures/{name})")
+        self.unscored += sum(not math.isfinite(score.total) for score in scores)
+        self.total += len(scores)
+
+    def end_step(self) -> dict[str, float]:
+        """This step's `reward_failures/*` metrics; raises `RunFailed` after too many steps scoring nothing."""
+        metrics = {f"reward_failures/{name}": float(self.counts[name]) for name in self.names}
+        fraction = self.unscored / max(1, self.total)
+        self.bad_steps = self.bad_steps + 1 if fraction > self.max_fraction else 0
+        self.counts, self.unscored, self.total = Counter(), 0, 0
+        if self.bad_steps >= self.max_steps:
+            errors = "; ".join(f"{name}: {error}" for name, error in self.first.items()) or "none recorded"
+            raise RunFailed(
+                f"over {self.max_fraction:.0%} of the completions were unscored for {self.bad_steps} steps in a row "
+                f"(reward.max_unscored_fraction / max_unscored_steps): nothing would be learned. "
+                f"First error of each reward function: {errors}"
+            )
+        return metrics
+
+
+def _count(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
