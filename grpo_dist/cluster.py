@@ -64,6 +64,9 @@ def unreachable(address: str) -> str | None:
     return None
 
 
+RECONNECT_ATTEMPTS = 3  # a node going down takes its generators one after another
+
+
 @dataclass
 class Cluster:
     """The run's actors, by role (the learner group, the generator pool, the reward pool), their placement groups,
@@ -132,11 +135,19 @@ class Cluster:
 
     def reconnect(self) -> None:
         """Connect the weight transport afresh (after a generator or the learner group was replaced) and load the
-        current weights into every generator."""
-        self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
-        self.transport.connect()
-        if self.weight_version:
-            self.transport.sync(self.weight_version)
+        current weights into every generator; a generator lost meanwhile is replaced and the connection made again."""
+        for attempt in range(1, RECONNECT_ATTEMPTS + 1):
+            try:
+                self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
+                self.transport.connect()
+                if self.weight_version:
+                    self.transport.sync(self.weight_version)
+                return
+            except LearnerLost:
+                raise
+            except (WeightSyncError, LearnerGroupError):
+                if attempt == RECONNECT_ATTEMPTS or not self.generators.replace_unresponsive():
+                    raise
 
     def restart_learner(self) -> None:
         """Replace every learner rank with a fresh one in the same placement (weights: the initial model's; the

@@ -19,9 +19,12 @@ from typing import Any
 
 import ray
 import torch
+from tqdm import tqdm
 
 log = logging.getLogger("grpo_dist")
 
+START_ATTEMPTS = 5  # for a replacement whose actor dies while starting (placed on a node not yet known dead)
+RETRY_PAUSE_S = 5.0
 COUNTERS = ("generator_restarts", "reward_worker_restarts", "learner_restarts", "regenerated", "rescored", "unscored")
 """Every `faults/*` metric, logged from step 1 so that each has a curve."""
 
@@ -83,7 +86,7 @@ class FaultLog:
 
     def record(self, counter: str, message: str, amount: int = 1) -> None:
         self.counts[counter] += amount
-        print(f"fault: {message}", flush=True)
+        tqdm.write(f"fault: {message}")  # on a line of its own, under the progress bar
 
     def count(self, counter: str, amount: int = 1) -> None:
         self.counts[counter] += amount
@@ -123,12 +126,16 @@ class ActorPool:
         for slot, ref in zip(slots, refs, strict=True):
             if ref in pending:
                 self.health[slot] = Health.FAILED
-                raise RunFailed(f"{self.name(slot)} did not start within {self.start_timeout_s:.0f} s")
+                raise RunFailed(
+                    f"{self.name(slot)} did not start within {self.start_timeout_s:.0f} s (sync.timeout_s): its "
+                    "placement bundle may be waiting for room on a live node (see `ray status`), or its engine is "
+                    "slow to load"
+                )
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
                 self.health[slot] = Health.FAILED
-                raise RunFailed(f"{self.name(slot)} failed to start: {err}") from err
+                raise RunFailed(f"{self.name(slot)} failed to start: {first_line(err)}") from err
             self.health[slot] = Health.HEALTHY
 
     def replace(self, slot: int, why: str) -> None:
@@ -139,9 +146,19 @@ class ActorPool:
             raise RunFailed(f"{self.name(slot)} {why}; the run is out of {self.role} restarts ({self.max_restarts})")
         self.restarts += 1
         started = time.monotonic()
-        ray.kill(self.actors[slot], no_restart=True)
-        self.actors[slot] = self.start_actor(slot)
-        self.wait_ready([slot])
+        for attempt in range(1, START_ATTEMPTS + 1):
+            ray.kill(self.actors[slot], no_restart=True)
+            self.actors[slot] = self.start_actor(slot)
+            try:
+                self.wait_ready([slot])
+                break
+            except RunFailed as err:
+                if attempt == START_ATTEMPTS or not isinstance(err.__cause__, ray.exceptions.RayActorError):
+                    raise
+                # Placed where the lost actor was, on a node Ray has not yet declared dead: its placement
+                # bundle moves to a live node once it has, so try again.
+                log.warning("%s; starting it again (attempt %d of %d)", err, attempt + 1, START_ATTEMPTS)
+                time.sleep(RETRY_PAUSE_S)
         self.faults.record(
             self.counter, f"{self.name(slot)} {why}; replaced it in {time.monotonic() - started:.1f} s"
         )  # fmt: skip

@@ -15,6 +15,7 @@ import math
 from collections import Counter
 
 import ray
+from tqdm import tqdm
 
 from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.config import Config
@@ -93,7 +94,7 @@ class RewardFailures:
                 kind = (name, error.split(":")[0].split(" ")[0])
                 if kind not in self.printed:
                     self.printed.add(kind)
-                    print(f"reward {name} failed: {error} (later failures are counted in reward_failures/{name})")
+                    tqdm.write(f"reward {name} failed: {error} (later failures are counted in reward_failures/{name})")
         self.unscored += sum(not math.isfinite(score.total) for score in scores)
         self.total += len(scores)
 

@@ -110,6 +110,7 @@ class Generator:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def start_weight_update(self) -> None:
+        self.llm.collective_rpc("close_abandoned_update")  # one a failed sync left open
         self.llm.start_weight_update()
 
     def update_weights(self, update_info: dict) -> None:

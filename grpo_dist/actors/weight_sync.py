@@ -14,6 +14,8 @@ import torch
 
 import grpo_dist.transports.gloo  # noqa: F401  registers the gloo weight-transfer engine inside each vLLM worker
 
+log = logging.getLogger("grpo_dist")
+
 WORKER_EXTENSION = f"{__name__}.WeightReceiver"
 
 
@@ -32,3 +34,17 @@ class WeightReceiver:
         finally:
             layerwise.setLevel(level)
         return len(state_dict)
+
+    def close_abandoned_update(self) -> bool:
+        """End a broadcast update that a failed sync left open (its sender or a peer was lost mid-way), so that the
+        next one can start; the next sync overwrites whatever it had loaded. Returns whether one was open."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        try:
+            self.finish_weight_update()
+        except Exception as err:  # the half-loaded weights are replaced by the update that follows
+            log.warning("closing an abandoned weight update failed (%s: %s); the next update reloads every weight",
+                        type(err).__name__, err)  # fmt: skip
+            self._weight_update_active = False
+            self.weight_transfer_engine.reset_weight_update_target()
+        return True

@@ -1,0 +1,169 @@
+"""Faults survived with the real stack: while `grpo-dist train` runs, its actor processes are killed (SIGKILL) or
+frozen (SIGSTOP) one at a time, as a crash or a deadlock would. The run replaces each, finishes every step with all
+its prompts, saves its final policy, and leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import yaml
+from conftest import TESTS_DIR, small_config
+from test_resume import grpo_dist
+
+pytestmark = pytest.mark.slow
+
+FAULTS = [  # (what is done, to which actor class, by which signal, the counter that must count it)
+    ("generator killed", "Generator", signal.SIGKILL, "generator_restarts"),
+    ("reward worker killed", "RewardWorker", signal.SIGKILL, "reward_worker_restarts"),
+    ("generator hung", "Generator", signal.SIGSTOP, "generator_restarts"),
+    ("reward worker hung", "RewardWorker", signal.SIGSTOP, "reward_worker_restarts"),
+    ("learner rank killed", "Learner", signal.SIGKILL, "learner_restarts"),
+]
+STEPS = 30
+WAIT_S = 300  # for one fault to be handled (a hung actor is detected only at its bound)
+
+
+def actor_processes(driver: psutil.Process, actor_class: str) -> list[psutil.Process]:
+    """The run's actor processes of one class: Ray titles an actor's process `ray::<class>[.<method>]`."""
+    found = []
+    for process in driver.children(recursive=True):
+        try:
+            title = " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith(f"ray::{actor_class}") and process.status() != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+def last_row(run_dir) -> dict | None:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[-1]) if lines else None
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or rewritten right now
+        return None
+
+
+def wait_for(condition, run: subprocess.Popen, what: str, timeout_s: float = WAIT_S):
+    deadline = time.monotonic() + timeout_s
+    while (value := condition()) is None or value is False:
+        assert run.poll() is None, f"the run ended (exit {run.returncode}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.2)
+    return value
+
+
+def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
+    raw = small_config(
+        tmp_path,
+        run={"steps": STEPS},
+        rollout={"num_generators": 2},
+        checkpoint={"every_steps": 2, "keep": 2},
+        sync={"timeout_s": 120},
+        faults={"generate_timeout_s": 20, "score_timeout_s": 15},
+    )
+    config = tmp_path / "faults.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "outputs" / "test"
+    log = (tmp_path / "run.log").open("w")
+    run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    driver = psutil.Process(run.pid)
+    timings, everything = [], []
+    try:
+        wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 1, run, "first step")
+        for what, actor_class, sig, counter in FAULTS:
+            before = last_row(run_dir)[f"faults/{counter}"]
+            victims = wait_for(lambda c=actor_class: actor_processes(driver, c), run, f"a {actor_class} process")
+            everything += driver.children(recursive=True)
+            sent = time.monotonic()
+            os.kill(victims[0].pid, sig)
+            wait_for(lambda c=counter, b=before: (row := last_row(run_dir)) and row[f"faults/{c}"] > b, run, what)
+            timings.append((what, time.monotonic() - sent))
+        assert run.wait(timeout=900) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        log.close()
+    output = (tmp_path / "run.log").read_text()
+    for what, seconds in timings:
+        print(f"{what}: handled (next step logged) {seconds:.1f} s after the signal")
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # none missing, none twice after the restart
+    final = rows[-1]
+    assert (final["faults/generator_restarts"], final["faults/reward_worker_restarts"]) == (2, 2)
+    assert final["faults/learner_restarts"] == 1
+    assert final["faults/unscored"] == 0  # every lost share was scored again
+    assert final["faults/regenerated"] >= 1
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
+    assert len(fault_lines) == 5, fault_lines  # one line per fault, naming the actor and what was done
+    assert any(line.startswith("fault: generator ") and "no answer within 20 s" in line for line in fault_lines)
+    assert any(line.startswith("fault: reward worker ") and "died" in line for line in fault_lines)
+    assert any(
+        line.startswith("fault: learner rank ") and "restarted the learner group" in line for line in fault_lines
+    )
+    # No process of the run outlives it: the replaced actors, the frozen ones and Ray's own.
+    _, alive = psutil.wait_procs(everything, timeout=60)
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def node_actors(node, actor_class: str) -> list[psutil.Process]:
+    """Actor processes of one class on a node of a `ray.cluster_utils.Cluster` (children of the node's raylet)."""
+    (raylet,) = node.all_processes["raylet"]
+    return actor_processes(psutil.Process(raylet.process.pid), actor_class)
+
+
+def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
+    """Three Ray nodes on this machine (the head holds no actors); once a checkpoint exists, the node holding a
+    generator is removed with everything on it. Its actors are replaced on the remaining node and the run ends."""
+    from ray.cluster_utils import Cluster
+
+    # The nodes' workers import the test's reward functions.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    workers = [cluster.add_node(num_cpus=4) for _ in range(2)]  # either holds the whole run
+    raw = small_config(
+        tmp_path,
+        run={"steps": 16},
+        rollout={"num_generators": 2},
+        checkpoint={"every_steps": 2, "keep": 2},
+        sync={"timeout_s": 120},
+        faults={"generate_timeout_s": 20, "score_timeout_s": 15},
+        ray={"address": cluster.address},
+    )
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "outputs" / "test"
+    log = (tmp_path / "run.log").open("w")
+    run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), run, "a checkpoint")
+        # Prefer a node without the learner rank (then only generators and reward workers are replaced).
+        candidates = sorted(
+            workers, key=lambda node: (not node_actors(node, "Generator"), bool(node_actors(node, "Learner")))
+        )
+        lost = candidates[0]
+        assert node_actors(lost, "Generator"), "a generator should run on one of the worker nodes"
+        cluster.remove_node(lost, allow_graceful=False)
+        started = time.monotonic()
+        wait_for(
+            lambda: (row := last_row(run_dir)) and row["faults/generator_restarts"] >= 1, run, "a replaced generator"
+        )
+        print(f"node lost: handled (next step logged) {time.monotonic() - started:.1f} s after its removal")
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        log.close()
+        cluster.shutdown()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 17))
+    assert rows[-1]["faults/unscored"] == 0
+    assert (run_dir / "final" / "model.safetensors").is_file()
