@@ -90,6 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         return _check_cluster(cfg, args.cluster) if args.cluster else 0
     from grpo_dist.data import DatasetError
     from grpo_dist.driver import train
+    from grpo_dist.faults import RunFailed
 
     signal.signal(signal.SIGTERM, _stop)  # preemption, `ray job stop`: the same clean stop as Ctrl-C
     try:
@@ -104,6 +105,13 @@ def _run(args: argparse.Namespace) -> int:
     except (DatasetError, ConnectionError) as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
+    except RunFailed as err:  # a fault the run could not survive; the message says which and why
+        print(
+            f"grpo-dist: the run stopped: {err}\nThe policy is in {cfg.run_dir / 'interrupted'}; `grpo-dist train "
+            f"{args.config} --resume` continues from the latest checkpoint in {cfg.checkpoint_dir}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

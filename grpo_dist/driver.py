@@ -70,9 +70,11 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=step)
     if step == 0:
         report_accuracy(cfg, cluster, inputs.held_out, "before training")
+    at_step_start = (run_state(sampler, sink), cluster.learner.updates)
     progress = tqdm(total=cfg.run.steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
     try:
         while step < cfg.run.steps:
+            at_step_start = (run_state(sampler, sink), cluster.learner.updates)  # for a checkpoint if stopped now
             try:
                 metrics = train_step(cfg, cluster, sampler, inputs.pad_token_id, weight_version=step + 1)
                 step += 1
@@ -92,7 +94,9 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         report_accuracy(cfg, cluster, inputs.held_out, "after training")
         if cfg.run.save_final:
             print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
-    except BaseException:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
+    except BaseException as stop:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
+        if isinstance(stop, KeyboardInterrupt) and step > 0:
+            checkpoint_at_stop(cfg, cluster, step, *at_step_start)
         save_interrupted(cluster, cfg.run_dir / "interrupted")
         raise
     finally:
@@ -106,6 +110,21 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
 def checkpoint_due(cfg: Config, step: int) -> bool:
     every = cfg.checkpoint.every_steps
     return bool(every) and (step % every == 0 or step == cfg.run.steps)
+
+
+def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, updates: int) -> None:
+    """On Ctrl-C or SIGTERM, a checkpoint of the last finished step, from the run's state taken when the next step
+    began; none when the learner already updated in the step under way (its weights belong to no finished step)."""
+    if not cfg.checkpoint.every_steps or (cfg.checkpoint_dir / f"step-{step:06d}").is_dir():
+        return
+    if cluster.learner.updates != updates:
+        print(f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
+              "from the latest checkpoint")  # fmt: skip
+        return
+    try:
+        print(f"checkpoint of step {step} written to {checkpoints.save(cfg, cluster, step, state)}")
+    except Exception as err:  # the stop is what propagates; this failure is only reported
+        log.error("could not write a checkpoint of step %d (%s: %s)", step, type(err).__name__, err)
 
 
 def restart_learner(cfg: Config, cluster: Cluster, sampler: PromptSampler, sink: MetricsSink, lost: LearnerLost) -> int:

@@ -138,8 +138,9 @@ class ActorPool:
                 raise RunFailed(f"{self.name(slot)} failed to start: {first_line(err)}") from err
             self.health[slot] = Health.HEALTHY
 
-    def replace(self, slot: int, why: str) -> None:
-        """Kill slot's actor (whatever state it is in) and start a new one in its place."""
+    def replace(self, slot: int, why: str, then: str = "") -> None:
+        """Kill slot's actor (whatever state it is in) and start a new one in its place; `why` and `then` (what
+        the caller does next) go into the printed line."""
         self.health[slot] = Health.RESTARTING
         if self.restarts >= self.max_restarts:
             self.health[slot] = Health.FAILED
@@ -159,9 +160,8 @@ class ActorPool:
                 # bundle moves to a live node once it has, so try again.
                 log.warning("%s; starting it again (attempt %d of %d)", err, attempt + 1, START_ATTEMPTS)
                 time.sleep(RETRY_PAUSE_S)
-        self.faults.record(
-            self.counter, f"{self.name(slot)} {why}; replaced it in {time.monotonic() - started:.1f} s"
-        )  # fmt: skip
+        took = time.monotonic() - started
+        self.faults.record(self.counter, f"{self.name(slot)} {why}; replaced it in {took:.1f} s{then and '; ' + then}")
 
     def call(self, method: str, args: dict[int, tuple], timeout_s: float) -> dict[int, Outcome]:
         """`method(*args[slot])` on each given slot at once; the outcome of each."""

@@ -61,7 +61,7 @@ class GeneratorPool:
             lost = {slot: outcome.fault for slot, outcome in outcomes.items() if outcome.fault is not None}
             for slot, fault in lost.items():
                 start, end = shards[slot]
-                self.pool.replace(slot, f"{fault} while generating {end - start} prompts; generating them again")
+                self.pool.replace(slot, f"{fault} while generating {end - start} prompts", "generating them again")
                 self.faults.count("regenerated", end - start)
             if lost:
                 self.rejoin()

@@ -37,6 +37,7 @@ class LearnerGroup:
         self.cfg = cfg
         self.timeout_s = timeout_s
         self.threads: list[int] = []
+        self.updates = 0  # training steps the ranks have completed
 
     @classmethod
     def start(
@@ -82,6 +83,7 @@ class LearnerGroup:
         )  # fmt: skip
         calls = [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
         results = self._wait(calls, "train")
+        self.updates += 1
         metrics = {key: sum(result[key] for result in results) for key in results[0] if key not in FROM_RANK_0}
         metrics.update({key: results[0][key] for key in FROM_RANK_0 if key in results[0]})
         return metrics

@@ -45,7 +45,9 @@ class RewardPool:
         """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored."""
         shards = split(len(requests), len(self.pool.actors))
         scored: dict[int, list[Score]] = {}
-        for attempt in range(1 + self.cfg.faults.rescore_attempts):
+        attempts = 1 + self.cfg.faults.rescore_attempts
+        for attempt in range(1, attempts + 1):
+            again = "scoring them again" if attempt < attempts else ""
             args = {slot: (requests[start:end],) for slot, (start, end) in shards.items()}
             outcomes = self.pool.call("score", args, self.cfg.faults.score_timeout_s)
             for slot, outcome in outcomes.items():
@@ -54,13 +56,13 @@ class RewardPool:
                     if exhausted:
                         self.pool.replace(slot, "has half its threads stuck past reward.timeout_s")
                 else:
-                    self.pool.replace(slot, f"{outcome.fault} while scoring {_count(shards[slot])} completions")
+                    self.pool.replace(slot, f"{outcome.fault} while scoring {_count(shards[slot])} completions", again)
             shards = {slot: span for slot, span in shards.items() if slot not in scored}
-            if shards and attempt < self.cfg.faults.rescore_attempts:
+            if shards and again:
                 self.faults.count("rescored", sum(_count(span) for span in shards.values()))
         for slot, span in shards.items():
             self.faults.record("unscored", f"{_count(span)} completions left unscored: their reward worker was lost "
-                               f"{1 + self.cfg.faults.rescore_attempts} times", _count(span))  # fmt: skip
+                               f"{attempts} times", _count(span))  # fmt: skip
             scored[slot] = [self._lost() for _ in range(_count(span))]
         scores = [score for slot in sorted(scored) for score in scored[slot]]
         self.failures.observe(scores)

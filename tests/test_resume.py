@@ -82,20 +82,27 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
     assert checkpoints.check_config(validate_config(raw), checkpoint) == ["learner.lr: 0.01 -> 0.005"]
 
 
-def test_sigterm_stops_cleanly_with_the_policy_saved(tmp_path):
-    """Preemption or `ray job stop`: SIGTERM mid-run writes interrupted/ and exits 130 with no traceback."""
-    raw = small_config(tmp_path, run={"name": "stopped", "steps": 50}, checkpoint={"every_steps": 1})
+def test_sigterm_stops_cleanly_with_the_policy_and_a_checkpoint_saved(tmp_path):
+    """Preemption or `ray job stop`: SIGTERM mid-run writes interrupted/ and a checkpoint of the last finished step,
+    and exits 130 with no traceback."""
+    raw = small_config(tmp_path, run={"name": "stopped", "steps": 50}, checkpoint={"every_steps": 1000})
     path = tmp_path / "stopped.yaml"
     path.write_text(yaml.safe_dump(raw))
-    run = grpo_dist("train", str(path), stderr=subprocess.PIPE, text=True)
+    run = grpo_dist("train", str(path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "outputs" / "stopped"
     deadline = time.monotonic() + 600
-    while not (run_dir / "checkpoints" / "latest").exists():
-        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.5)
+    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its second step"
+        time.sleep(0.2)
     run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=300)
+    out, err = run.communicate(timeout=300)
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err
     assert "--resume" in err
     assert (run_dir / "interrupted" / "model.safetensors").is_file()
+    finished = rows(run_dir)[-1]["step"]
+    if "no checkpoint of it" in out:  # the signal came after the learner's update of the step under way
+        assert not (run_dir / "checkpoints").exists()
+    else:  # it came before: the checkpoint is of the last finished step (none is periodic in 1000 steps)
+        assert f"checkpoint of step {finished} written" in out
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{finished:06d}"

@@ -19,6 +19,7 @@ from grpo_dist.rewards import (
     resolve_reward,
     score_one,
 )
+from grpo_dist.types import Score, ScoreRequest
 
 FIXTURES = "reward_fixtures"
 
@@ -204,3 +205,34 @@ def test_score_one_failure_gives_nan_and_error(
     assert math.isnan(combined)
     assert scores[0] == 1.0 and math.isnan(scores[1])
     assert errors == [None, message]
+
+
+def test_a_worker_with_half_its_threads_stuck_asks_to_be_replaced() -> None:
+    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.config import RewardFunctionConfig
+
+    # One function -> 4 threads; each request leaves one call sleeping past the 0.1 s limit.
+    worker = RewardWorker([RewardFunctionConfig(name=f"{FIXTURES}.slow_reward", kwargs={"delay_s": 3.0})], 0.1)
+    request = ScoreRequest("q", "7", {})
+    scores, exhausted = worker.score([request])
+    assert not exhausted and scores[0].failures == {f"{FIXTURES}.slow_reward": "timed out after 0.1s"}
+    _, exhausted = worker.score([request])
+    assert exhausted  # 2 of 4 threads stuck
+
+
+def test_a_run_scoring_nothing_stops_naming_each_functions_first_error(capsys) -> None:
+    from grpo_dist.faults import RunFailed
+    from grpo_dist.reward_pool import RewardFailures
+
+    failures = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=2)
+    bad, good = Score(math.nan, [math.nan, 1.0], {"a": "ValueError: x"}), Score(1.0, [1.0, 1.0])
+    failures.observe([bad, bad, good])  # 2 of 3 unscored: over 0.5
+    assert failures.end_step() == {"reward_failures/a": 2.0, "reward_failures/b": 0.0}
+    assert capsys.readouterr().out.count("reward a failed: ValueError: x") == 1  # the first of its kind only
+    failures.observe([good, good])
+    failures.end_step()  # a good step ends the streak
+    failures.observe([bad])
+    failures.end_step()
+    failures.observe([bad, good, bad])
+    with pytest.raises(RunFailed, match=r"for 2 steps in a row.*a: ValueError: x"):
+        failures.end_step()
