@@ -17,7 +17,7 @@ from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
 from grpo_dist.faults import FaultLog
 from grpo_dist.generator_pool import GeneratorPool
-from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerLost
+from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
@@ -121,13 +121,14 @@ class Cluster:
 
     def sync_weights(self, weight_version: int) -> None:
         """Load the learner's current weights into every generator, by the configured transport. A sync that
-        fails because a generator is gone is done again once it is replaced; otherwise the error is raised."""
+        fails because a generator is gone or hung is done again once it is replaced; otherwise the error is raised
+        (a lost learner rank: `LearnerLost`)."""
         try:
             self.transport.sync(weight_version)
-        except LearnerLost:
-            raise
-        except (WeightSyncError, LearnerGroupError):
-            if not self.generators.replace_unresponsive():
+        except (WeightSyncError, LearnerGroupError) as err:
+            # A rank that is alive but stuck may be waiting on a generator that hung mid-sync: check them first.
+            rank_died = isinstance(err, LearnerLost) and not isinstance(err, LearnerHung)
+            if rank_died or not self.generators.replace_unresponsive():
                 raise
             self.weight_version = weight_version
             self.reconnect()

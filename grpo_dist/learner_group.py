@@ -29,6 +29,11 @@ class LearnerLost(LearnerGroupError):
     """A learner rank died or did not answer within the bound: the group must be restarted."""
 
 
+class LearnerHung(LearnerLost):
+    """A learner rank did not answer within the bound (it may be waiting on a peer that hung: a generator in a
+    weight sync)."""
+
+
 class LearnerGroup:
     """Handles to the ranks of one DeepSpeed engine, and the few collective calls the driver makes."""
 
@@ -133,5 +138,5 @@ class LearnerGroup:
                 raise LearnerGroupError(f"learner rank {rank}: {method} failed: {err}") from err
         if pending:
             hung = [first_rank + index for index, ref in enumerate(refs) if ref in pending]
-            raise LearnerLost(f"learner rank(s) {hung}: {method} did not return within {self.timeout_s:.0f} s")
+            raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {self.timeout_s:.0f} s")
         return ray.get(refs)
