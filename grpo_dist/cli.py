@@ -1,4 +1,4 @@
-"""`grpo-dist` command line: train, check a config, build a tiny model, plot a reward curve.
+"""`grpo-dist` command line: train, warm a model up, check a config, build a tiny model, plot a reward curve.
 
 Only the config module is imported up front, so `--help` and config errors are instant.
 """
@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="CHECKPOINT",
         help="continue the run in run.output_dir/run.name from its latest checkpoint (or from CHECKPOINT)",
     )
+    sft = commands.add_parser("sft", help="supervised warm-up writing model.path: grpo-dist sft CONFIG [overrides]")
+    sft.add_argument("config", help="YAML config file with an sft section")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200")
+    sft.add_argument("--overwrite", action="store_true", help="replace an existing model at model.path")
     check = commands.add_parser("check", help="validate a config (with overrides) and print it, starting nothing")
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
@@ -89,6 +93,16 @@ def _run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         return _check_cluster(cfg, args.cluster) if args.cluster else 0
     from grpo_dist.data import DatasetError
+
+    if args.command == "sft":
+        from grpo_dist.sft import run_sft
+
+        try:
+            run_sft(cfg, overwrite=args.overwrite)
+        except DatasetError as err:
+            print(f"grpo-dist: {err}", file=sys.stderr)
+            return 2
+        return 0
     from grpo_dist.driver import train
     from grpo_dist.faults import RunFailed
 

@@ -62,12 +62,14 @@ class ModelConfig(_Section):
     path: str
     """Local directory of a Hugging Face causal LM (config, weights, tokenizer): the initial policy."""
     tiny: TinyModelConfig | None = None
-    """Build a random-init tiny model with a character tokenizer at `path` when `path` does not exist yet."""
+    """Build a random-init tiny model with a character tokenizer at `path` (at `sft.base` when the config has a
+    warm-up) when it does not exist yet."""
 
 
 class TaskConfig(_Section):
-    name: Literal["last_digit", "add"] = "last_digit"
-    """Bundled synthetic task: `last_digit` (answer the prompt's last digit) or `add` (single-digit sums)."""
+    name: Literal["last_digit", "add", "add_multi"] = "last_digit"
+    """Bundled synthetic task: `last_digit` (answer the prompt's last digit), `add` (single-digit sums) or
+    `add_multi` (sums of two numbers below 100)."""
     num_train: int = Field(2000, ge=1)
     """Training prompts to generate."""
     num_eval: int = Field(200, ge=1)
@@ -266,6 +268,9 @@ class SyncConfig(_Section):
 
 
 class FaultsConfig(_Section):
+    start_timeout_s: float = Field(600.0, gt=0)
+    """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
+    this many seconds stops the run, naming it."""
     generate_timeout_s: float = Field(600.0, gt=0)
     """A generator whose share of a step's generation takes longer is treated as hung: killed, replaced and its
     prompts generated again elsewhere."""
@@ -281,6 +286,19 @@ class FaultsConfig(_Section):
     rescore_attempts: int = Field(1, ge=0)
     """Times completions whose reward worker died or hung are scored again (on a new worker) before they are left
     unscored."""
+
+
+class SftConfig(_Section):
+    base: str
+    """The model `grpo-dist sft` warms up (a local Hugging Face directory); the result goes to `model.path`."""
+    steps: int = Field(500, ge=1)
+    """Optimizer steps of the warm-up."""
+    batch_size: int = Field(64, ge=1)
+    """Solved training rows per step."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of the warm-up (betas and gradient clipping as in `learner`)."""
+    answer_field: str = "answer"
+    """Field of each training row holding its solved completion."""
 
 
 class CheckpointConfig(_Section):
@@ -347,6 +365,8 @@ class Config(_Section):
     """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out accuracy."""
+    sft: SftConfig | None = None
+    """Supervised warm-up on the task's solved rows (`grpo-dist sft CONFIG`) writing `model.path`; null: none."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """Cluster to run on."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)

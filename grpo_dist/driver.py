@@ -295,11 +295,16 @@ def report_accuracy(cfg: Config, cluster: Cluster, held_out: list[PromptRecord],
         return None
     prompts = held_out[: cfg.eval.max_prompts]
     completions = cluster.generate(prompts, group_size=1, greedy=True)
+    return judge_accuracy(cfg, score_requests(prompts, completions), when)
+
+
+def judge_accuracy(cfg: Config, requests: list[ScoreRequest], when: str) -> float:
+    """The fraction of completions `eval.reward` scores 1.0 (correct); printed with `when` and returned."""
     judge = [resolve_reward(cfg.eval.reward)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         scores = [
             score_one(judge, [1.0], [{}], r.prompt, r.completion, r.fields, cfg.reward.timeout_s, pool)[0]
-            for r in score_requests(prompts, completions)
+            for r in requests
         ]
     accuracy = sum(score == 1.0 for score in scores) / len(scores)
     print(f"held-out accuracy {when}: {accuracy:.3f} ({len(scores)} prompts, judged by {cfg.eval.reward})")
@@ -344,13 +349,23 @@ def read_prompts(cfg: Config, path: Path, tokenizer) -> tuple[list[PromptRecord]
 
 def prepare_model(cfg: Config) -> str:
     path = Path(cfg.model.path)
+    if cfg.sft is not None and not path.exists():
+        raise ConfigError(
+            f"model.path: {path} does not exist yet: this config starts from a warmed-up model, which "
+            "`grpo-dist sft CONFIG` writes there (see its sft section)"
+        )
+    return model_directory(cfg, path, "model.path")
+
+
+def model_directory(cfg: Config, path: Path, key: str) -> str:
+    """The Hugging Face model at `path` (config key `key`), built there first when `model.tiny` asks for one."""
     if cfg.model.tiny is not None and not path.exists():
         from grpo_dist.models import build_tiny_model
 
         build_tiny_model(path, seed=cfg.run.seed, **cfg.model.tiny.model_dump(exclude_none=True))
         print(f"built a random-init tiny model at {path}")
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+        raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
     return str(path.resolve())
 
 

@@ -127,9 +127,9 @@ class ActorPool:
             if ref in pending:
                 self.health[slot] = Health.FAILED
                 raise RunFailed(
-                    f"{self.name(slot)} did not start within {self.start_timeout_s:.0f} s (sync.timeout_s): its "
-                    "placement bundle may be waiting for room on a live node (see `ray status`), or its engine is "
-                    "slow to load"
+                    f"{self.name(slot)} did not start within {self.start_timeout_s:g} s (faults.start_timeout_s): "
+                    "its placement bundle may be waiting for room on a live node (see `ray status`), or its engine "
+                    "is slow to load"
                 )
             try:
                 ray.get(ref)

@@ -29,7 +29,7 @@ class GeneratorPool:
         self.rejoin: Callable[[], None] = lambda: None  # set by the cluster once the weight transport exists
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
-            cfg.faults.max_generator_restarts, cfg.sync.timeout_s,
+            cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s,
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:

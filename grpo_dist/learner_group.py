@@ -64,7 +64,8 @@ class LearnerGroup:
         return group
 
     def _setup(self) -> None:
-        nodes = self._call("node")
+        start_timeout_s = self.cfg.faults.start_timeout_s  # placement and engine build, not a training call
+        nodes = self._wait([rank.node.remote() for rank in self.ranks], "node", timeout_s=start_timeout_s)
         master = (nodes[0][1], self._wait([self.ranks[0].free_port.remote()], "free_port")[0])
         node_ids = [node_id for node_id, _ in nodes]
         calls = [
@@ -77,7 +78,7 @@ class LearnerGroup:
             )
             for index, rank in enumerate(self.ranks)
         ]
-        self.threads = self._wait(calls, "setup")
+        self.threads = self._wait(calls, "setup", timeout_s=start_timeout_s)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One training step on a rollout batch, split across the ranks; metrics of the whole batch."""
@@ -123,9 +124,12 @@ class LearnerGroup:
     def _call(self, method: str, *args: Any) -> list[Any]:
         return self._wait([getattr(rank, method).remote(*args) for rank in self.ranks], method)
 
-    def _wait(self, refs: list[ray.ObjectRef], method: str, first_rank: int = 0) -> list[Any]:
+    def _wait(
+        self, refs: list[ray.ObjectRef], method: str, first_rank: int = 0, timeout_s: float | None = None
+    ) -> list[Any]:
         """Results of one call per rank, in rank order; fails naming the first rank that failed or hung."""
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for ref in refs:
             if ref in pending:
                 continue
@@ -138,5 +142,5 @@ class LearnerGroup:
                 raise LearnerGroupError(f"learner rank {rank}: {method} failed: {err}") from err
         if pending:
             hung = [first_rank + index for index, ref in enumerate(refs) if ref in pending]
-            raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {self.timeout_s:.0f} s")
+            raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {timeout_s:.0f} s")
         return ray.get(refs)

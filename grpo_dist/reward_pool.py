@@ -31,7 +31,7 @@ class RewardPool:
         self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
         self.pool = ActorPool(
             "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
-            cfg.faults.max_reward_worker_restarts, cfg.sync.timeout_s,
+            cfg.faults.max_reward_worker_restarts, cfg.faults.start_timeout_s,
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:

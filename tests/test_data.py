@@ -194,7 +194,7 @@ def test_sampler_rejects_bad_arguments(records: list[PromptRecord], batch_size: 
 
 
 def solve(task: str, prompt: str) -> str:
-    if task == "add":
+    if task in ("add", "add_multi"):
         left, right = prompt.rstrip("=").split("+")
         return str(int(left) + int(right))
     return prompt.rstrip(":").split()[-1]
@@ -220,7 +220,7 @@ def test_write_task_roundtrips_through_load_rows(tmp_path: Path) -> None:
 
 
 def test_unknown_task_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="unknown task 'multiply'; valid tasks: add, last_digit"):
+    with pytest.raises(ValueError, match="unknown task 'multiply'; valid tasks: add, add_multi, last_digit"):
         make_task_rows("multiply", 5, seed=0)
 
 
@@ -241,3 +241,8 @@ def test_split_add_allows_overlap(tmp_path: Path) -> None:
     train_path, eval_path = split_task("add", tmp_path, num_train=1000, num_eval=50, seed=0)
     assert len(read_prompts(eval_path)) == 50
     assert set(read_prompts(eval_path)) & set(read_prompts(train_path))
+
+
+def test_add_multi_covers_one_and_two_digit_numbers() -> None:
+    operands = {len(part) for row in make_task_rows("add_multi", 500, seed=0) for part in row["prompt"][:-1].split("+")}
+    assert operands == {1, 2}

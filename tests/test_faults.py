@@ -108,13 +108,14 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # none missing, none twice after the restart
+    fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
     final = rows[-1]
-    assert (final["faults/generator_restarts"], final["faults/reward_worker_restarts"]) == (2, 2)
-    assert final["faults/learner_restarts"] == 1
+    restarts = (final["faults/generator_restarts"], final["faults/reward_worker_restarts"])
+    assert restarts == (2, 2), "\n".join(fault_lines)
+    assert final["faults/learner_restarts"] == 1, "\n".join(fault_lines)
     assert final["faults/unscored"] == 0  # every lost share was scored again
     assert final["faults/regenerated"] == 2 * 2  # each generator was lost with its 2 prompts in generation
     assert (run_dir / "final" / "model.safetensors").is_file()
-    fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
     assert len(fault_lines) == 5, fault_lines  # one line per fault, naming the actor and what was done
     assert any(line.startswith("fault: generator ") and "no answer within 10 s while generating" in line
                for line in fault_lines)  # fmt: skip
@@ -180,3 +181,24 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
     assert [row["step"] for row in rows] == list(range(1, 13))
     assert rows[-1]["faults/unscored"] == 0
     assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(ray_cluster, tmp_path):
+    from grpo_dist.config import load_config
+    from grpo_dist.driver import prepare_model
+    from grpo_dist.faults import FaultLog, RunFailed
+    from grpo_dist.generator_pool import GeneratorPool
+    from grpo_dist.placement import place
+
+    # An engine takes seconds to load, so a 0.5 s start bound passes first; the sync bound (600 s) plays no part.
+    config = tmp_path / "start.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path, faults={"start_timeout_s": 0.5})))
+    cfg = load_config(config)
+    placement = place(cfg)
+    generators = GeneratorPool(cfg, prepare_model(cfg), placement, FaultLog())
+    try:
+        with pytest.raises(RunFailed, match=r"generator 0 did not start within 0.5 s \(faults.start_timeout_s\)"):
+            generators.pool.wait_ready()
+    finally:
+        generators.shutdown()
+        placement.remove()

@@ -50,6 +50,16 @@ class Generator:
             tensor_parallel_size=rollout.tensor_parallel_size,
             distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else None,
         )
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Two greedy tokens with their logprobs (the first request asking for logprobs costs seconds), so an
+        engine's first-call costs fall in its start-up (bounded by `faults.start_timeout_s`), not in a step's
+        generation (bounded by `faults.generate_timeout_s`)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        warm_up = SamplingParams(max_tokens=2, temperature=0.0, logprobs=0)
+        self.llm.generate([TokensPrompt(prompt_token_ids=[0])], warm_up, use_tqdm=False)
 
     def generate(
         self,

@@ -6,6 +6,8 @@ Each task makes rows ``{"prompt": ..., "answer": ...}`` from a seeded RNG; the a
 
 - ``last_digit``: ``"7 3 9 5:"`` -> ``"5"`` (2 to 4 digits; 11,100 distinct prompts).
 - ``add``: ``"3+4="`` -> ``"7"`` (single digits; only 100 distinct prompts, so train and eval sets overlap).
+- ``add_multi``: ``"47+85="`` -> ``"132"`` (two numbers of 1 or 2 digits; 10,000 distinct prompts): hard enough
+  that a model warmed up on solved examples knows the format but is often wrong.
 """
 
 from __future__ import annotations
@@ -42,11 +44,17 @@ def _add_row(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{left}+{right}=", "answer": str(left + right)}
 
 
+def _add_multi_row(rng: random.Random) -> dict[str, str]:
+    left, right = rng.randrange(100), rng.randrange(100)
+    return {"prompt": f"{left}+{right}=", "answer": str(left + right)}
+
+
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         Task("last_digit", "repeat the last of 2-4 space-separated digits", _last_digit_row, 10**2 + 10**3 + 10**4),
         Task("add", "sum of two single digits", _add_row, 10 * 10),
+        Task("add_multi", "sum of two numbers below 100", _add_multi_row, 100 * 100),
     )
 }
 
