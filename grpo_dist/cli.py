@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         help="also connect to the running Ray cluster at ADDRESS (host:port or auto) and print where each placement "
         "group would go; exit 1 when the run does not fit, 2 when the cluster cannot be reached",
     )
+    scale = commands.add_parser("scale", help="add or remove generators of a running run: grpo-dist scale RUN_DIR "
+                                "generators=N")  # fmt: skip
+    scale.add_argument("run_dir", help="the run's directory (run.output_dir/run.name)")
+    scale.add_argument("setting", help="generators=N")
     reference = commands.add_parser("reference", help="print every config key with its default and meaning")
     reference.add_argument("--markdown", action="store_true", help="as the Markdown table of the README")
     plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
@@ -81,6 +85,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"reward curve written to {plot_rewards(steps, rewards, args.out)}")
         print(reward_summary(rewards))
         return 0
+    if args.command == "scale":
+        return _scale(args.run_dir, args.setting)
     if args.command == "tiny-model":
         from grpo_dist.models import build_tiny_model
 
@@ -126,6 +132,22 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def _scale(run_dir: str, setting: str) -> int:
+    from grpo_dist.control import scale
+
+    key, _, value = setting.partition("=")
+    if key != "generators" or not value.isdigit():
+        print(f"grpo-dist scale: expected generators=N, got {setting!r}", file=sys.stderr)
+        return 2
+    try:
+        request = scale(run_dir, int(value))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"grpo-dist scale: {err}", file=sys.stderr)
+        return 2
+    print(f"asked the run to go to {value} generators ({request}); it does so between two steps and prints it")
     return 0
 
 

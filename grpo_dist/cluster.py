@@ -81,6 +81,9 @@ class Cluster:
     placement: Placement
     faults: FaultLog
     weight_version: int = 0  # the weights the generators hold (0: the initial model)
+    learner_version: int = 0  # the learner's: updates in its weights (the step they finished)
+    training: list | None = None  # a training step under way (`start_train`)
+    trained: dict | None = None  # its metrics, when a reconnect had to wait for it
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> Cluster:
@@ -117,32 +120,51 @@ class Cluster:
         return self.rewards.score(requests)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        return self.learner.train(batch)
+        self.start_train(batch)
+        return self.finish_train()
 
-    def sync_weights(self, weight_version: int) -> None:
-        """Load the learner's current weights into every generator, by the configured transport. A sync that
-        fails because a generator is gone or hung is done again once it is replaced; otherwise the error is raised
-        (a lost learner rank: `LearnerLost`)."""
+    def start_train(self, batch: TrainBatch) -> None:
+        """Start a training step; the driver generates the next batch meanwhile."""
+        self.training = self.learner.submit_train(batch)
+
+    def finish_train(self) -> dict[str, float]:
+        """Wait for the training step `start_train` began; its metrics."""
+        self._await_training()
+        metrics, self.trained = self.trained, None
+        return metrics
+
+    def _await_training(self) -> None:
+        if self.training is not None:
+            calls, self.training = self.training, None
+            self.trained = self.learner.wait_train(calls)
+            self.learner_version += 1
+
+    def sync_weights(self) -> None:
+        """Load the learner's current weights (`learner_version`) into every generator, by the configured
+        transport. A sync that fails because a generator is gone or hung is done again once it is replaced;
+        otherwise the error is raised (a lost learner rank: `LearnerLost`)."""
         try:
-            self.transport.sync(weight_version)
+            self.transport.sync(self.learner_version)
         except (WeightSyncError, LearnerGroupError) as err:
             # A rank that is alive but stuck may be waiting on a generator that hung mid-sync: check them first.
             rank_died = isinstance(err, LearnerLost) and not isinstance(err, LearnerHung)
             if rank_died or not self.generators.replace_unresponsive():
                 raise
-            self.weight_version = weight_version
             self.reconnect()
-        self.weight_version = weight_version
+        self.weight_version = self.learner_version
 
     def reconnect(self) -> None:
-        """Connect the weight transport afresh (after a generator or the learner group was replaced) and load the
-        current weights into every generator; a generator lost meanwhile is replaced and the connection made again."""
+        """Connect the weight transport afresh (after a generator or the learner group was replaced, or the pool
+        resized) and load the learner's weights into every generator (after the training step under way, if any);
+        a generator lost meanwhile is replaced and the connection made again."""
+        self._await_training()
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
             try:
                 self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
                 self.transport.connect()
-                if self.weight_version:
-                    self.transport.sync(self.weight_version)
+                if self.learner_version:
+                    self.transport.sync(self.learner_version)
+                self.weight_version = self.learner_version
                 return
             except LearnerLost:
                 raise
@@ -157,9 +179,17 @@ class Cluster:
         self.generators.replace_unresponsive()  # one lost with the learner (the same node) must not stall the sync
         strategies = self.placement.learner_strategies()
         self.learner = LearnerGroup.start(self.cfg, self.model_path, strategies, timeout_s=self.cfg.sync.timeout_s)
-        self.weight_version = 0
+        self.weight_version = self.learner_version = 0
+        self.training = self.trained = None
         self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
         self.transport.connect()
+
+    def scale_generators(self, count: int) -> None:
+        """Add or remove generators between steps (none is generating then): a new one is placed, started and
+        loaded with the learner's weights before it takes work; a removed one is stopped."""
+        if count != len(self.generators.actors):
+            self.generators.resize(count)
+            self.reconnect()
 
     def save(self, out_dir: str) -> str:
         return self.learner.save(out_dir)

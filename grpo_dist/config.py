@@ -125,6 +125,10 @@ class RolloutConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one engine spans with tensor parallelism (vLLM's Ray executor, all on one node). Needs GPUs: vLLM's
     CPU backend here runs one worker per engine."""
+    max_staleness: int = Field(0, ge=0)
+    """k: every completion trained on was sampled by weights at most k updates older than the learner's. 0 is
+    on-policy (generate, score, train, sync in turn); with k >= 1 the next batch is generated and scored while the
+    learner trains, and weights are synced only as often as the bound needs."""
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_gpus(self) -> RolloutConfig:
@@ -187,8 +191,9 @@ class AlgorithmConfig(_Section):
     """beta: weight of the KL penalty to the frozen reference; 0 never loads the reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator; k3 = exp(ref - lp) - (ref - lp) - 1 as in DeepSeekMath."""
-    is_cap: float | None = Field(None, gt=0)
-    """Truncated importance sampling between sampling and learner logprobs, capped here; null disables it."""
+    is_cap: float | Literal["auto"] | None = "auto"
+    """Truncated importance sampling between sampling and learner logprobs, capped here; null disables it; auto is
+    2 with `rollout.max_staleness` >= 1 (off-policy samples) and off otherwise."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (the token entropy is logged every step either way)."""
     dynamic_sampling: bool = False
@@ -207,6 +212,12 @@ class AlgorithmConfig(_Section):
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer updates per pass: the rollout batch is cut into this many mini-batches."""
+
+    @model_validator(mode="after")
+    def _is_cap_positive(self) -> AlgorithmConfig:
+        if isinstance(self.is_cap, float) and not self.is_cap > 0:
+            raise ValueError(f"is_cap must be > 0, auto or null (got {self.is_cap})")
+        return self
 
 
 class LearnerConfig(_Section):
@@ -371,6 +382,13 @@ class Config(_Section):
     """Cluster to run on."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Experiment tracking."""
+
+    @model_validator(mode="after")
+    def _is_cap_resolved(self) -> Config:
+        algorithm = self.algorithm
+        if algorithm.is_cap == "auto":
+            algorithm.is_cap = 2.0 if self.rollout.max_staleness >= 1 else None
+        return self
 
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> Config:

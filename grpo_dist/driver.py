@@ -8,7 +8,6 @@ Everything that can be wrong with the inputs is checked by `prepare` before any 
 from __future__ import annotations
 
 import logging
-import random
 import shutil
 import signal
 import time
@@ -16,12 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
 from tqdm import tqdm
 
-from grpo_dist import checkpoints
-from grpo_dist.algo import informative_groups, multi_reward_advantages, overlong_penalty
+from grpo_dist import checkpoints, control
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config, ConfigError
@@ -29,9 +26,10 @@ from grpo_dist.data import PromptRecord, PromptSampler, encode_prompts, load_row
 from grpo_dist.faults import RunFailed
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
+from grpo_dist.pipeline import RolloutQueue, bound_staleness, compute_advantages, score_requests, sync_due
+from grpo_dist.placement import PlacementError
 from grpo_dist.rewards import resolve_reward, score_one
-from grpo_dist.rollout import Rollout
-from grpo_dist.types import Completion, ScoreRequest
+from grpo_dist.types import ScoreRequest
 
 log = logging.getLogger("grpo_dist")
 
@@ -66,31 +64,32 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
             signal.signal(signal.SIGTERM, on_sigterm)
         cluster = Cluster.start(cfg, inputs.model_path)
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
+    rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, sampler, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=step)
     if step == 0:
         report_accuracy(cfg, cluster, inputs.held_out, "before training")
-    at_step_start = (run_state(sampler, sink), cluster.learner.updates)
+    at_step_start = (run_state(rollouts, sink), cluster.learner.updates)
     progress = tqdm(total=cfg.run.steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
     try:
         while step < cfg.run.steps:
-            at_step_start = (run_state(sampler, sink), cluster.learner.updates)  # for a checkpoint if stopped now
+            at_step_start = (run_state(rollouts, sink), cluster.learner.updates)  # for a checkpoint if stopped now
             try:
-                metrics = train_step(cfg, cluster, sampler, inputs.pad_token_id, weight_version=step + 1)
+                apply_scale_request(cfg, cluster)
+                metrics = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
                 step += 1
                 sink.log(step, {**metrics, "epoch": sampler.epoch})
-                progress.update(1)
-                progress.set_postfix_str(
-                    f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} "
-                    f"tok/s={metrics['tokens_per_s']:.0f}"
-                )
+                show_progress(cfg, progress, metrics)
                 if checkpoint_due(cfg, step):
-                    checkpoints.save(cfg, cluster, step, run_state(sampler, sink))
+                    checkpoints.save(cfg, cluster, step, run_state(rollouts, sink))
             except LearnerLost as lost:
+                rollouts.reset()
                 step = restart_learner(cfg, cluster, sampler, sink, lost)
                 progress.n = step
                 progress.refresh()
         sink.close()
+        if cluster.weight_version < cluster.learner_version:
+            cluster.sync_weights()  # the held-out evaluation samples the final policy
         report_accuracy(cfg, cluster, inputs.held_out, "after training")
         if cfg.run.save_final:
             print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
@@ -105,6 +104,34 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         if own_cluster:
             cluster.shutdown()
     return cfg.run_dir
+
+
+def show_progress(cfg: Config, progress: tqdm, metrics: dict[str, float]) -> None:
+    progress.update(1)
+    staleness = f" staleness={metrics['staleness/max']:.0f}" if cfg.rollout.max_staleness else ""
+    progress.set_postfix_str(
+        f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} tok/s={metrics['tokens_per_s']:.0f}"
+        + staleness
+    )
+
+
+def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
+    """Add or remove generators as `grpo-dist scale` asked, between steps; a request that cannot be met is
+    printed and the run goes on with the generators it has."""
+    wanted = control.take_request(cfg.run_dir)
+    current = len(cluster.generators.actors)
+    if wanted is None or wanted == current:
+        return
+    started = time.monotonic()
+    tqdm.write(f"scale: {current} -> {wanted} generators (placing and starting them: at most "
+               f"{cfg.ray.placement_timeout_s + cfg.faults.start_timeout_s:g} s)")  # fmt: skip
+    try:
+        cluster.scale_generators(wanted)
+    except (PlacementError, RunFailed) as err:
+        tqdm.write(f"scale: could not go from {current} to {wanted} generators; going on with {current}: {err}")
+        cluster.scale_generators(current)
+        return
+    tqdm.write(f"scale: now {wanted} generators ({time.monotonic() - started:.1f} s)")
 
 
 def checkpoint_due(cfg: Config, step: int) -> bool:
@@ -163,16 +190,17 @@ def resume_from(cluster: Cluster, sampler: PromptSampler, checkpoint: Path) -> t
     returns the last step it holds and its W&B run id."""
     state = checkpoints.load_state(checkpoint)
     cluster.learner.load_checkpoint(str(checkpoint / "learner"))
-    cluster.sync_weights(state["step"])
+    cluster.learner_version = state["step"]
+    cluster.sync_weights()
     sampler.load_state_dict(state["sampler"])
     checkpoints.restore_random_state(state["random"])
     print(f"resumed from {checkpoint} after step {state['step']}")
     return state["step"], state["wandb_id"]
 
 
-def run_state(sampler: PromptSampler, sink: MetricsSink) -> dict:
-    """What the driver carries from step to step, for a checkpoint."""
-    return {"sampler": sampler.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
+def run_state(rollouts: RolloutQueue, sink: MetricsSink) -> dict:
+    """What the driver carries from step to step, for a checkpoint (the sampler from before a batch drawn ahead)."""
+    return {"sampler": rollouts.sampler_state(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
 
 
 def start_run_dir(cfg: Config) -> Path | None:
@@ -205,88 +233,36 @@ def save_interrupted(cluster: Cluster, out_dir: Path) -> None:
         log.error("could not save the policy (%s: %s)", type(err).__name__, err)
 
 
-def train_step(
-    cfg: Config, cluster: Cluster, sampler: PromptSampler, pad_token_id: int, weight_version: int
-) -> dict[str, float]:
-    """One GRPO step: sample groups, score them, compute advantages, update the policy, sync the generators."""
+def train_step(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_id: int, step: int) -> dict[str, float]:
+    """One GRPO step: take the step's groups (drawn ahead when `rollout.max_staleness` >= 1), compute advantages,
+    train while the next step's groups are generated and scored, sync the generators when the bound needs it."""
     timer, started = StepTimer(), time.perf_counter()
-    rollout, sampling_metrics = collect_rollout(cfg, cluster, sampler, timer, weight_version)
+    rollout, sampling_metrics = rollouts.take(step, timer)
+    rollout, staleness = bound_staleness(rollout, cluster.learner_version, cfg.rollout.max_staleness)
+    if not rollout.prompts:  # every group too old: sample afresh (the syncs below keep this from happening)
+        rollout, sampling_metrics = rollouts.take(step, timer)
+        rollout, staleness = bound_staleness(rollout, cluster.learner_version, cfg.rollout.max_staleness)
     rewards, advantages = compute_advantages(cfg, rollout)  # [B*G] each
     batch = collate(rollout.completions, advantages, pad_token_id, mask_truncated=cfg.algorithm.overlong == "mask")
     with timer("train"):
-        train_metrics = cluster.train(batch)
-    with timer("sync"):
-        cluster.sync_weights(weight_version)
+        cluster.start_train(batch)
+        rollouts.draw_ahead(step + 1, timer)
+        train_metrics = cluster.finish_train()
+    queued = rollouts.queued_prompts()
+    if sync_due(cfg, cluster):
+        with timer("sync"):
+            cluster.sync_weights()
     reward_names = [spec.name for spec in cfg.reward.functions]
     metrics = rollout_metrics(rollout.completions, rollout.scores, advantages, reward_names)
-    metrics.update(sampling_metrics, **train_metrics, **timer.times, weight_version=weight_version)
-    metrics.update(cluster.rewards.failures.end_step(), **cluster.faults.metrics())
+    metrics.update(sampling_metrics, **staleness, **train_metrics, **timer.times, weight_version=cluster.weight_version)
+    metrics.update(cluster.rewards.failures.end_step(), **cluster.faults.metrics(), **cluster.generators.step_metrics())
     metrics["reward/shaped_mean"] = rewards.nanmean().item()
-    metrics["tokens_per_s"] = metrics["tokens/generated"] / (time.perf_counter() - started)
+    metrics["time/step"] = time.perf_counter() - started
+    metrics["time/learner_idle"] = metrics["time/step"] - metrics["time/learner_busy"]
+    metrics["time/generator_idle"] = max(0.0, metrics["time/step"] - metrics.get("time/generate", 0.0))
+    metrics["queue/prompts"] = float(queued)
+    metrics["tokens_per_s"] = metrics["tokens/generated"] / metrics["time/step"]
     return metrics
-
-
-def collect_rollout(
-    cfg: Config, cluster: Cluster, sampler: PromptSampler, timer: StepTimer, step: int
-) -> tuple[Rollout, dict[str, float]]:
-    """Generate and score groups; with dynamic sampling (DAPO) keep only groups with unequal rewards, sampling
-    more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent. Sampling is
-    seeded by (run seed, step, round, prompt), so a resumed run draws the same completions."""
-    algo, wanted = cfg.algorithm, cfg.data.prompts_per_step
-    group_size, seed = cfg.rollout.group_size, cfg.run.seed
-    if not algo.dynamic_sampling:
-        return sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:1"), {}
-    kept, generated, rounds = Rollout(), 0, 0
-    while rounds < algo.max_sampling_rounds:
-        rounds += 1
-        latest = sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:{rounds}")
-        generated += len(latest.prompts)
-        rewards, _ = compute_advantages(cfg, latest)
-        kept = kept + latest.select_groups(informative_groups(rewards, cfg.rollout.group_size).tolist())
-        if len(kept.prompts) >= wanted:
-            break
-    metrics = {
-        "dynamic_sampling/dropped_fraction": 1 - len(kept.prompts) / generated,
-        "dynamic_sampling/rounds": float(rounds),
-    }
-    # Past the cap with nothing informative, the last round still makes a (zero-advantage) step.
-    return (kept.first_groups(wanted) if kept.prompts else latest), metrics
-
-
-def sample_round(
-    cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer, seed_key: str
-) -> Rollout:
-    seeds = random.Random(seed_key)
-    with timer("generate"):
-        completions = cluster.generate(prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts])
-    with timer("reward"):
-        scores = cluster.score(score_requests(prompts, completions))
-    return Rollout(prompts, completions, scores)
-
-
-def compute_advantages(cfg: Config, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shaped rewards and advantages [B*G]: the weighted reward functions plus DAPO's soft overlong penalty."""
-    algo = cfg.algorithm
-    per_function = rollout.per_function()  # [B*G, F]
-    weights = [spec.weight for spec in cfg.reward.functions]
-    if algo.overlong == "soft_penalty":
-        penalty = overlong_penalty(
-            rollout.lengths(), cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
-        )  # [B*G]
-        per_function, weights = torch.cat([per_function, penalty[:, None]], dim=1), [*weights, 1.0]
-    return multi_reward_advantages(
-        per_function,
-        weights,
-        cfg.rollout.group_size,
-        combine=cfg.reward.combine,
-        estimator=algo.estimator,
-        std=algo.std,
-        eps=algo.eps,
-    )
-
-
-def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -> list[ScoreRequest]:
-    return [ScoreRequest(prompts[c.prompt_index].text, c.text, prompts[c.prompt_index].fields) for c in completions]
 
 
 def report_accuracy(cfg: Config, cluster: Cluster, held_out: list[PromptRecord], when: str) -> float | None:

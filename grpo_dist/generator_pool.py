@@ -8,6 +8,7 @@ prompt, so the regenerated completions are the ones the lost engine would have r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import ray
@@ -27,6 +28,7 @@ class GeneratorPool:
     def __init__(self, cfg: Config, model_path: str, placement: Placement, faults: FaultLog) -> None:
         self.cfg, self.model_path, self.placement, self.faults = cfg, model_path, placement, faults
         self.rejoin: Callable[[], None] = lambda: None  # set by the cluster once the weight transport exists
+        self.completions: Counter[int] = Counter()  # per slot, since `step_metrics` last read them
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
             cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s,
@@ -57,7 +59,10 @@ class GeneratorPool:
                 for slot, (start, end) in shards.items()
             }
             outcomes = self.pool.call("generate", args, self.cfg.faults.generate_timeout_s)
-            done.update({slot: outcome.value for slot, outcome in outcomes.items() if outcome.fault is None})
+            finished = {slot: outcome.value for slot, outcome in outcomes.items() if outcome.fault is None}
+            done.update(finished)
+            if not greedy:  # training samples, not a held-out evaluation
+                self.completions.update({slot: len(completions) for slot, completions in finished.items()})
             lost = {slot: outcome.fault for slot, outcome in outcomes.items() if outcome.fault is not None}
             for slot, fault in lost.items():
                 start, end = shards[slot]
@@ -67,6 +72,27 @@ class GeneratorPool:
                 self.rejoin()
             shards = {slot: shards[slot] for slot in lost}
         return [completion for slot in sorted(done) for completion in done[slot]]
+
+    def resize(self, count: int) -> None:
+        """Add generators (each in a new placement group, started and up before it returns) or stop the last ones
+        (between steps none is generating); the caller reconnects the weight transport."""
+        while len(self.actors) < count:
+            slot = len(self.actors)
+            self.placement.add_generator(self.cfg, slot, self.cfg.ray.placement_timeout_s)
+            try:
+                self.pool.add()
+            except BaseException:
+                self.placement.remove_generator(slot)
+                raise
+        while len(self.actors) > count:
+            self.pool.remove_last()
+            self.placement.remove_generator(len(self.actors))
+
+    def step_metrics(self) -> dict[str, float]:
+        """`generators/count` and each generator's completions since the last call."""
+        metrics = {f"generators/{slot}/completions": float(self.completions[slot]) for slot in range(len(self.actors))}
+        self.completions.clear()
+        return {"generators/count": float(len(self.actors)), **metrics}
 
     def replace_unresponsive(self) -> bool:
         """Probe every generator; replace those that are dead or do not answer. Returns whether any was."""

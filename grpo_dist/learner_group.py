@@ -18,7 +18,8 @@ from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config
 from grpo_dist.faults import first_line
 
-FROM_RANK_0 = ("grad_norm", "lr")  # global values every rank knows; the other metrics are summed over the ranks
+# Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
+FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy")
 
 
 class LearnerGroupError(RuntimeError):
@@ -82,12 +83,19 @@ class LearnerGroup:
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One training step on a rollout batch, split across the ranks; metrics of the whole batch."""
+        return self.wait_train(self.submit_train(batch))
+
+    def submit_train(self, batch: TrainBatch) -> list[ray.ObjectRef]:
+        """Start a training step and return at once (the driver works on the next batch meanwhile)."""
         learner = self.cfg.learner
         shards = shard_batch(
             batch, len(self.ranks), self.cfg.algorithm.mini_batches, learner.micro_batch_size,
             self.cfg.algorithm.aggregation,
         )  # fmt: skip
-        calls = [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
+        return [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
+
+    def wait_train(self, calls: list[ray.ObjectRef]) -> dict[str, float]:
+        """The metrics of a training step `submit_train` started, once every rank has finished it."""
         results = self._wait(calls, "train")
         self.updates += 1
         metrics = {key: sum(result[key] for result in results) for key in results[0] if key not in FROM_RANK_0}

@@ -65,18 +65,20 @@ def plan(cfg: Config) -> list[RoleRequest]:
             LEARNER_KEYS,
         )
     ]
-    for index in range(rollout.num_generators):
-        if rollout.tensor_parallel_size == 1:
-            requests.append(
-                RoleRequest(f"generator {index}", [_bundle(rollout.num_cpus, rollout.num_gpus)], "PACK", GENERATOR_KEYS)
-            )
-        else:  # one bundle per engine worker, all on one node
-            bundles = [_bundle(rollout.num_cpus, 1.0) for _ in range(rollout.tensor_parallel_size)]
-            requests.append(RoleRequest(f"generator {index}", bundles, "STRICT_PACK", GENERATOR_KEYS))
+    requests += [generator_request(cfg, index) for index in range(rollout.num_generators)]
     requests.append(
         RoleRequest("reward", [_bundle(reward.num_cpus, 0.0) for _ in range(reward.num_workers)], "PACK", REWARD_KEYS)
     )
     return requests
+
+
+def generator_request(cfg: Config, index: int) -> RoleRequest:
+    """Generator `index`'s group: one bundle, or one GPU bundle per engine worker, all on one node."""
+    rollout = cfg.rollout
+    if rollout.tensor_parallel_size == 1:
+        return RoleRequest(f"generator {index}", [_bundle(rollout.num_cpus, rollout.num_gpus)], "PACK", GENERATOR_KEYS)
+    bundles = [_bundle(rollout.num_cpus, 1.0) for _ in range(rollout.tensor_parallel_size)]
+    return RoleRequest(f"generator {index}", bundles, "STRICT_PACK", GENERATOR_KEYS)
 
 
 def generator_resources(cfg: Config) -> dict[str, float]:
@@ -114,6 +116,28 @@ class Placement:
         if not 0 <= index < workers:
             raise PlacementError(f"no bundle for reward worker {index}: the reward group has {workers}")
         return _in_bundle(self.groups["reward"], index)
+
+    def add_generator(self, cfg: Config, index: int, timeout_s: float) -> None:
+        """Reserve generator `index`'s group while the run goes (elastic scaling), waiting at most `timeout_s` for
+        room: on an autoscaling cluster, for a node to join."""
+        request = generator_request(cfg, index)
+        group = placement_group(request.bundles, strategy=request.strategy)
+        ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(group)
+            free = {name: sum(node[f"free_{name}"] for node in cluster_nodes()) for name in RESOURCES}
+            raise PlacementError(
+                f"could not place a new {request.role} ({_request_text(request)}) within {timeout_s:g} s "
+                f"(ray.placement_timeout_s); the cluster has {_amounts(free)} free (a run's own local cluster has "
+                "ray.num_cpus CPUs)"
+            )
+        self.requests[request.role], self.groups[request.role] = request, group
+
+    def remove_generator(self, index: int) -> None:
+        """Release generator `index`'s group (its actor already stopped)."""
+        role = f"generator {index}"
+        remove_placement_group(self.groups.pop(role))
+        self.requests.pop(role)
 
     def remove(self) -> None:
         """Release every group (actors still in them are killed by Ray)."""

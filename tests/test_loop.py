@@ -18,7 +18,9 @@ REQUIRED_METRICS = [
     "advantage/mean", "advantage/std", "loss", "kl", "clip_fraction", "grad_norm", "response_length/mean",
     "tokens_per_s", "time/generate", "time/reward", "time/train", "time/sync", "weight_version", "entropy",
     "faults/generator_restarts", "faults/reward_worker_restarts", "faults/learner_restarts",
-    "reward_failures/reward_fixtures.first_char_reward", "reward_failures/math_answer",
+    "reward_failures/reward_fixtures.first_char_reward", "reward_failures/math_answer", "time/step",
+    "time/learner_busy", "time/learner_idle", "time/generator_idle", "queue/prompts", "generators/count",
+    "generators/0/completions", "generators/1/completions", "staleness/mean", "staleness/max", "staleness/dropped",
 ]  # fmt: skip
 
 

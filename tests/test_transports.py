@@ -113,7 +113,7 @@ def test_nccl_broadcast_reaches_both_workers_of_a_tensor_parallel_engine(ray_clu
     try:
         assert cluster.transport.name == "broadcast"
         cluster.train(sample_batch())
-        cluster.sync_weights(1)
+        cluster.sync_weights()
         sequence = [10, 11, 12, 7, 8, 9, 2]
         expected = torch.tensor(cluster.learner.sequence_logprobs(sequence))
         got = torch.tensor(ray_cluster.get(cluster.generators.actors[0].sequence_logprobs.remote(sequence)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -185,6 +186,7 @@ class Learner:
         """`ppo_epochs` x mini-batches optimizer updates on this rank's shard of a rollout batch (collective: every
         rank calls it with its own shard). Metrics are this rank's share of the whole batch's: the group sums
         them over the ranks. Bumps the weight version."""
+        started = time.perf_counter()
         batch = shard.batch.to(self.device)
         reuse = self.algo.ppo_epochs > 1 or len(shard.mini_batches) > 1
         old_logprobs = self._logprobs(self.engine.module, batch, shard) if reuse else None  # [b, T]
@@ -196,6 +198,7 @@ class Learner:
         self.weight_version += 1
         metrics = {key: sum(step[key] for step in history) / len(history) for key in history[0]}
         metrics["lr"] = self.engine.get_lr()[0]
+        metrics["time/learner_busy"] = time.perf_counter() - started
         return metrics
 
     def _update(self, batch: TrainBatch, shard: TrainShard, index: int, old_logprobs, ref_logprobs):

@@ -1,0 +1,144 @@
+"""Rollout batches for the learner: drawn on time (on-policy) or one step ahead, with every sample's staleness bounded.
+
+With `rollout.max_staleness` k = 0 a step's batch is generated and scored when the step begins, by the weights the
+learner has: on-policy. With k >= 1 the next step's batch is generated and scored while the learner trains
+(`RolloutQueue.draw_ahead`), by weights up to k updates older than the learner's when it trains on them
+(`sync_due` says when the generators must get new weights for that to hold). `bound_staleness` enforces the bound
+per sample (groups holding an older completion are dropped and counted) and reports it; truncated importance
+sampling (`algorithm.is_cap`) corrects for the older sampling policy.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from grpo_dist.algo import informative_groups, multi_reward_advantages, overlong_penalty
+from grpo_dist.cluster import Cluster
+from grpo_dist.config import Config
+from grpo_dist.data import PromptRecord, PromptSampler
+from grpo_dist.metrics import StepTimer
+from grpo_dist.rollout import Rollout
+from grpo_dist.types import Completion, ScoreRequest
+
+
+class RolloutQueue:
+    """The batch drawn ahead for the next step (k >= 1), and the run's state from before it was drawn: a
+    checkpoint taken now must not skip its prompts (a resumed run draws them again)."""
+
+    def __init__(self, cfg: Config, cluster: Cluster, sampler: PromptSampler) -> None:
+        self.cfg, self.cluster, self.sampler = cfg, cluster, sampler
+        self.ahead: tuple[int, Rollout, dict[str, float]] | None = None  # (step, batch, its sampling metrics)
+        self.sampler_before_ahead: dict | None = None
+
+    def take(self, step: int, timer: StepTimer) -> tuple[Rollout, dict[str, float]]:
+        """Step `step`'s batch: the one drawn ahead for it, or one generated and scored now."""
+        if self.ahead is not None and self.ahead[0] == step:
+            _, rollout, metrics = self.ahead
+            self.reset()
+            return rollout, metrics
+        self.reset()
+        return collect_rollout(self.cfg, self.cluster, self.sampler, timer, step)
+
+    def draw_ahead(self, step: int, timer: StepTimer) -> None:
+        """With k >= 1, generate and score step `step`'s batch now (while the learner trains on the current one)."""
+        if self.cfg.rollout.max_staleness == 0 or step > self.cfg.run.steps:
+            return
+        before = self.sampler.state_dict()
+        rollout, metrics = collect_rollout(self.cfg, self.cluster, self.sampler, timer, step)
+        self.ahead, self.sampler_before_ahead = (step, rollout, metrics), before
+
+    def sampler_state(self) -> dict:
+        """The sampler as a checkpoint must hold it: from before the batch drawn ahead, if there is one."""
+        return self.sampler_before_ahead if self.ahead is not None else self.sampler.state_dict()
+
+    def queued_prompts(self) -> int:
+        return len(self.ahead[1].prompts) if self.ahead is not None else 0
+
+    def reset(self) -> None:
+        """Forget the batch drawn ahead (taken, or stale after the learner group restarted from a checkpoint)."""
+        self.ahead = self.sampler_before_ahead = None
+
+
+def sync_due(cfg: Config, cluster: Cluster) -> bool:
+    """Whether the generators need the learner's weights now, so that the next batch they generate is at most k
+    updates older than the learner when it trains on it (one update later when it is drawn ahead)."""
+    k = cfg.rollout.max_staleness
+    lead = 1 if k >= 1 else 0
+    return cluster.weight_version < cluster.learner_version + lead - k
+
+
+def bound_staleness(rollout: Rollout, learner_version: int, k: int) -> tuple[Rollout, dict[str, float]]:
+    """Drop every group holding a completion sampled more than k versions before `learner_version`; the kept
+    completions' staleness (mean, max) and how many were dropped."""
+    too_old = {c.prompt_index for c in rollout.completions if learner_version - c.weight_version > k}
+    kept = rollout.select_groups([index not in too_old for index in range(len(rollout.prompts))])
+    kept_staleness = torch.tensor([learner_version - c.weight_version for c in kept.completions], dtype=torch.float)
+    metrics = {"staleness/dropped": float(len(rollout.completions) - len(kept.completions))}
+    if kept.completions:
+        metrics.update({"staleness/mean": kept_staleness.mean().item(), "staleness/max": kept_staleness.max().item()})
+    return kept, metrics
+
+
+def collect_rollout(
+    cfg: Config, cluster: Cluster, sampler: PromptSampler, timer: StepTimer, step: int
+) -> tuple[Rollout, dict[str, float]]:
+    """Generate and score groups; with dynamic sampling (DAPO) keep only groups with unequal rewards, sampling
+    more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent. Sampling is
+    seeded by (run seed, step, round, prompt), so a resumed run draws the same completions."""
+    algo, wanted = cfg.algorithm, cfg.data.prompts_per_step
+    group_size, seed = cfg.rollout.group_size, cfg.run.seed
+    if not algo.dynamic_sampling:
+        return sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:1"), {}
+    kept, generated, rounds = Rollout(), 0, 0
+    while rounds < algo.max_sampling_rounds:
+        rounds += 1
+        latest = sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:{rounds}")
+        generated += len(latest.prompts)
+        rewards, _ = compute_advantages(cfg, latest)
+        kept = kept + latest.select_groups(informative_groups(rewards, cfg.rollout.group_size).tolist())
+        if len(kept.prompts) >= wanted:
+            break
+    metrics = {
+        "dynamic_sampling/dropped_fraction": 1 - len(kept.prompts) / generated,
+        "dynamic_sampling/rounds": float(rounds),
+    }
+    # Past the cap with nothing informative, the last round still makes a (zero-advantage) step.
+    return (kept.first_groups(wanted) if kept.prompts else latest), metrics
+
+
+def sample_round(
+    cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer, seed_key: str
+) -> Rollout:
+    seeds = random.Random(seed_key)
+    with timer("generate"):
+        completions = cluster.generate(prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts])
+    with timer("reward"):
+        scores = cluster.score(score_requests(prompts, completions))
+    return Rollout(prompts, completions, scores)
+
+
+def compute_advantages(cfg: Config, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shaped rewards and advantages [B*G]: the weighted reward functions plus DAPO's soft overlong penalty."""
+    algo = cfg.algorithm
+    per_function = rollout.per_function()  # [B*G, F]
+    weights = [spec.weight for spec in cfg.reward.functions]
+    if algo.overlong == "soft_penalty":
+        penalty = overlong_penalty(
+            rollout.lengths(), cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty
+        )  # [B*G]
+        per_function, weights = torch.cat([per_function, penalty[:, None]], dim=1), [*weights, 1.0]
+    return multi_reward_advantages(
+        per_function,
+        weights,
+        cfg.rollout.group_size,
+        combine=cfg.reward.combine,
+        estimator=algo.estimator,
+        std=algo.std,
+        eps=algo.eps,
+    )
+
+
+def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -> list[ScoreRequest]:
+    return [ScoreRequest(prompts[c.prompt_index].text, c.text, prompts[c.prompt_index].fields) for c in completions]

@@ -1,0 +1,176 @@
+"""Overlap: batches drawn ahead with every sample's staleness bounded, and generators added and removed while a run
+goes. The loop tests run the real Ray, vLLM and DeepSpeed stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from conftest import small_config
+from test_resume import grpo_dist
+
+from grpo_dist import control
+from grpo_dist.config import ConfigError, load_config, validate_config
+from grpo_dist.data import PromptRecord
+from grpo_dist.pipeline import bound_staleness, sync_due
+from grpo_dist.rollout import Rollout
+from grpo_dist.types import Completion, Score
+
+
+def rollout_of(versions: list[list[int]]) -> Rollout:
+    """One group per inner list, one completion per version in it."""
+    completions = [
+        Completion(index, [1], [2], "2", [-0.5], "stop", version)
+        for index, group in enumerate(versions)
+        for version in group
+    ]
+    prompts = [PromptRecord(f"p{index}", [1], {}) for index in range(len(versions))]
+    return Rollout(prompts, completions, [Score(1.0, [1.0]) for _ in completions])
+
+
+def test_a_group_holding_one_completion_older_than_k_versions_is_dropped_whole():
+    rollout = rollout_of([[5, 5], [4, 3], [3, 5]])
+    kept, metrics = bound_staleness(rollout, learner_version=5, k=1)
+    assert [c.weight_version for c in kept.completions] == [5, 5]  # the groups holding version 3 are gone
+    assert [p.text for p in kept.prompts] == ["p0"]
+    assert metrics == {"staleness/dropped": 4.0, "staleness/mean": 0.0, "staleness/max": 0.0}
+    kept, metrics = bound_staleness(rollout, learner_version=5, k=2)
+    assert len(kept.completions) == 6
+    assert metrics["staleness/max"] == 2.0 and metrics["staleness/dropped"] == 0.0
+    assert metrics["staleness/mean"] == pytest.approx((0 + 0 + 1 + 2 + 2 + 0) / 6)
+
+
+@pytest.mark.parametrize(
+    ("k", "generator_version", "learner_version", "due"),
+    [
+        (0, 4, 5, True),  # on-policy: the next batch needs the learner's weights
+        (1, 4, 5, True),  # drawn ahead, trained one update later: 6 - 4 would be 2
+        (2, 4, 5, False),  # 6 - 4 = 2 is within the bound
+        (2, 3, 5, True),
+        (3, 3, 5, False),
+    ],
+)
+def test_a_sync_is_due_only_when_the_next_batch_would_break_the_bound(k, generator_version, learner_version, due):
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k))
+    cluster = SimpleNamespace(weight_version=generator_version, learner_version=learner_version)
+    assert sync_due(cfg, cluster) is due
+
+
+def test_importance_sampling_is_on_by_default_once_samples_can_be_stale(tmp_path):
+    assert validate_config(small_config(tmp_path)).algorithm.is_cap is None
+    stale = validate_config(small_config(tmp_path, rollout={"max_staleness": 1}))
+    assert stale.algorithm.is_cap == 2.0
+    off = validate_config(small_config(tmp_path, rollout={"max_staleness": 1}, algorithm={"is_cap": None}))
+    assert off.algorithm.is_cap is None
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path)))
+    with pytest.raises(ConfigError, match="is_cap must be > 0"):
+        load_config(config, ["algorithm.is_cap=0"])
+
+
+def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        control.scale(tmp_path, generators=2)
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(ValueError, match="generators must be a whole number >= 1"):
+        control.scale(tmp_path, generators=0)
+    control.scale(tmp_path, generators=3)
+    assert control.take_request(tmp_path) == 3
+    assert control.take_request(tmp_path) is None  # consumed
+    (tmp_path / control.REQUEST).write_text('{"generators": "two"}')
+    assert control.take_request(tmp_path) is None
+    assert "ignored" in capsys.readouterr().out
+    done = grpo_dist("scale", str(tmp_path), "workers=2", stderr=subprocess.PIPE, text=True)
+    assert done.wait(timeout=60) == 2 and "expected generators=N" in done.stderr.read()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k):
+    from grpo_dist.cluster import Cluster
+    from grpo_dist.driver import prepare, train
+
+    steps = 6
+    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout={"max_staleness": k}))
+    cluster = Cluster.start(cfg, prepare(cfg).model_path)
+    try:
+        run_dir = train(cfg, cluster)
+    finally:
+        cluster.shutdown()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    # staleness/max is the largest over the step's samples: the bound holds for each one, and is reached.
+    assert all(row["staleness/max"] <= k for row in rows)
+    assert max(row["staleness/max"] for row in rows) == k
+    assert all(row["staleness/dropped"] == 0 for row in rows)  # the syncs kept every batch within the bound
+    assert all(row["staleness/max"] >= 1 for row in rows[1:])  # from step 2 on, each batch was drawn ahead
+    assert all("is_weight/mean" in row for row in rows)  # off-policy correction on by default
+    assert all(row["queue/prompts"] == cfg.data.prompts_per_step for row in rows[:-1])
+    # The generators' weights after each step: k = 1 syncs every step, k = 2 every other one.
+    synced = {1: [1, 2, 3, 4, 5, 6], 2: [0, 2, 2, 4, 4, 6]}[k]
+    assert [row["weight_version"] for row in rows] == synced
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_generators_added_and_removed_while_a_run_goes(tmp_path):
+    """1 generator, 2 from the first step after a `grpo-dist scale` request, then 1 again; every step trains on
+    all its prompts and each generator's completions show in metrics.jsonl."""
+    steps, prompts, group = 14, 4, 4
+    raw = small_config(
+        tmp_path, run={"steps": steps}, rollout={"num_generators": 1, "group_size": group}, ray={"num_cpus": 4}
+    )  # the run's own Ray cluster has room for a second generator
+    config = tmp_path / "elastic.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    run_dir = tmp_path / "outputs" / "test"
+    log = (tmp_path / "run.log").open("w")
+    run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_row(run_dir, run, lambda row: row["step"] >= 2)
+        assert grpo_dist("scale", str(run_dir), "generators=2").wait(timeout=60) == 0
+        up = wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
+        wait_for_row(run_dir, run, lambda row: row["step"] >= up["step"] + 2)
+        control.scale(run_dir, generators=1)  # the same from Python
+        wait_for_row(run_dir, run, lambda row: row["step"] > up["step"] + 2 and row["generators/count"] == 1)
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        log.close()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    counts = [int(row["generators/count"]) for row in rows]
+    assert [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] == [1, 2, 1]  # up once, down once
+    for row in rows:  # all of the step's prompts generated, by the generators it had
+        per_generator = [row.get(f"generators/{slot}/completions", 0) for slot in range(2)]
+        assert sum(per_generator) == prompts * group
+        assert all(per_generator[: int(row["generators/count"])])
+    output = (tmp_path / "run.log").read_text()
+    assert "scale: 1 -> 2 generators" in output and "scale: now 2 generators" in output
+    assert "scale: 2 -> 1 generators" in output and "scale: now 1 generators" in output
+
+
+def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 300) -> dict:
+    """The first metrics row meeting `condition`, waiting for the run to log it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert run.poll() is None, f"the run ended (exit {run.returncode}) before the awaited step"
+        try:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break  # being written
+            if condition(row):
+                return row
+        time.sleep(0.1)
+    raise AssertionError(f"no metrics row met the condition within {timeout_s} s")
