@@ -123,8 +123,9 @@ def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
     if wanted is None or wanted == current:
         return
     started = time.monotonic()
-    tqdm.write(f"scale: {current} -> {wanted} generators (placing and starting them: at most "
-               f"{cfg.ray.placement_timeout_s + cfg.faults.start_timeout_s:g} s)")  # fmt: skip
+    bound = cfg.ray.placement_timeout_s + cfg.faults.start_timeout_s
+    tqdm.write(f"scale: {current} -> {wanted} generators" + (f" (placing and starting: at most {bound:g} s)"
+                                                              if wanted > current else ""))  # fmt: skip
     try:
         cluster.scale_generators(wanted)
     except (PlacementError, RunFailed) as err:
