@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -112,9 +113,14 @@ class Cluster:
         return cluster
 
     def generate(
-        self, prompts: list[PromptRecord], group_size: int, greedy: bool = False, seeds: list[int] | None = None
+        self,
+        prompts: list[PromptRecord],
+        group_size: int,
+        greedy: bool = False,
+        seeds: list[int] | None = None,
+        on_chunk: Callable[[list[Completion]], None] | None = None,
     ) -> list[Completion]:
-        return self.generators.generate(prompts, group_size, greedy, seeds)
+        return self.generators.generate(prompts, group_size, greedy, seeds, on_chunk)
 
     def score(self, requests: list[ScoreRequest]) -> list[Score]:
         return self.rewards.score(requests)

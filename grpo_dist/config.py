@@ -283,8 +283,8 @@ class FaultsConfig(_Section):
     """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
     this many seconds stops the run, naming it."""
     generate_timeout_s: float = Field(600.0, gt=0)
-    """A generator whose share of a step's generation takes longer is treated as hung: killed, replaced and its
-    prompts generated again elsewhere."""
+    """A generator whose chunk of a step's prompts takes longer is treated as hung: killed, replaced and the chunk
+    generated again."""
     score_timeout_s: float = Field(120.0, gt=0)
     """A reward worker whose share of a step's scoring takes longer is treated as hung: killed, replaced and its
     completions scored again."""

@@ -1,14 +1,17 @@
-"""The generator pool: the run's vLLM engines, a step's prompts split across them, and a lost engine replaced.
+"""The generator pool: the run's vLLM engines, a step's prompts streamed to them in chunks, a lost engine replaced.
 
-A generator that dies or does not finish its share within `faults.generate_timeout_s` (a deadlocked engine) is
-killed and a new one started in its placement group; `rejoin`, given by the cluster, brings the new engine into
-the weight transport and loads the current weights, and the share is generated again. Sampling is seeded per
-prompt, so the regenerated completions are the ones the lost engine would have returned.
+`generate` cuts the prompts into chunks (`CHUNKS_PER_GENERATOR` per engine) and hands the next chunk to whichever
+engine has none, so a slow engine takes fewer and no engine sets the pace; each finished chunk goes to `on_chunk` at
+once (the reward pool scores it while the rest generate). A generator that dies or does not finish a chunk within
+`faults.generate_timeout_s` (a deadlocked engine) is killed and a new one started in its placement group; `rejoin`,
+given by the cluster, brings the new engine into the weight transport and loads the current weights, and the chunk
+is generated again. Sampling is seeded per prompt, so the completions are the same whichever engine draws them.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 
 import ray
@@ -16,11 +19,12 @@ import ray
 from grpo_dist.actors.generator import Generator
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
-from grpo_dist.faults import ActorPool, FaultLog, split
+from grpo_dist.faults import ActorPool, FaultLog, first_line, split
 from grpo_dist.placement import Placement, generator_resources
 from grpo_dist.transports import wire_backend
 from grpo_dist.types import Completion
 
+CHUNKS_PER_GENERATOR = 4  # enough that a fast engine takes more of a batch; few enough that each batches well
 PROBE_TIMEOUT_S = 30.0  # an idle engine answers a probe at once
 
 
@@ -48,30 +52,52 @@ class GeneratorPool:
         return self.pool.actors
 
     def generate(
-        self, prompts: list[PromptRecord], group_size: int, greedy: bool = False, seeds: list[int] | None = None
+        self,
+        prompts: list[PromptRecord],
+        group_size: int,
+        greedy: bool = False,
+        seeds: list[int] | None = None,
+        on_chunk: Callable[[list[Completion]], None] | None = None,
     ) -> list[Completion]:
-        """Split the prompts across generators; completions come back grouped, in prompt order. `seeds`: one
-        sampling seed per prompt. A lost generator's share is generated again by its replacement."""
-        shards, done = split(len(prompts), len(self.actors)), {}
-        while shards:
-            args = {
-                slot: ([p.token_ids for p in prompts[start:end]], group_size, greedy, start, seeds and seeds[start:end])
-                for slot, (start, end) in shards.items()
-            }
-            outcomes = self.pool.call("generate", args, self.cfg.faults.generate_timeout_s)
-            finished = {slot: outcome.value for slot, outcome in outcomes.items() if outcome.fault is None}
-            done.update(finished)
-            if not greedy:  # training samples, not a held-out evaluation
-                self.completions.update({slot: len(completions) for slot, completions in finished.items()})
-            lost = {slot: outcome.fault for slot, outcome in outcomes.items() if outcome.fault is not None}
-            for slot, fault in lost.items():
-                start, end = shards[slot]
-                self.pool.replace(slot, f"{fault} while generating {end - start} prompts", "generating them again")
+        """All prompts' completions, grouped, in prompt order. `seeds`: one sampling seed per prompt. `on_chunk`
+        gets each chunk's completions as soon as it is generated. A lost generator's chunk is generated again by
+        its replacement."""
+        bound = self.cfg.faults.generate_timeout_s
+        chunks = deque(split(len(prompts), min(len(prompts), CHUNKS_PER_GENERATOR * len(self.actors))).values())
+        running: dict[ray.ObjectRef, tuple[int, tuple[int, int], float]] = {}  # call -> (slot, chunk, started)
+        done: dict[int, list[Completion]] = {}  # first prompt of a chunk -> its completions
+        while chunks or running:
+            busy = {slot for slot, _, _ in running.values()}
+            for slot in (slot for slot in range(len(self.actors)) if slot not in busy and chunks):
+                start, end = chunk = chunks.popleft()
+                call = self.actors[slot].generate.remote(
+                    [p.token_ids for p in prompts[start:end]], group_size, greedy, start, seeds and seeds[start:end]
+                )
+                running[call] = (slot, chunk, time.monotonic())
+            deadline = min(started for _, _, started in running.values()) + bound
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            lost = []
+            for call in ready:
+                slot, chunk, _ = running.pop(call)
+                try:
+                    done[chunk[0]] = completions = ray.get(call)
+                except ray.exceptions.RayActorError as err:
+                    lost.append((slot, chunk, f"died ({first_line(err)})"))
+                    continue
+                if not greedy:  # training samples, not a held-out evaluation
+                    self.completions[slot] += len(completions)
+                if on_chunk is not None:
+                    on_chunk(completions)
+            lost += [(slot, chunk, f"gave no answer within {bound:g} s") for slot, chunk, started in running.values()
+                     if time.monotonic() - started > bound]  # fmt: skip
+            running = {call: job for call, job in running.items() if job[0] not in {slot for slot, _, _ in lost}}
+            for slot, (start, end), why in lost:
+                self.pool.replace(slot, f"{why} while generating {end - start} prompts", "generating them again")
                 self.faults.count("regenerated", end - start)
+                chunks.appendleft((start, end))
             if lost:
                 self.rejoin()
-            shards = {slot: shards[slot] for slot in lost}
-        return [completion for slot in sorted(done) for completion in done[slot]]
+        return [completion for start in sorted(done) for completion in done[start]]
 
     def resize(self, count: int) -> None:
         """Add generators (each in a new placement group, started and up before it returns) or stop the last ones

@@ -11,6 +11,7 @@ sampling (`algorithm.is_cap`) corrects for the older sampling policy.
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -111,11 +112,22 @@ def collect_rollout(
 def sample_round(
     cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer, seed_key: str
 ) -> Rollout:
+    """Generate and score one batch; each generated chunk is scored while the rest generate, so `time/reward` is
+    the scoring left when generation ends."""
     seeds = random.Random(seed_key)
-    with timer("generate"):
-        completions = cluster.generate(prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts])
-    with timer("reward"):
-        scores = cluster.score(score_requests(prompts, completions))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring") as scoring:
+        scored: list[tuple[int, Future]] = []  # (first prompt of a chunk, its scores)
+
+        def score_chunk(completions: list[Completion]) -> None:
+            requests = score_requests(prompts, completions)
+            scored.append((completions[0].prompt_index, scoring.submit(cluster.score, requests)))
+
+        with timer("generate"):
+            completions = cluster.generate(
+                prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts], on_chunk=score_chunk
+            )
+        with timer("reward"):
+            scores = [score for _, chunk in sorted(scored, key=lambda item: item[0]) for score in chunk.result()]
     return Rollout(prompts, completions, scores)
 
 

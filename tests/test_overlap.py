@@ -174,3 +174,34 @@ def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 3
                 return row
         time.sleep(0.1)
     raise AssertionError(f"no metrics row met the condition within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_a_slow_generator_takes_fewer_chunks(ray_cluster, tmp_path):
+    """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: generator 0 takes every
+    chunk but the one generator 1 holds, and the batch comes back whole, in prompt order."""
+    import os
+    import signal
+    import threading
+
+    from grpo_dist.driver import prepare
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.generator_pool import CHUNKS_PER_GENERATOR, GeneratorPool
+    from grpo_dist.placement import place
+
+    cfg = validate_config(small_config(tmp_path, rollout={"num_generators": 2}, faults={"generate_timeout_s": 60}))
+    inputs = prepare(cfg)
+    placement = place(cfg)
+    pool = GeneratorPool(cfg, inputs.model_path, placement, FaultLog())
+    try:
+        pool.pool.wait_ready()
+        frozen = ray_cluster.get(pool.actors[1].__ray_call__.remote(lambda self: os.getpid()))
+        prompts = inputs.train[: 4 * CHUNKS_PER_GENERATOR]  # 8 chunks of 2 prompts
+        os.kill(frozen, signal.SIGSTOP)
+        threading.Timer(5.0, os.kill, (frozen, signal.SIGCONT)).start()
+        completions = pool.generate(prompts, group_size=2, seeds=list(range(len(prompts))))
+    finally:
+        pool.shutdown()
+        placement.remove()
+    assert [c.prompt_index for c in completions] == [index for index in range(len(prompts)) for _ in range(2)]
+    assert pool.completions == {0: 7 * 2 * 2, 1: 1 * 2 * 2}  # 7 chunks of 2 prompts x 2 samples, and 1

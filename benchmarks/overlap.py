@@ -1,0 +1,158 @@
+"""What drawing batches ahead (`rollout.max_staleness`) hides, how the reward pool scales, and whether k = 1 learns
+as well as k = 0. Three parts, each measured side by side in one run; one JSON line per measurement, with a `ratio`:
+
+    .venv/bin/python benchmarks/overlap.py [--steps 10] [--skip-parity] [key=value ...]
+
+1. `step_time`: the same config and seed at k = 0, 1 and 2, one run after another, with a judge that sleeps 200 ms
+   per completion (`judges.slow_math_answer`: an I/O-bound reward such as a remote model or a sandbox) and a policy
+   big enough (about 25M parameters) that a training step takes seconds. `ratio` is k = 0's mean step time over
+   k's (steps after the first two); `hidden` is the fraction of k = 0's reward time the overlap took off a step:
+   (step(k=0) - step(k)) / reward(k=0) (target at least 0.8).
+2. `reward_pool`: that judge scoring the same 64 completions with 1, 2 and 4 reward workers; `ratio` is the
+   throughput over one worker's (target at least 0.9 x workers).
+3. `parity`: the quick start (200 steps, seed 0) at k = 1 and k = 0; `difference` is k = 1's last-10-step mean
+   reward minus k = 0's (target within 0.05), `ratio` the one over the other.
+
+Overrides after the options apply to the runs of part 1. Run by hand; CI never runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(BENCHMARKS))
+
+JUDGE = "[{name: judges.slow_math_answer, weight: 1.0, kwargs: {delay_s: 0.2}}]"
+STEP_TIME_SETTINGS = [
+    "model.tiny.hidden_size=512", "model.tiny.num_layers=8", "model.tiny.num_heads=8",
+    "model.tiny.intermediate_size=1408", "data.prompts_per_step=16", "rollout.group_size=4",
+    f"reward.functions={JUDGE}", "reward.num_workers=4", "learner.micro_batch_size=64", "eval.max_prompts=16",
+]  # fmt: skip
+WARM_UP_STEPS = 2  # first steps pay one-time costs (allocations, first collectives)
+
+
+def environment() -> dict[str, str]:
+    """The benchmarks' judges importable by the run's reward workers."""
+    paths = [str(BENCHMARKS), str(REPO), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+
+
+def run_k(k: int, steps: int, out_dir: Path, overrides: list[str]) -> dict[str, float]:
+    settings = [
+        f"run.steps={steps}", f"run.name=k{k}", f"run.output_dir={out_dir}", f"model.path={out_dir / 'model'}",
+        f"rollout.max_staleness={k}", "wandb.enabled=false", "checkpoint.every_steps=0", "run.save_final=false",
+        *STEP_TIME_SETTINGS, *overrides,
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "grpo_dist", "train", "configs/quickstart.yaml", *settings]
+    done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"k={k}: grpo-dist train exited {done.returncode}:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out_dir / f"k{k}" / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[WARM_UP_STEPS:]
+    phases = ("step", "reward", "train", "generate")
+    return {phase: statistics.mean(row[f"time/{phase}"] for row in timed) for phase in phases}
+
+
+def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
+    times = {k: run_k(k, steps, out_dir, overrides) for k in (0, 1, 2)}
+    base = times[0]
+    for k in (1, 2):
+        line = {
+            "benchmark": "step_time",
+            "k": k,
+            "step_s": round(times[k]["step"], 3),
+            "baseline_step_s": round(base["step"], 3),
+            "ratio": round(base["step"] / times[k]["step"], 3),
+            "reward_s_at_k0": round(base["reward"], 3),
+            "hidden": round((base["step"] - times[k]["step"]) / base["reward"], 3),
+            "train_s_at_k0": round(base["train"], 3),
+        }
+        print(json.dumps(line), flush=True)
+
+
+def reward_pool_scaling(completions: int = 64) -> None:
+    import ray
+
+    from grpo_dist.config import load_config
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.placement import place
+    from grpo_dist.reward_pool import RewardPool
+    from grpo_dist.types import ScoreRequest
+
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": environment()["PYTHONPATH"]}})
+    requests = [ScoreRequest(f"{i} 3:", "3", {"answer": "3"}) for i in range(completions)]
+    throughput = {}
+    try:
+        for workers in (1, 2, 4):
+            settings = [f"reward.functions={JUDGE}", f"reward.num_workers={workers}"]
+            cfg = load_config(REPO / "configs/quickstart.yaml", settings)
+            placement = place(cfg)
+            pool = RewardPool(cfg, placement, FaultLog())
+            try:
+                pool.pool.wait_ready()
+                pool.score(requests[:workers])  # warm-up: imports, first call
+                started = time.perf_counter()
+                scores = pool.score(requests)
+                throughput[workers] = completions / (time.perf_counter() - started)
+                assert all(score.total == 1.0 for score in scores)
+            finally:
+                pool.shutdown()
+                placement.remove()
+            line = {
+                "benchmark": "reward_pool",
+                "workers": workers,
+                "completions_per_s": round(throughput[workers], 2),
+                "ratio": round(throughput[workers] / throughput[1], 3),
+                "target": 0.9 * workers,
+            }
+            print(json.dumps(line), flush=True)
+    finally:
+        ray.shutdown()
+
+
+def parity(out_dir: Path) -> None:
+    from learning import run_seed
+
+    config = "configs/quickstart.yaml"
+    results = {k: run_seed(config, 0, out_dir / f"k{k}", [f"rollout.max_staleness={k}"]) for k in (0, 1)}
+    line = {
+        "benchmark": "parity",
+        "k": 1,
+        "last10": results[1]["last10"],
+        "baseline_last10": results[0]["last10"],
+        "ratio": round(results[1]["last10"] / results[0]["last10"], 3),
+        "difference": round(results[1]["last10"] - results[0]["last10"], 3),
+        "held_out": results[1]["held_out_after"],
+        "baseline_held_out": results[0]["held_out_after"],
+        "wall_s": results[1]["wall_s"],
+        "baseline_wall_s": results[0]["wall_s"],
+    }
+    print(json.dumps(line), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per run of part 1")
+    parser.add_argument("--skip-parity", action="store_true", help="leave out part 3 (two 200-step runs)")
+    parser.add_argument("--out-dir", default="outputs/overlap")
+    parser.add_argument("overrides", nargs="*", help="key=value settings for the runs of part 1")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir).resolve()
+    step_times(args.steps, out_dir / "step_time", args.overrides)
+    reward_pool_scaling()
+    if not args.skip_parity:
+        parity(out_dir / "parity")
+
+
+if __name__ == "__main__":
+    main()
