@@ -1,6 +1,6 @@
 """grpo-dist and TRL's GRPOTrainer side by side: the same model, data, reward and hyperparameters, several seeds.
 
-    make install EXTRA=cpu,bench        # or: .venv/bin/pip install -e ".[bench]"  (TRL; make test never needs it)
+    make install && .venv/bin/pip install -e ".[bench]"      # TRL (trl 1.16.0); make test never needs it
     .venv/bin/python benchmarks/vs_trl.py [--seeds 3] [--config configs/quickstart.yaml] [key=value ...]
 
 For each seed, `grpo-dist train` runs the config (it builds the seed's tiny model and draws the seed's data); then
