@@ -27,17 +27,20 @@ def scale(run_dir: str | Path, generators: int) -> Path:
 
 def take_request(run_dir: Path) -> int | None:
     """The generator count asked for since the last call (the request is consumed), or None."""
-    request = run_dir / REQUEST
+    request, taken = run_dir / REQUEST, run_dir / f".{REQUEST}.taken"
     try:
-        text = request.read_text()
+        os.replace(request, taken)  # a request written from now on waits for the next call
     except FileNotFoundError:
         return None
-    request.unlink(missing_ok=True)
+    text = "?"
     try:
+        text = taken.read_text()
         generators = json.loads(text)["generators"]
         if isinstance(generators, int) and not isinstance(generators, bool) and generators >= 1:
             return generators
-    except (ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    tqdm.write(f'scale: ignored {request}: expected {{"generators": N}} with N >= 1, got {text.strip()!r}')
+    finally:
+        taken.unlink(missing_ok=True)
+    tqdm.write(f'scale: ignored {request}: expected {{"generators": N}} with N >= 1, got {text.strip()[:200]!r}')
     return None

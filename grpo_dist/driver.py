@@ -24,11 +24,12 @@ from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import PromptRecord, PromptSampler, encode_prompts, load_rows, split_task
 from grpo_dist.faults import RunFailed
-from grpo_dist.learner_group import LearnerLost
+from grpo_dist.learner_group import LearnerGroupError, LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
 from grpo_dist.pipeline import RolloutQueue, bound_staleness, compute_advantages, score_requests, sync_due
 from grpo_dist.placement import PlacementError
 from grpo_dist.rewards import resolve_reward, score_one
+from grpo_dist.transports import WeightSyncError
 from grpo_dist.types import ScoreRequest
 
 log = logging.getLogger("grpo_dist")
@@ -128,7 +129,9 @@ def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
                                                               if wanted > current else ""))  # fmt: skip
     try:
         cluster.scale_generators(wanted)
-    except (PlacementError, RunFailed) as err:
+    except LearnerLost:
+        raise
+    except (PlacementError, RunFailed, WeightSyncError, LearnerGroupError) as err:
         tqdm.write(f"scale: could not go from {current} to {wanted} generators; going on with {current}: {err}")
         cluster.scale_generators(current)
         return
@@ -145,7 +148,7 @@ def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, up
     began; none when the learner already updated in the step under way (its weights belong to no finished step)."""
     if not cfg.checkpoint.every_steps or (cfg.checkpoint_dir / f"step-{step:06d}").is_dir():
         return
-    if cluster.learner.updates != updates:
+    if cluster.learner.updates != updates or cluster.training is not None:
         print(f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
               "from the latest checkpoint")  # fmt: skip
         return

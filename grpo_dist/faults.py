@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -83,13 +84,15 @@ class FaultLog:
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()  # the generator pool and the scoring thread both count
 
     def record(self, counter: str, message: str, amount: int = 1) -> None:
-        self.counts[counter] += amount
+        self.count(counter, amount)
         tqdm.write(f"fault: {message}")  # on a line of its own, under the progress bar
 
     def count(self, counter: str, amount: int = 1) -> None:
-        self.counts[counter] += amount
+        with self.lock:
+            self.counts[counter] += amount
 
     def metrics(self) -> dict[str, float]:
         return {f"faults/{name}": float(self.counts[name]) for name in COUNTERS}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 
@@ -25,6 +26,18 @@ from grpo_dist.transports import wire_backend
 from grpo_dist.types import Completion
 
 CHUNKS_PER_GENERATOR = 4  # enough that a fast engine takes more of a batch; few enough that each batches well
+
+
+@dataclass
+class Job:
+    """A chunk of prompts being generated: by which slot's actor (the one it was sent to), since when."""
+
+    slot: int
+    chunk: tuple[int, int]  # [start, end) of the batch's prompts
+    started: float
+    actor: ray.actor.ActorHandle
+
+
 PROBE_TIMEOUT_S = 30.0  # an idle engine answers a probe at once
 
 
@@ -64,40 +77,51 @@ class GeneratorPool:
         its replacement."""
         bound = self.cfg.faults.generate_timeout_s
         chunks = deque(split(len(prompts), min(len(prompts), CHUNKS_PER_GENERATOR * len(self.actors))).values())
-        running: dict[ray.ObjectRef, tuple[int, tuple[int, int], float]] = {}  # call -> (slot, chunk, started)
+        running: dict[ray.ObjectRef, Job] = {}
         done: dict[int, list[Completion]] = {}  # first prompt of a chunk -> its completions
         while chunks or running:
-            busy = {slot for slot, _, _ in running.values()}
+            busy = {job.slot for job in running.values()}
             for slot in (slot for slot in range(len(self.actors)) if slot not in busy and chunks):
                 start, end = chunk = chunks.popleft()
-                call = self.actors[slot].generate.remote(
+                actor = self.actors[slot]
+                call = actor.generate.remote(
                     [p.token_ids for p in prompts[start:end]], group_size, greedy, start, seeds and seeds[start:end]
                 )
-                running[call] = (slot, chunk, time.monotonic())
-            deadline = min(started for _, _, started in running.values()) + bound
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            lost = []
-            for call in ready:
-                slot, chunk, _ = running.pop(call)
+                running[call] = Job(slot, chunk, time.monotonic(), actor)
+            deadline = min(job.started for job in running.values()) + bound
+            ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            finished, _ = ray.wait(list(running), num_returns=len(running), timeout=0)  # all done by now, not one
+            lost: list[tuple[Job, str]] = []
+            for call in finished:
+                job = running.pop(call)
                 try:
-                    done[chunk[0]] = completions = ray.get(call)
+                    done[job.chunk[0]] = completions = ray.get(call)
                 except ray.exceptions.RayActorError as err:
-                    lost.append((slot, chunk, f"died ({first_line(err)})"))
+                    lost.append((job, f"died ({first_line(err)})"))
                     continue
                 if not greedy:  # training samples, not a held-out evaluation
-                    self.completions[slot] += len(completions)
+                    self.completions[job.slot] += len(completions)
                 if on_chunk is not None:
                     on_chunk(completions)
-            lost += [(slot, chunk, f"gave no answer within {bound:g} s") for slot, chunk, started in running.values()
-                     if time.monotonic() - started > bound]  # fmt: skip
-            running = {call: job for call, job in running.items() if job[0] not in {slot for slot, _, _ in lost}}
-            for slot, (start, end), why in lost:
-                self.pool.replace(slot, f"{why} while generating {end - start} prompts", "generating them again")
-                self.faults.count("regenerated", end - start)
-                chunks.appendleft((start, end))
-            if lost:
+            hung = [job for job in running.values() if time.monotonic() - job.started > bound]
+            lost += [(job, f"gave no answer within {bound:g} s") for job in hung]
+            running = {call: job for call, job in running.items() if all(job is not gone for gone, _ in lost)}
+            if self._replace_lost(lost, chunks):
                 self.rejoin()
         return [completion for start in sorted(done) for completion in done[start]]
+
+    def _replace_lost(self, lost: list[tuple[Job, str]], chunks: deque) -> bool:
+        """Put lost chunks back in the queue and replace their generators, unless one was replaced already (by a
+        reconnect after an earlier loss); returns whether any was replaced now."""
+        replaced = False
+        for job, why in lost:
+            start, end = job.chunk
+            chunks.appendleft(job.chunk)
+            self.faults.count("regenerated", end - start)
+            if self.actors[job.slot] is job.actor:
+                self.pool.replace(job.slot, f"{why} while generating {end - start} prompts", "generating them again")
+                replaced = True
+        return replaced
 
     def resize(self, count: int) -> None:
         """Add generators (each in a new placement group, started and up before it returns) or stop the last ones

@@ -115,19 +115,24 @@ def sample_round(
     """Generate and score one batch; each generated chunk is scored while the rest generate, so `time/reward` is
     the scoring left when generation ends."""
     seeds = random.Random(seed_key)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring") as scoring:
-        scored: list[tuple[int, Future]] = []  # (first prompt of a chunk, its scores)
+    scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
+    scored: list[tuple[int, Future]] = []  # (first prompt of a chunk, its scores)
 
-        def score_chunk(completions: list[Completion]) -> None:
-            requests = score_requests(prompts, completions)
-            scored.append((completions[0].prompt_index, scoring.submit(cluster.score, requests)))
+    def score_chunk(completions: list[Completion]) -> None:
+        requests = score_requests(prompts, completions)
+        scored.append((completions[0].prompt_index, scoring.submit(cluster.score, requests)))
 
+    try:
         with timer("generate"):
             completions = cluster.generate(
                 prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts], on_chunk=score_chunk
             )
         with timer("reward"):
             scores = [score for _, chunk in sorted(scored, key=lambda item: item[0]) for score in chunk.result()]
+    except BaseException:
+        scoring.shutdown(wait=True, cancel_futures=True)  # a stop or a failure waits for one chunk, not all
+        raise
+    scoring.shutdown()
     return Rollout(prompts, completions, scores)
 
 
