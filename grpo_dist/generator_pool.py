@@ -46,6 +46,8 @@ class GeneratorPool:
         self.cfg, self.model_path, self.placement, self.faults = cfg, model_path, placement, faults
         self.rejoin: Callable[[], None] = lambda: None  # set by the cluster once the weight transport exists
         self.completions: Counter[int] = Counter()  # per slot, since `step_metrics` last read them
+        self.tokens: Counter[int] = Counter()  # generated tokens per slot, likewise
+        self.busy_s: Counter[int] = Counter()  # seconds from handing a slot a chunk to collecting it, likewise
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
             cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s,
@@ -101,6 +103,8 @@ class GeneratorPool:
                     continue
                 if not greedy:  # training samples, not a held-out evaluation
                     self.completions[job.slot] += len(completions)
+                    self.tokens[job.slot] += sum(len(c.token_ids) for c in completions)
+                    self.busy_s[job.slot] += time.monotonic() - job.started
                 if on_chunk is not None:
                     on_chunk(completions)
             hung = [job for job in running.values() if time.monotonic() - job.started > bound]
@@ -139,10 +143,16 @@ class GeneratorPool:
             self.placement.remove_generator(len(self.actors))
 
     def step_metrics(self) -> dict[str, float]:
-        """`generators/count` and each generator's completions since the last call."""
-        metrics = {f"generators/{slot}/completions": float(self.completions[slot]) for slot in range(len(self.actors))}
-        self.completions.clear()
-        return {"generators/count": float(len(self.actors)), **metrics}
+        """`generators/count`, and each generator's completions and tokens per second of its chunks since the last
+        call."""
+        metrics = {"generators/count": float(len(self.actors))}
+        for slot in range(len(self.actors)):
+            metrics[f"generators/{slot}/completions"] = float(self.completions[slot])
+            metrics[f"generators/{slot}/tokens_per_s"] = (
+                self.tokens[slot] / self.busy_s[slot] if self.busy_s[slot] else 0.0
+            )
+        self.completions, self.tokens, self.busy_s = Counter(), Counter(), Counter()
+        return metrics
 
     def replace_unresponsive(self) -> bool:
         """Probe every generator; replace those that are dead or do not answer. Returns whether any was."""

@@ -20,7 +20,8 @@ REQUIRED_METRICS = [
     "faults/generator_restarts", "faults/reward_worker_restarts", "faults/learner_restarts",
     "reward_failures/reward_fixtures.first_char_reward", "reward_failures/math_answer", "time/step",
     "time/learner_busy", "time/learner_idle", "time/generator_idle", "queue/prompts", "generators/count",
-    "generators/0/completions", "generators/1/completions", "staleness/mean", "staleness/max", "staleness/dropped",
+    "generators/0/completions", "generators/1/completions", "generators/0/tokens_per_s", "staleness/mean",
+    "staleness/max", "staleness/dropped",
 ]  # fmt: skip
 
 
