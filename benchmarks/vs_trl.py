@@ -23,13 +23,15 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from learning import grpo_dist  # noqa: E402
 
 from grpo_dist.config import Config, load_config  # noqa: E402
 from grpo_dist.data.dataset import load_rows  # noqa: E402
@@ -110,12 +112,9 @@ def trl_reward(name: str, kwargs: dict, fields: list[str]):
     return reward
 
 
-def run_grpo_dist(config: str, overrides: list[str], out_dir: Path) -> dict:
+def run_grpo_dist(config: str, overrides: list[str], out_dir: Path, seed: int) -> dict:
     started = time.monotonic()
-    command = [sys.executable, "-m", "grpo_dist", "train", config, *overrides]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"grpo-dist train exited {done.returncode}:\n{done.stderr[-3000:]}")
+    done = grpo_dist("train", config, overrides, seed)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {
         "rewards": [row["reward/mean"] for row in rows],
@@ -242,7 +241,7 @@ def main() -> None:
         ]  # fmt: skip
         cfg = load_config(REPO / args.config, overrides)
         trl_settings(cfg)  # refuse what TRL cannot match before anything runs
-        ours = run_grpo_dist(args.config, overrides, cfg.run_dir)
+        ours = run_grpo_dist(args.config, overrides, cfg.run_dir, seed)
         train_path, eval_path = prepare_data(cfg)  # the files grpo-dist drew for this seed
         held_out = load_rows(eval_path, cfg.data.prompt_field)[: cfg.eval.max_prompts]
         theirs = run_trl(cfg, load_rows(train_path, cfg.data.prompt_field), out_dir / f"trl-{seed}")

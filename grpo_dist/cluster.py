@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
 
 from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
-from grpo_dist.data import PromptRecord
 from grpo_dist.faults import FaultLog
 from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
-from grpo_dist.types import Completion, Score, ScoreRequest
+from grpo_dist.types import Score, ScoreRequest
 
 
 def actor_cpus(cfg: Config) -> float:
@@ -111,16 +109,6 @@ class Cluster:
         cluster = cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
         generators.rejoin = cluster.reconnect
         return cluster
-
-    def generate(
-        self,
-        prompts: list[PromptRecord],
-        group_size: int,
-        greedy: bool = False,
-        seeds: list[int] | None = None,
-        on_chunk: Callable[[list[Completion]], None] | None = None,
-    ) -> list[Completion]:
-        return self.generators.generate(prompts, group_size, greedy, seeds, on_chunk)
 
     def score(self, requests: list[ScoreRequest]) -> list[Score]:
         return self.rewards.score(requests)

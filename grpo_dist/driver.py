@@ -274,7 +274,7 @@ def report_accuracy(cfg: Config, cluster: Cluster, held_out: list[PromptRecord],
     if not held_out:
         return None
     prompts = held_out[: cfg.eval.max_prompts]
-    completions = cluster.generate(prompts, group_size=1, greedy=True)
+    completions = cluster.generators.generate(prompts, group_size=1, greedy=True)
     return judge_accuracy(cfg, score_requests(prompts, completions), when)
 
 

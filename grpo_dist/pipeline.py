@@ -124,7 +124,7 @@ def sample_round(
 
     try:
         with timer("generate"):
-            completions = cluster.generate(
+            completions = cluster.generators.generate(
                 prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts], on_chunk=score_chunk
             )
         with timer("reward"):
