@@ -116,7 +116,7 @@ def measure(size: str, args: argparse.Namespace) -> None:
     learner = LearnerGroup.start(cfg, model_dir)
     generator = ray.remote(Generator).options(num_cpus=1).remote(model_dir, cfg.rollout, 0, "gloo")
     try:
-        ray.get(generator.__ray_ready__.remote(), timeout=600)
+        ray.get(generator.start.remote(), timeout=600)
         parameters, nbytes = sent_bytes(learner)
         chunk = int(args.bucket_mb * 2**20)
         bare = statistics.median(time_bare(learner, generator, nbytes, chunk) for _ in range(args.repeats))

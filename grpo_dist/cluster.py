@@ -127,6 +127,15 @@ class Cluster:
         metrics, self.trained = self.trained, None
         return metrics
 
+    def poll_training(self) -> bool:
+        """Whether no training step is under way any more (one that has just ended is taken in, its metrics kept
+        for `finish_train`), without waiting."""
+        if self.training is not None:
+            _, pending = ray.wait(self.training, num_returns=len(self.training), timeout=0)
+            if not pending:
+                self._await_training()
+        return self.training is None
+
     def _await_training(self) -> None:
         if self.training is not None:
             calls, self.training = self.training, None

@@ -276,6 +276,10 @@ class SyncConfig(_Section):
     """Broadcast bucket size in MiB; the learner holds at most two buckets at a time for a sync."""
     timeout_s: float = Field(600.0, gt=0)
     """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
+    mode: Literal["between_batches", "in_flight"] = "between_batches"
+    """When the generators take new weights, with `rollout.max_staleness` >= 1: `between_batches` once the batch
+    being generated is done; `in_flight` as soon as the learner's step ends, mid-batch (each engine pauses with its
+    requests kept, loads the weights and resumes; a completion may then span versions, and its oldest counts)."""
 
 
 class FaultsConfig(_Section):
@@ -283,8 +287,8 @@ class FaultsConfig(_Section):
     """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
     this many seconds stops the run, naming it."""
     generate_timeout_s: float = Field(600.0, gt=0)
-    """A generator whose chunk of a step's prompts takes longer is treated as hung: killed, replaced and the chunk
-    generated again."""
+    """A generator with a request (one prompt's group) under way longer than this is treated as hung: killed,
+    replaced and its prompts generated again."""
     score_timeout_s: float = Field(120.0, gt=0)
     """A reward worker whose share of a step's scoring takes longer is treated as hung: killed, replaced and its
     completions scored again."""
@@ -388,6 +392,16 @@ class Config(_Section):
         algorithm = self.algorithm
         if algorithm.is_cap == "auto":
             algorithm.is_cap = 2.0 if self.rollout.max_staleness >= 1 else None
+        return self
+
+    @model_validator(mode="after")
+    def _in_flight_needs_staleness(self) -> Config:
+        if self.sync.mode == "in_flight" and self.rollout.max_staleness == 0:
+            raise ValueError(
+                "sync.mode=in_flight needs rollout.max_staleness >= 1: at 0 nothing is generated while the learner "
+                "trains, so there is no batch under way to update; set rollout.max_staleness=1 or sync.mode="
+                "between_batches"
+            )
         return self
 
     @model_validator(mode="after")

@@ -99,8 +99,9 @@ class FaultLog:
 
 
 class ActorPool:
-    """The actors of one role in numbered slots. `start_actor(slot)` creates slot's actor (in its placement);
-    `replace(slot, why)` kills it and waits, bounded, for a new one; past `max_restarts` the run fails."""
+    """The actors of one role in numbered slots. `start_actor(slot)` creates slot's actor (in its placement), and
+    an actor is up once its `ready_call` method (by default: its constructor) has returned; `replace(slot, why)`
+    kills it and waits, bounded, for a new one; past `max_restarts` the run fails."""
 
     def __init__(
         self,
@@ -111,8 +112,10 @@ class ActorPool:
         faults: FaultLog,
         max_restarts: int,
         start_timeout_s: float,
+        ready_call: str = "__ray_ready__",
     ) -> None:
         self.role, self.counter, self.start_actor, self.faults = role, counter, start_actor, faults
+        self.ready_call = ready_call
         self.max_restarts, self.start_timeout_s = max_restarts, start_timeout_s
         self.actors = [start_actor(slot) for slot in range(size)]
         self.health = [Health.STARTING] * size
@@ -122,9 +125,9 @@ class ActorPool:
         return f"{self.role} {slot}"
 
     def wait_ready(self, slots: list[int] | None = None) -> None:
-        """Wait for the constructors (engines loading their models); fail naming the first that failed or hung."""
+        """Wait for the actors to be up (engines loading their models); fail naming the first that failed or hung."""
         slots = list(range(len(self.actors))) if slots is None else slots
-        refs = [self.actors[slot].__ray_ready__.remote() for slot in slots]
+        refs = [getattr(self.actors[slot], self.ready_call).remote() for slot in slots]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
         for slot, ref in zip(slots, refs, strict=True):
             if ref in pending:

@@ -1,15 +1,19 @@
-"""The generator pool: the run's vLLM engines, a step's prompts streamed to them in chunks, a lost engine replaced.
+"""The generator pool: the run's vLLM engines, a step's prompts streamed to them one request each, a lost engine
+replaced.
 
-`generate` cuts the prompts into chunks (`CHUNKS_PER_GENERATOR` per engine) and hands the next chunk to whichever
-engine has none, so a slow engine takes fewer and no engine sets the pace; each finished chunk goes to `on_chunk` at
-once (the reward pool scores it while the rest generate). A generator that dies or does not finish a chunk within
+`generate` keeps the prompts in a queue and sends the next one to the generator with the fewest requests under way,
+up to `requests_per_generator` each (half of an even share: enough for an engine to batch, few enough that a fast
+engine takes more of the batch and no engine sets the pace); each finished group goes to `on_group` at once (the
+reward pool scores it while the rest generate). A generator that dies or does not finish a request within
 `faults.generate_timeout_s` (a deadlocked engine) is killed and a new one started in its placement group; `rejoin`,
-given by the cluster, brings the new engine into the weight transport and loads the current weights, and the chunk
-is generated again. Sampling is seeded per prompt, so the completions are the same whichever engine draws them.
+given by the cluster, brings the new engine into the weight transport and loads the current weights, and its
+prompts are generated again. Sampling is seeded per prompt, so the completions are the same whichever engine draws
+them (for the same weights).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -20,22 +24,27 @@ import ray
 from grpo_dist.actors.generator import Generator
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
-from grpo_dist.faults import ActorPool, FaultLog, first_line, split
+from grpo_dist.faults import ActorPool, FaultLog, first_line
 from grpo_dist.placement import Placement, generator_resources
 from grpo_dist.transports import wire_backend
 from grpo_dist.types import Completion
 
-CHUNKS_PER_GENERATOR = 4  # enough that a fast engine takes more of a batch; few enough that each batches well
+POLL_S = 0.05  # how often `while_waiting` runs while requests are under way
 
 
 @dataclass
-class Job:
-    """A chunk of prompts being generated: by which slot's actor (the one it was sent to), since when."""
+class Request:
+    """One prompt's group being generated: by which slot's actor (the one it was sent to), since when."""
 
     slot: int
-    chunk: tuple[int, int]  # [start, end) of the batch's prompts
+    prompt_index: int
     started: float
     actor: ray.actor.ActorHandle
+
+
+def requests_per_generator(prompts: int, generators: int) -> int:
+    """How many requests a generator may have under way: half of an even share of the prompts."""
+    return max(1, math.ceil(prompts / (2 * generators)))
 
 
 PROBE_TIMEOUT_S = 30.0  # an idle engine answers a probe at once
@@ -47,10 +56,10 @@ class GeneratorPool:
         self.rejoin: Callable[[], None] = lambda: None  # set by the cluster once the weight transport exists
         self.completions: Counter[int] = Counter()  # per slot, since `step_metrics` last read them
         self.tokens: Counter[int] = Counter()  # generated tokens per slot, likewise
-        self.busy_s: Counter[int] = Counter()  # seconds from handing a slot a chunk to collecting it, likewise
+        self.busy_s: Counter[int] = Counter()  # seconds a slot had requests under way, likewise
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
-            cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s,
+            cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s, ready_call="start",
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
@@ -72,58 +81,96 @@ class GeneratorPool:
         group_size: int,
         greedy: bool = False,
         seeds: list[int] | None = None,
-        on_chunk: Callable[[list[Completion]], None] | None = None,
+        on_group: Callable[[list[Completion]], None] | None = None,
+        while_waiting: Callable[[], None] | None = None,
     ) -> list[Completion]:
-        """All prompts' completions, grouped, in prompt order. `seeds`: one sampling seed per prompt. `on_chunk`
-        gets each chunk's completions as soon as it is generated. A lost generator's chunk is generated again by
-        its replacement."""
-        bound = self.cfg.faults.generate_timeout_s
-        chunks = deque(split(len(prompts), min(len(prompts), CHUNKS_PER_GENERATOR * len(self.actors))).values())
-        running: dict[ray.ObjectRef, Job] = {}
-        done: dict[int, list[Completion]] = {}  # first prompt of a chunk -> its completions
-        while chunks or running:
-            busy = {job.slot for job in running.values()}
-            for slot in (slot for slot in range(len(self.actors)) if slot not in busy and chunks):
-                start, end = chunk = chunks.popleft()
-                actor = self.actors[slot]
-                call = actor.generate.remote(
-                    [p.token_ids for p in prompts[start:end]], group_size, greedy, start, seeds and seeds[start:end]
-                )
-                running[call] = Job(slot, chunk, time.monotonic(), actor)
-            deadline = min(job.started for job in running.values()) + bound
-            ray.wait(list(running), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            finished, _ = ray.wait(list(running), num_returns=len(running), timeout=0)  # all done by now, not one
-            lost: list[tuple[Job, str]] = []
-            for call in finished:
-                job = running.pop(call)
-                try:
-                    done[job.chunk[0]] = completions = ray.get(call)
-                except ray.exceptions.RayActorError as err:
-                    lost.append((job, f"died ({first_line(err)})"))
-                    continue
-                if not greedy:  # training samples, not a held-out evaluation
-                    self.completions[job.slot] += len(completions)
-                    self.tokens[job.slot] += sum(len(c.token_ids) for c in completions)
-                    self.busy_s[job.slot] += time.monotonic() - job.started
-                if on_chunk is not None:
-                    on_chunk(completions)
-            hung = [job for job in running.values() if time.monotonic() - job.started > bound]
-            lost += [(job, f"gave no answer within {bound:g} s") for job in hung]
-            running = {call: job for call, job in running.items() if all(job is not gone for gone, _ in lost)}
-            if self._replace_lost(lost, chunks):
+        """All prompts' completions, grouped, in prompt order. `seeds`: one sampling seed per prompt. `on_group`
+        gets each prompt's group as soon as it is generated; `while_waiting` runs every `POLL_S` while requests are
+        under way. A lost generator's prompts are generated again by its replacement."""
+        queue = deque(range(len(prompts)))
+        depth = requests_per_generator(len(prompts), len(self.actors))
+        running: dict[ray.ObjectRef, Request] = {}
+        done: dict[int, list[Completion]] = {}  # prompt index -> its group
+        busy_since: dict[int, float] = {}
+        while queue or running:
+            self._send(queue, running, depth, prompts, group_size, greedy, seeds)
+            self._wait(running, while_waiting is not None)
+            lost = self._collect(running, done, greedy, on_group)
+            self._account_busy(running, busy_since, greedy)
+            if while_waiting is not None:
+                while_waiting()
+            if self._replace_lost(lost, queue):
                 self.rejoin()
-        return [completion for start in sorted(done) for completion in done[start]]
+        return [completion for index in sorted(done) for completion in done[index]]
 
-    def _replace_lost(self, lost: list[tuple[Job, str]], chunks: deque) -> bool:
-        """Put lost chunks back in the queue and replace their generators, unless one was replaced already (by a
+    def _send(self, queue, running, depth, prompts, group_size, greedy, seeds) -> None:
+        """Hand queued prompts, one request each, to the generators with the fewest under way, up to `depth`."""
+        under_way = Counter({slot: 0 for slot in range(len(self.actors))})
+        under_way.update(request.slot for request in running.values())
+        while queue:
+            slot, count = min(under_way.items(), key=lambda item: (item[1], item[0]))
+            if count >= depth:
+                return
+            index = queue.popleft()
+            actor = self.actors[slot]
+            call = actor.generate.remote(prompts[index].token_ids, group_size, greedy, index, seeds and seeds[index])
+            running[call] = Request(slot, index, time.monotonic(), actor)
+            under_way[slot] += 1
+
+    def _wait(self, running: dict[ray.ObjectRef, Request], poll: bool) -> None:
+        """Until a request finishes, the oldest passes its bound, or (with `poll`) `POLL_S` has gone by."""
+        deadline = min(request.started for request in running.values()) + self.cfg.faults.generate_timeout_s
+        timeout = max(0.0, deadline - time.monotonic())
+        ray.wait(list(running), num_returns=1, timeout=min(timeout, POLL_S) if poll else timeout)
+
+    def _collect(self, running, done, greedy, on_group) -> list[tuple[Request, str]]:
+        """Take every finished request's group; the requests lost with their generator (dead, or past the bound:
+        every request of a generator that hung), with why."""
+        bound = self.cfg.faults.generate_timeout_s
+        finished, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+        lost: list[tuple[Request, str]] = []
+        for call in finished:
+            request = running.pop(call)
+            try:
+                done[request.prompt_index] = group = ray.get(call)
+            except ray.exceptions.RayActorError as err:
+                lost.append((request, f"died ({first_line(err)})"))
+                continue
+            if not greedy:  # training samples, not a held-out evaluation
+                self.completions[request.slot] += len(group)
+                self.tokens[request.slot] += sum(len(c.token_ids) for c in group)
+            if on_group is not None:
+                on_group(group)
+        now = time.monotonic()
+        hung = {request.slot for request in running.values() if now - request.started > bound}
+        for call in [call for call, request in running.items() if request.slot in hung]:
+            lost.append((running.pop(call), f"gave no answer within {bound:g} s"))
+        return lost
+
+    def _account_busy(self, running, busy_since: dict[int, float], greedy: bool) -> None:
+        """Add to each slot's busy time the spans in which it had requests under way."""
+        if greedy:
+            return
+        now, busy = time.monotonic(), {request.slot for request in running.values()}
+        for slot in busy - busy_since.keys():
+            busy_since[slot] = now
+        for slot in set(busy_since) - busy:
+            self.busy_s[slot] += now - busy_since.pop(slot)
+
+    def _replace_lost(self, lost: list[tuple[Request, str]], queue: deque) -> bool:
+        """Put lost prompts back in the queue and replace their generators, unless one was replaced already (by a
         reconnect after an earlier loss); returns whether any was replaced now."""
         replaced = False
-        for job, why in lost:
-            start, end = job.chunk
-            chunks.appendleft(job.chunk)
-            self.faults.count("regenerated", end - start)
-            if self.actors[job.slot] is job.actor:
-                self.pool.replace(job.slot, f"{why} while generating {end - start} prompts", "generating them again")
+        by_actor: dict[int, list[tuple[Request, str]]] = {}
+        for request, why in lost:
+            queue.appendleft(request.prompt_index)
+            by_actor.setdefault(id(request.actor), []).append((request, why))
+        self.faults.count("regenerated", len(lost))
+        for requests in by_actor.values():
+            request, why = requests[0]
+            if self.actors[request.slot] is request.actor:
+                self.pool.replace(request.slot, f"{why} while generating {len(requests)} prompts",
+                                  "generating them again")  # fmt: skip
                 replaced = True
         return replaced
 
@@ -143,8 +190,8 @@ class GeneratorPool:
             self.placement.remove_generator(len(self.actors))
 
     def step_metrics(self) -> dict[str, float]:
-        """`generators/count`, and each generator's completions and tokens per second of its chunks since the last
-        call."""
+        """`generators/count`, and each generator's completions and tokens per second (of the time it had requests
+        under way) since the last call."""
         metrics = {"generators/count": float(len(self.actors))}
         for slot in range(len(self.actors)):
             metrics[f"generators/{slot}/completions"] = float(self.completions[slot])

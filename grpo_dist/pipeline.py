@@ -5,12 +5,16 @@ learner has: on-policy. With k >= 1 the next step's batch is generated and score
 (`RolloutQueue.draw_ahead`), by weights up to k updates older than the learner's when it trains on them
 (`sync_due` says when the generators must get new weights for that to hold). `bound_staleness` enforces the bound
 per sample (groups holding an older completion are dropped and counted) and reports it; truncated importance
-sampling (`algorithm.is_cap`) corrects for the older sampling policy.
+sampling (`algorithm.is_cap`) corrects for the older sampling policy. With `sync.mode: in_flight` the generators
+take new weights mid-batch (`update_in_flight`); a completion whose tokens span versions counts as old as its
+oldest token.
 """
 
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -21,7 +25,7 @@ from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord, PromptSampler
 from grpo_dist.metrics import StepTimer
 from grpo_dist.rollout import Rollout
-from grpo_dist.types import Completion, ScoreRequest
+from grpo_dist.types import Completion, Score, ScoreRequest
 
 
 class RolloutQueue:
@@ -40,14 +44,25 @@ class RolloutQueue:
             self.reset()
             return rollout, metrics
         self.reset()
-        return collect_rollout(self.cfg, self.cluster, self.sampler, timer, step)
+        rollout, metrics = collect_rollout(self.cfg, self.cluster, self.sampler, timer, step)
+        return rollout, {**metrics, "sync/in_flight": 0.0}
 
     def draw_ahead(self, step: int, timer: StepTimer) -> None:
-        """With k >= 1, generate and score step `step`'s batch now (while the learner trains on the current one)."""
-        if self.cfg.rollout.max_staleness == 0 or step > self.cfg.run.steps:
+        """With k >= 1, generate and score step `step`'s batch now (while the learner trains on the current one);
+        with `sync.mode: in_flight` the generators get the new weights as soon as that training step ends."""
+        cfg = self.cfg
+        if cfg.rollout.max_staleness == 0 or step > cfg.run.steps:
             return
         before = self.sampler.state_dict()
-        rollout, metrics = collect_rollout(self.cfg, self.cluster, self.sampler, timer, step)
+        synced = False
+
+        def in_flight() -> None:
+            nonlocal synced
+            synced = update_in_flight(cfg, self.cluster, timer) or synced
+
+        hook = in_flight if cfg.sync.mode == "in_flight" else None
+        rollout, metrics = collect_rollout(cfg, self.cluster, self.sampler, timer, step, hook)
+        metrics["sync/in_flight"] = float(synced)
         self.ahead, self.sampler_before_ahead = (step, rollout, metrics), before
 
     def sampler_state(self) -> dict:
@@ -70,20 +85,39 @@ def sync_due(cfg: Config, cluster: Cluster) -> bool:
     return cluster.weight_version < cluster.learner_version + lead - k
 
 
+def update_in_flight(cfg: Config, cluster: Cluster, timer: StepTimer) -> bool:
+    """Once the training step under way has ended, sync the generators now if the bound needs it, while they
+    generate: each pauses with its requests kept, loads the weights and resumes (`sync.mode: in_flight`). Returns
+    whether it synced."""
+    if not (cluster.poll_training() and sync_due(cfg, cluster)):
+        return False
+    with timer("sync"):
+        cluster.sync_weights()
+    return True
+
+
 def bound_staleness(rollout: Rollout, learner_version: int, k: int) -> tuple[Rollout, dict[str, float]]:
     """Drop every group holding a completion sampled more than k versions before `learner_version`; the kept
     completions' staleness (mean, max) and how many were dropped."""
     too_old = {c.prompt_index for c in rollout.completions if learner_version - c.weight_version > k}
     kept = rollout.select_groups([index not in too_old for index in range(len(rollout.prompts))])
     kept_staleness = torch.tensor([learner_version - c.weight_version for c in kept.completions], dtype=torch.float)
-    metrics = {"staleness/dropped": float(len(rollout.completions) - len(kept.completions))}
+    metrics = {
+        "staleness/dropped": float(len(rollout.completions) - len(kept.completions)),
+        "staleness/spanning": float(sum(c.newest_weight_version is not None for c in kept.completions)),
+    }
     if kept.completions:
         metrics.update({"staleness/mean": kept_staleness.mean().item(), "staleness/max": kept_staleness.max().item()})
     return kept, metrics
 
 
 def collect_rollout(
-    cfg: Config, cluster: Cluster, sampler: PromptSampler, timer: StepTimer, step: int
+    cfg: Config,
+    cluster: Cluster,
+    sampler: PromptSampler,
+    timer: StepTimer,
+    step: int,
+    while_generating: Callable[[], None] | None = None,
 ) -> tuple[Rollout, dict[str, float]]:
     """Generate and score groups; with dynamic sampling (DAPO) keep only groups with unequal rewards, sampling
     more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent. Sampling is
@@ -91,11 +125,12 @@ def collect_rollout(
     algo, wanted = cfg.algorithm, cfg.data.prompts_per_step
     group_size, seed = cfg.rollout.group_size, cfg.run.seed
     if not algo.dynamic_sampling:
-        return sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:1"), {}
+        return sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:1", while_generating), {}
     kept, generated, rounds = Rollout(), 0, 0
     while rounds < algo.max_sampling_rounds:
         rounds += 1
-        latest = sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:{rounds}")
+        key = f"{seed}:{step}:{rounds}"
+        latest = sample_round(cluster, next(sampler), group_size, timer, key, while_generating)
         generated += len(latest.prompts)
         rewards, _ = compute_advantages(cfg, latest)
         kept = kept + latest.select_groups(informative_groups(rewards, cfg.rollout.group_size).tolist())
@@ -110,29 +145,49 @@ def collect_rollout(
 
 
 def sample_round(
-    cluster: Cluster, prompts: list[PromptRecord], group_size: int, timer: StepTimer, seed_key: str
+    cluster: Cluster,
+    prompts: list[PromptRecord],
+    group_size: int,
+    timer: StepTimer,
+    seed_key: str,
+    while_generating: Callable[[], None] | None = None,
 ) -> Rollout:
-    """Generate and score one batch; each generated chunk is scored while the rest generate, so `time/reward` is
-    the scoring left when generation ends."""
+    """Generate and score one batch; each generated group is scored while the rest generate (the groups that
+    finished while the reward pool was busy go together), so `time/reward` is the scoring left when generation
+    ends. `while_generating` runs every few milliseconds while requests are under way."""
     seeds = random.Random(seed_key)
     scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
-    scored: list[tuple[int, Future]] = []  # (first prompt of a chunk, its scores)
+    waiting: list[Completion] = []  # generated, not yet handed to the reward pool
+    lock = threading.Lock()
+    batches: list[Future] = []  # each: (completions, their scores)
 
-    def score_chunk(completions: list[Completion]) -> None:
-        requests = score_requests(prompts, completions)
-        scored.append((completions[0].prompt_index, scoring.submit(cluster.score, requests)))
+    def score_waiting() -> tuple[list[Completion], list[Score]]:
+        with lock:
+            batch = waiting.copy()
+            waiting.clear()
+        return batch, cluster.score(score_requests(prompts, batch)) if batch else []
+
+    def on_group(group: list[Completion]) -> None:
+        with lock:
+            waiting.extend(group)
+        batches.append(scoring.submit(score_waiting))
 
     try:
         with timer("generate"):
             completions = cluster.generators.generate(
-                prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts], on_chunk=score_chunk
-            )
+                prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts], on_group=on_group,
+                while_waiting=while_generating,
+            )  # fmt: skip
         with timer("reward"):
-            scores = [score for _, chunk in sorted(scored, key=lambda item: item[0]) for score in chunk.result()]
+            by_prompt: dict[int, list[Score]] = {}
+            for batch in batches:
+                for completion, score in zip(*batch.result(), strict=True):
+                    by_prompt.setdefault(completion.prompt_index, []).append(score)
     except BaseException:
-        scoring.shutdown(wait=True, cancel_futures=True)  # a stop or a failure waits for one chunk, not all
+        scoring.shutdown(wait=True, cancel_futures=True)  # a stop or a failure waits for one batch, not all
         raise
     scoring.shutdown()
+    scores = [score for index in sorted(by_prompt) for score in by_prompt[index]]
     return Rollout(prompts, completions, scores)
 
 

@@ -22,7 +22,10 @@ class Completion:
     finish_reason: str
     """`stop` (EOS or stop string) or `length` (hit max_new_tokens)."""
     weight_version: int
-    """Version of the policy weights that produced it (0 = the initial model)."""
+    """Version of the policy weights that produced it (0 = the initial model); the oldest, when its tokens were
+    sampled by more than one (a weight update came while it was generated)."""
+    newest_weight_version: int | None = None
+    """The newest version that sampled any of its tokens, when that is not `weight_version`; else None."""
 
 
 @dataclass

@@ -23,10 +23,11 @@ from grpo_dist.rollout import Rollout
 from grpo_dist.types import Completion, Score
 
 
-def rollout_of(versions: list[list[int]]) -> Rollout:
-    """One group per inner list, one completion per version in it."""
+def rollout_of(versions: list[list[int | tuple[int, int]]]) -> Rollout:
+    """One group per inner list, one completion per entry in it: a version, or (oldest, newest) for a completion
+    whose tokens were sampled by several (an in-flight update came while it was generated)."""
     completions = [
-        Completion(index, [1], [2], "2", [-0.5], "stop", version)
+        Completion(index, [1], [2], "2", [-0.5], "stop", *(version if isinstance(version, tuple) else (version,)))
         for index, group in enumerate(versions)
         for version in group
     ]
@@ -39,11 +40,21 @@ def test_a_group_holding_one_completion_older_than_k_versions_is_dropped_whole()
     kept, metrics = bound_staleness(rollout, learner_version=5, k=1)
     assert [c.weight_version for c in kept.completions] == [5, 5]  # the groups holding version 3 are gone
     assert [p.text for p in kept.prompts] == ["p0"]
-    assert metrics == {"staleness/dropped": 4.0, "staleness/mean": 0.0, "staleness/max": 0.0}
+    assert metrics == {"staleness/dropped": 4.0, "staleness/spanning": 0.0, "staleness/mean": 0.0,
+                       "staleness/max": 0.0}  # fmt: skip
     kept, metrics = bound_staleness(rollout, learner_version=5, k=2)
     assert len(kept.completions) == 6
     assert metrics["staleness/max"] == 2.0 and metrics["staleness/dropped"] == 0.0
     assert metrics["staleness/mean"] == pytest.approx((0 + 0 + 1 + 2 + 2 + 0) / 6)
+
+
+def test_a_completion_spanning_versions_is_as_old_as_its_oldest_token():
+    # Group 0 holds tokens of version 3, 2 updates old at 5: dropped. Group 1 (4 -> 5, and 4) is 1 update old.
+    rollout = rollout_of([[(3, 5), 5], [(4, 5), 4]])
+    kept, metrics = bound_staleness(rollout, learner_version=5, k=1)
+    assert [p.text for p in kept.prompts] == ["p1"]
+    assert metrics == {"staleness/dropped": 2.0, "staleness/spanning": 1.0, "staleness/mean": 1.0,
+                       "staleness/max": 1.0}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -91,13 +102,17 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2])
-def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k):
+@pytest.mark.parametrize(
+    ("k", "mode"), [(1, "between_batches"), (2, "between_batches"), (1, "in_flight")], ids=["k1", "k2", "k1-in-flight"]
+)
+def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k, mode):
     from grpo_dist.cluster import Cluster
     from grpo_dist.driver import prepare, train
 
     steps = 6
-    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout={"max_staleness": k}))
+    long = {"max_new_tokens": 96, "max_model_len": 128}  # generation outlasts training: updates land mid-batch
+    rollout = {"max_staleness": k, **(long if mode == "in_flight" else {})}
+    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout=rollout, sync={"mode": mode}))
     cluster = Cluster.start(cfg, prepare(cfg).model_path)
     try:
         run_dir = train(cfg, cluster)
@@ -116,6 +131,13 @@ def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k
     synced = {1: [1, 2, 3, 4, 5, 6], 2: [0, 2, 2, 4, 4, 6]}[k]
     assert [row["weight_version"] for row in rows] == synced
     assert (run_dir / "final" / "model.safetensors").is_file()
+    in_flight = [row["sync/in_flight"] for row in rows]
+    print(f"syncs in flight per step: {in_flight}; completions spanning versions: "
+          f"{[row['staleness/spanning'] for row in rows]}")  # fmt: skip
+    if mode == "between_batches":
+        assert not any(in_flight) and not any(row["staleness/spanning"] for row in rows)
+    else:
+        assert any(in_flight)  # at least one batch took the learner's new weights mid-way
 
 
 @pytest.mark.slow
@@ -177,16 +199,16 @@ def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 3
 
 
 @pytest.mark.slow
-def test_a_slow_generator_takes_fewer_chunks(ray_cluster, tmp_path):
-    """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: generator 0 takes every
-    chunk but the one generator 1 holds, and the batch comes back whole, in prompt order."""
+def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
+    """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: it keeps only the requests
+    it was handed first, generator 0 takes every other prompt, and the batch comes back whole, in prompt order."""
     import os
     import signal
     import threading
 
     from grpo_dist.driver import prepare
     from grpo_dist.faults import FaultLog
-    from grpo_dist.generator_pool import CHUNKS_PER_GENERATOR, GeneratorPool
+    from grpo_dist.generator_pool import GeneratorPool, requests_per_generator
     from grpo_dist.placement import place
 
     cfg = validate_config(small_config(tmp_path, rollout={"num_generators": 2}, faults={"generate_timeout_s": 60}))
@@ -196,7 +218,7 @@ def test_a_slow_generator_takes_fewer_chunks(ray_cluster, tmp_path):
     try:
         pool.pool.wait_ready()
         frozen = ray_cluster.get(pool.actors[1].__ray_call__.remote(lambda self: os.getpid()))
-        prompts = inputs.train[: 4 * CHUNKS_PER_GENERATOR]  # 8 chunks of 2 prompts
+        prompts = inputs.train[:16]
         os.kill(frozen, signal.SIGSTOP)
         threading.Timer(5.0, os.kill, (frozen, signal.SIGCONT)).start()
         completions = pool.generate(prompts, group_size=2, seeds=list(range(len(prompts))))
@@ -204,4 +226,39 @@ def test_a_slow_generator_takes_fewer_chunks(ray_cluster, tmp_path):
         pool.shutdown()
         placement.remove()
     assert [c.prompt_index for c in completions] == [index for index in range(len(prompts)) for _ in range(2)]
-    assert pool.completions == {0: 7 * 2 * 2, 1: 1 * 2 * 2}  # 7 chunks of 2 prompts x 2 samples, and 1
+    first = requests_per_generator(16, 2)  # 4: half of an even share
+    assert pool.completions == {0: (16 - first) * 2, 1: first * 2}  # 12 prompts x 2 samples, and 4
+
+
+@pytest.mark.slow
+def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, tmp_path):
+    """New weights loaded while an engine samples long completions: the engine pauses with its requests kept,
+    loads them and resumes. A completion under way then holds tokens of both versions and is labelled by the
+    oldest (0) with the newest (1) beside it; one sampled afterwards is version 1 throughout. When to load is not
+    in the test's hands (the engine may finish first), so it tries a few batches."""
+    from safetensors.torch import load_file
+
+    from grpo_dist.actors.generator import Generator
+    from grpo_dist.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    rollout = validate_config(small_config(tmp_path, rollout={"max_new_tokens": 200, "max_model_len": 256})).rollout
+    generator = ray_cluster.remote(Generator).options(num_cpus=1).remote(str(model_dir), rollout, 0)
+    weights = {name: tensor * 1.5 for name, tensor in load_file(str(model_dir / "model.safetensors")).items()}
+    try:
+        ray_cluster.get(generator.start.remote(), timeout=300)
+        for version in range(1, 4):
+            calls = [generator.generate.remote([1 + index, 2], 16, False, index, index) for index in range(8)]
+            time.sleep(0.2)  # let sampling begin
+            ray_cluster.get(generator.load_weights.remote(weights, version), timeout=300)
+            completions = [c for group in ray_cluster.get(calls, timeout=300) for c in group]
+            spanning = [c for c in completions if c.newest_weight_version is not None]
+            assert all(c.weight_version in (version - 1, version) for c in completions)
+            assert all((c.weight_version, c.newest_weight_version) == (version - 1, version) for c in spanning)
+            if spanning:
+                break
+        assert spanning, "no completion was under way when the weights were loaded"
+        (after,) = ray_cluster.get(generator.generate.remote([1, 2], 1, True, 0), timeout=300)
+        assert (after.weight_version, after.newest_weight_version) == (version, None)
+    finally:
+        ray_cluster.kill(generator)

@@ -71,6 +71,7 @@ def test_every_generator_holds_the_learners_weights_after_each_transport(ray_clu
     ]
     sequence = [10, 11, 12, 7, 8, 9, 2]
     try:
+        ray_cluster.get([generator.start.remote() for generator in generators])
         before = ray_cluster.get(generators[0].sequence_logprobs.remote(sequence))
         for version, name in enumerate(TRANSPORTS, start=1):
             sync = cfg.sync.model_copy(update={"transport": name})

@@ -1,27 +1,45 @@
-"""Generator actor: one vLLM engine sampling groups of completions, versioned by the weights it holds."""
+"""Generator actor: one vLLM asynchronous engine sampling groups of completions, versioned by the weights it holds.
+
+The actor is asynchronous (a Ray async actor around vLLM's `AsyncLLM`): it serves many `generate` calls at once, one
+prompt's group each, and the engine batches whatever is running (continuous batching). A weight update pauses the
+engine with its requests kept, loads the weights and resumes; a request under way then samples its remaining tokens
+with the new weights, and its completion records the oldest and newest weight versions its tokens were sampled by
+(vLLM labels every output token with the version that sampled it). The KV cache such a request already holds was
+computed under the old weights and is kept, as in PipelineRL (arXiv 2509.19128); the prefix cache is salted with
+the weight version, so no new request reuses a prompt's cache from older weights.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import tempfile
 
 from grpo_dist.actors import die_with_parent
 from grpo_dist.config import RolloutConfig
 from grpo_dist.types import Completion
 
+ENGINE_MARK = "GRPO_DIST_ENGINE"
+"""Set in a generator's environment, so the engine processes vLLM starts from it die with it
+(`grpo_dist.actors.engine_plugin`)."""
+
 
 def engine_environment() -> dict[str, str]:
-    """Environment for a generator process, set before vLLM is imported: the engine core runs in-process
-    (start-up in seconds, not tens), threads are not pinned (several engines may share the cores)."""
+    """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
+    process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
+    cores), and the engine's processes die with the actor."""
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         "TOKENIZERS_PARALLELISM": "false",
+        ENGINE_MARK: "1",
     }
 
 
 class Generator:
-    """Wraps one `vllm.LLM`. Wrapped as a Ray actor by `grpo_dist.cluster` (resources are given there)."""
+    """Wraps one `AsyncLLM`. Wrapped as a Ray actor by `grpo_dist.generator_pool` (resources are given there);
+    `start` must be awaited before any other call."""
 
     def __init__(self, model_path: str, rollout: RolloutConfig, seed: int, weight_transfer: str | None = None) -> None:
         """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
@@ -29,74 +47,77 @@ class Generator:
         die_with_parent()
         os.environ.update(engine_environment())
         import torch
-        from vllm import LLM
+        from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         from grpo_dist.actors.weight_sync import WORKER_EXTENSION
 
         self.rollout = rollout
         self.weight_version = 0
-        self.llm = LLM(
-            model=model_path,
-            dtype=rollout.dtype,
-            max_model_len=rollout.max_model_len,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            kv_cache_memory_bytes=None if torch.cuda.is_available() else int(rollout.cpu_kv_cache_gib * 2**30),
-            enforce_eager=True,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=WORKER_EXTENSION,
-            weight_transfer_config=WeightTransferConfig(backend=weight_transfer) if weight_transfer else None,
-            tensor_parallel_size=rollout.tensor_parallel_size,
-            distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else None,
-        )
-        self._warm_up()
-
-    def _warm_up(self) -> None:
-        """Two greedy tokens with their logprobs (the first request asking for logprobs costs seconds), so an
-        engine's first-call costs fall in its start-up (bounded by `faults.start_timeout_s`), not in a step's
-        generation (bounded by `faults.generate_timeout_s`)."""
-        from vllm import SamplingParams, TokensPrompt
-
-        warm_up = SamplingParams(max_tokens=2, temperature=0.0, logprobs=0)
-        self.llm.generate([TokensPrompt(prompt_token_ids=[0])], warm_up, use_tqdm=False)
-
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        group_size: int,
-        greedy: bool = False,
-        first_index: int = 0,
-        seeds: list[int] | None = None,
-    ) -> list[Completion]:
-        """Sample `group_size` completions per prompt; prompt i of this call gets `prompt_index` first_index + i.
-        With `seeds`, prompt i's samples use seeds[i], seeds[i] + 1, ... (vLLM's per-request seeds), so the same
-        weights give the same completions whichever generator draws them."""
-        from vllm import SamplingParams, TokensPrompt
-
-        params = [
-            SamplingParams(
-                n=1 if greedy else group_size,
-                temperature=0.0 if greedy else self.rollout.temperature,
-                top_p=1.0 if greedy else self.rollout.top_p,
-                max_tokens=self.rollout.max_new_tokens,
-                logprobs=0,
-                seed=None if seeds is None else seeds[i],
+        self.request_ids = itertools.count()
+        self.engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=model_path,
+                dtype=rollout.dtype,
+                max_model_len=rollout.max_model_len,
+                gpu_memory_utilization=rollout.gpu_memory_utilization,
+                kv_cache_memory_bytes=None if torch.cuda.is_available() else int(rollout.cpu_kv_cache_gib * 2**30),
+                enforce_eager=True,
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                weight_transfer_config=WeightTransferConfig(backend=weight_transfer) if weight_transfer else None,
+                tensor_parallel_size=rollout.tensor_parallel_size,
+                distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else "uni",
+                disable_log_stats=True,
             )
-            for i in range(len(prompt_token_ids))
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [
-            self._completion(first_index + i, output.prompt_token_ids, sample)
-            for i, output in enumerate(outputs)
-            for sample in output.outputs
-        ]
+        )
+
+    async def start(self) -> None:
+        """Label the initial weights version 0 and sample two greedy tokens with their logprobs (the first request
+        asking for logprobs costs seconds), so an engine's first-call costs fall in its start-up (bounded by
+        `faults.start_timeout_s`), not in a step's generation (bounded by `faults.generate_timeout_s`)."""
+        from vllm import SamplingParams
+
+        await self.engine.update_weight_version(str(self.weight_version))
+        await self._sample([0], SamplingParams(max_tokens=2, temperature=0.0, logprobs=0))
+
+    async def generate(
+        self, prompt_token_ids: list[int], group_size: int, greedy: bool, prompt_index: int, seed: int | None = None
+    ) -> list[Completion]:
+        """One prompt's group: `group_size` samples (one greedy one with `greedy`), tagged `prompt_index`. With
+        `seed` the samples use seed, seed + 1, ... (vLLM's per-request seeds), so the same weights give the same
+        completions whichever generator draws them."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=1 if greedy else group_size,
+            temperature=0.0 if greedy else self.rollout.temperature,
+            top_p=1.0 if greedy else self.rollout.top_p,
+            max_tokens=self.rollout.max_new_tokens,
+            logprobs=0,
+            seed=seed,
+        )
+        output = await self._sample(prompt_token_ids, params)
+        return [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
+
+    async def _sample(self, prompt_token_ids: list[int], params):
+        """The engine's final output for one request."""
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=str(self.weight_version))
+        async for output in self.engine.generate(prompt, params, str(next(self.request_ids))):
+            final = output
+        return final
 
     def _completion(self, prompt_index: int, prompt_token_ids: list[int], sample) -> Completion:
         token_ids = list(sample.token_ids)
         # One {token_id: Logprob} dict per sampled token; with logprobs=0 it holds the sampled token.
         logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
+        versions = [int(span.version) for span in sample.weight_versions or [] if span.end > span.start]
         return Completion(
             prompt_index=prompt_index,
             prompt_token_ids=list(prompt_token_ids),
@@ -104,41 +125,63 @@ class Generator:
             text=sample.text,
             logprobs=logprobs,
             finish_reason=sample.finish_reason or "length",
-            weight_version=self.weight_version,
+            weight_version=min(versions, default=self.weight_version),
+            newest_weight_version=max(versions) if len(set(versions)) > 1 else None,
         )
 
-    def load_weights(self, state_dict: dict, weight_version: int) -> int:
-        """Load the learner's weights; completions sampled afterwards carry `weight_version`."""
-        self.llm.collective_rpc("receive_weights", args=(state_dict,))
-        self.llm.reset_prefix_cache()
-        self.weight_version = weight_version
+    async def load_weights(self, state_dict: dict, weight_version: int) -> int:
+        """Load the learner's full weights (the object-store transport); tokens sampled afterwards carry
+        `weight_version`. They reach the engine's process through a file in shared memory."""
+        from safetensors.torch import save_file
+
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=directory) as weights:
+            save_file({name: tensor.contiguous() for name, tensor in state_dict.items()}, weights.name)
+            await self._pause()
+            await self.engine.collective_rpc("receive_weights_file", args=(weights.name,))
+        await self._resume(weight_version)
         return weight_version
+
+    async def _pause(self) -> None:
+        """Stop scheduling, the requests under way kept where they are."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def _resume(self, weight_version: int) -> None:
+        """After new weights are in: tokens sampled from now on are labelled `weight_version`, new requests use
+        its prefix cache, and scheduling goes on (the older prefix cache is freed where no request holds it)."""
+        await self.engine.reset_prefix_cache()
+        await self.engine.update_weight_version(str(weight_version))
+        self.weight_version = weight_version
+        await self.engine.resume_generation()
 
     # The broadcast transport's control plane (`grpo_dist.transports.broadcast.GeneratorClient`): vLLM runs each
     # on every worker of the engine, where the weight-transfer engine lives.
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    def start_weight_update(self) -> None:
-        self.llm.collective_rpc("close_abandoned_update")  # one a failed sync left open
-        self.llm.start_weight_update()
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
-    def update_weights(self, update_info: dict) -> None:
-        self.llm.update_weights({"update_info": update_info})
+    async def start_weight_update(self) -> None:
+        await self._pause()
+        await self.engine.collective_rpc("close_abandoned_update")  # one a failed sync left open
+        await self.engine.start_weight_update()
 
-    def finish_weight_update(self, weight_version: int) -> None:
-        self.llm.finish_weight_update()
-        self.llm.reset_prefix_cache()
-        self.weight_version = weight_version
+    async def update_weights(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, weight_version: int) -> None:
+        await self.engine.finish_weight_update()
+        await self._resume(weight_version)
 
     def current_weight_version(self) -> int:
         return self.weight_version
 
-    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probability of each token of `token_ids` after the first, under the engine's current weights."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, use_tqdm=False)
+        output = await self._sample(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
         steps = output.prompt_logprobs[1:]  # the first token has no logprob
         return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]

@@ -1,16 +1,15 @@
 """Loading learner weights into a running vLLM engine.
 
-`WeightReceiver` is mixed into vLLM's worker (`worker_extension_cls`), so `LLM.collective_rpc("receive_weights")`
-runs inside the worker that owns the model. The weights arrive as a name -> tensor mapping in Hugging Face
-parameter names, through Ray's object store (every generator on a node reads one shared copy), and go through
-vLLM's own in-place reload, which handles fused layers (qkv, gate/up) and weight post-processing.
+`WeightReceiver` is mixed into vLLM's worker (`worker_extension_cls`), so `collective_rpc("receive_weights_file")`
+runs inside the worker that owns the model. The weights arrive in Hugging Face parameter names, in a safetensors
+file the generator wrote to shared memory from Ray's object store (every generator on a node reads one shared
+copy), and go through vLLM's own in-place reload, which handles fused layers (qkv, gate/up) and weight
+post-processing.
 """
 
 from __future__ import annotations
 
 import logging
-
-import torch
 
 import grpo_dist.transports.gloo  # noqa: F401  registers the gloo weight-transfer engine inside each vLLM worker
 
@@ -22,8 +21,12 @@ WORKER_EXTENSION = f"{__name__}.WeightReceiver"
 class WeightReceiver:
     """Methods added to each vLLM worker (`self` is the worker: it has `model_runner`)."""
 
-    def receive_weights(self, state_dict: dict[str, torch.Tensor]) -> int:
-        """Load full (unsharded) Hugging Face weights into the engine's model; returns how many were given."""
+    def receive_weights_file(self, path: str) -> int:
+        """Load full (unsharded) Hugging Face weights from a safetensors file into the engine's model; returns how
+        many were given."""
+        from safetensors.torch import load_file
+
+        state_dict = load_file(path)
         # vLLM warns on each reload that the rotary embedding "failed to load": its cos/sin cache is derived from
         # the config, not from weights, and is kept. Every real parameter is loaded (tests compare logprobs).
         layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
