@@ -1,5 +1,6 @@
-"""What drawing batches ahead (`rollout.max_staleness`) hides, how the reward pool scales, and whether k = 1 learns
-as well as k = 0. Three parts, each measured side by side in one run; one JSON line per measurement, with a `ratio`:
+"""What drawing batches ahead (`rollout.max_staleness`) and in-flight updates hide, how the reward pool scales, and
+whether k = 1 learns as well as k = 0. Four parts, each measured side by side in one run; one JSON line per
+measurement, with a `ratio`:
 
     .venv/bin/python benchmarks/overlap.py [--steps 10] [--parity-seeds 3] [--skip-parity] [key=value ...]
 
@@ -9,13 +10,17 @@ as well as k = 0. Three parts, each measured side by side in one run; one JSON l
    k's (steps after the first two, the last left out); `hidden` is the fraction of k = 0's reward time the overlap
    took off a step: (step(k=0) - step(k)) / reward(k=0) (target at least 0.8; above 1 when generation is hidden
    too, which `hidden_of_generate_and_reward` measures against both).
-2. `reward_pool`: that judge scoring the same 64 completions with 1, 2 and 4 reward workers; `ratio` is the
+2. `in_flight`: k = 1 with `sync.mode: between_batches` and `in_flight`, completions long enough (up to 48 tokens)
+   that generating the next batch outlasts a training step, so the update lands mid-batch. `ratio` is the
+   between-batches step time over the in-flight one; `synced_in_flight` the fraction of batches that took an
+   update mid-way, `spanning` the mean completions per step whose tokens span two versions.
+3. `reward_pool`: that judge scoring the same 64 completions with 1, 2 and 4 reward workers; `ratio` is the
    throughput over one worker's (target at least 0.9 x workers).
-3. `parity`: the quick start (200 steps) at k = 1 and k = 0, at seeds 0 .. N-1 (`--parity-seeds`, 3); `difference`
+4. `parity`: the quick start (200 steps) at k = 1 and k = 0, at seeds 0 .. N-1 (`--parity-seeds`, 3); `difference`
    is k = 1's last-10-step mean reward minus k = 0's (target within 0.05), `ratio` the one over the other; then
    the mean difference and how many seeds are within 0.05.
 
-Overrides after the options apply to the runs of part 1. Run by hand; CI never runs it.
+Overrides after the options apply to the runs of parts 1 and 2. Run by hand; CI never runs it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ STEP_TIME_SETTINGS = [
     "model.tiny.intermediate_size=2048", "data.prompts_per_step=16", "rollout.group_size=4",
     f"reward.functions={JUDGE}", "reward.num_workers=4", "learner.micro_batch_size=64", "eval.max_prompts=16",
 ]  # fmt: skip
+LONG_COMPLETIONS = ["rollout.max_new_tokens=48", "rollout.max_model_len=96"]
 WARM_UP_STEPS = 2  # first steps pay one-time costs (allocations, first collectives); the last has nothing to overlap
 
 
@@ -49,41 +55,61 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
-def run_k(k: int, steps: int, out_dir: Path, overrides: list[str]) -> dict[str, float]:
+def run(name: str, k: int, steps: int, out_dir: Path, overrides: list[str]) -> dict[str, float]:
+    """Mean per-step figures of one `grpo-dist train` run of the step-time config at staleness bound k."""
     settings = [
-        f"run.steps={steps}", f"run.name=k{k}", f"run.output_dir={out_dir}", f"model.path={out_dir / 'model'}",
+        f"run.steps={steps}", f"run.name={name}", f"run.output_dir={out_dir}", f"model.path={out_dir / 'model'}",
         f"rollout.max_staleness={k}", "wandb.enabled=false", "checkpoint.every_steps=0", "run.save_final=false",
         *STEP_TIME_SETTINGS, *overrides,
     ]  # fmt: skip
     command = [sys.executable, "-m", "grpo_dist", "train", "configs/quickstart.yaml", *settings]
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"k={k}: grpo-dist train exited {done.returncode}:\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out_dir / f"k{k}" / "metrics.jsonl").read_text().splitlines()]
+        raise RuntimeError(f"{name}: grpo-dist train exited {done.returncode}:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
     timed = rows[WARM_UP_STEPS:-1]
-    phases = ("step", "reward", "train", "generate")
-    return {phase: statistics.mean(row[f"time/{phase}"] for row in timed) for phase in phases}
+    keys = ["time/step", "time/reward", "time/train", "time/generate", "sync/in_flight", "staleness/spanning"]
+    return {key: statistics.mean(row.get(key, 0.0) for row in timed) for key in keys}
 
 
 def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
-    times = {k: run_k(k, steps, out_dir, overrides) for k in (0, 1, 2)}
+    times = {k: run(f"k{k}", k, steps, out_dir, overrides) for k in (0, 1, 2)}
     base = times[0]
     for k in (1, 2):
+        saved = base["time/step"] - times[k]["time/step"]
         line = {
             "benchmark": "step_time",
             "k": k,
-            "step_s": round(times[k]["step"], 3),
-            "baseline_step_s": round(base["step"], 3),
-            "ratio": round(base["step"] / times[k]["step"], 3),
-            "reward_s_at_k0": round(base["reward"], 3),
-            "hidden": round((base["step"] - times[k]["step"]) / base["reward"], 3),
-            "generate_s_at_k0": round(base["generate"], 3),
-            "hidden_of_generate_and_reward": round(
-                (base["step"] - times[k]["step"]) / (base["generate"] + base["reward"]), 3
-            ),
-            "train_s_at_k0": round(base["train"], 3),
+            "step_s": round(times[k]["time/step"], 3),
+            "baseline_step_s": round(base["time/step"], 3),
+            "ratio": round(base["time/step"] / times[k]["time/step"], 3),
+            "reward_s_at_k0": round(base["time/reward"], 3),
+            "hidden": round(saved / base["time/reward"], 3),
+            "generate_s_at_k0": round(base["time/generate"], 3),
+            "hidden_of_generate_and_reward": round(saved / (base["time/generate"] + base["time/reward"]), 3),
+            "train_s_at_k0": round(base["time/train"], 3),
         }
         print(json.dumps(line), flush=True)
+
+
+def in_flight(steps: int, out_dir: Path, overrides: list[str]) -> None:
+    runs = {
+        mode: run(f"k1-{mode}", 1, steps, out_dir, [*LONG_COMPLETIONS, f"sync.mode={mode}", *overrides])
+        for mode in ("between_batches", "in_flight")
+    }
+    base, timed = runs["between_batches"], runs["in_flight"]
+    line = {
+        "benchmark": "in_flight",
+        "k": 1,
+        "step_s": round(timed["time/step"], 3),
+        "baseline_step_s": round(base["time/step"], 3),
+        "ratio": round(base["time/step"] / timed["time/step"], 3),
+        "generate_s": round(timed["time/generate"], 3),
+        "baseline_generate_s": round(base["time/generate"], 3),
+        "synced_in_flight": round(timed["sync/in_flight"], 3),
+        "spanning": round(timed["staleness/spanning"], 1),
+    }
+    print(json.dumps(line), flush=True)
 
 
 def reward_pool_scaling(completions: int = 64) -> None:
@@ -157,13 +183,14 @@ def parity(out_dir: Path, seeds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run of part 1")
-    parser.add_argument("--parity-seeds", type=int, default=3, help="seeds of part 3 (two 200-step runs each)")
-    parser.add_argument("--skip-parity", action="store_true", help="leave out part 3")
+    parser.add_argument("--parity-seeds", type=int, default=3, help="seeds of part 4 (two 200-step runs each)")
+    parser.add_argument("--skip-parity", action="store_true", help="leave out part 4")
     parser.add_argument("--out-dir", default="outputs/overlap")
-    parser.add_argument("overrides", nargs="*", help="key=value settings for the runs of part 1")
+    parser.add_argument("overrides", nargs="*", help="key=value settings for the runs of parts 1 and 2")
     args = parser.parse_args()
     out_dir = Path(args.out_dir).resolve()
     step_times(args.steps, out_dir / "step_time", args.overrides)
+    in_flight(args.steps, out_dir / "in_flight", args.overrides)
     reward_pool_scaling()
     if not args.skip_parity:
         parity(out_dir / "parity", args.parity_seeds)

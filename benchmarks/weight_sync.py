@@ -6,9 +6,9 @@ For each Qwen2-shaped random-init model it starts a learner group and one genera
 gloo on this machine) and times, from the driver, a full sync by each transport (`broadcast`, `object_store`), then
 a bare gloo broadcast of the same number of bytes, in chunks of `sync.bucket_mb`, between the same two processes
 (learner rank 0 and the generator): no gathering, packing or loading, the practical limit of the wire. It also
-times `engine_load_only`: vLLM loading the same weights already in the generator's memory (what any transport's
-receiving end must do). Prints one JSON line per (model, row) with `ratio` = bare seconds / row seconds (1.0 would
-be the wire's speed).
+times `engine_load_only`: vLLM's in-place reload of the same weights already in the engine process's memory (what
+any transport's receiving end must do). Prints one JSON line per (model, row) with `ratio` = bare seconds / row
+seconds (1.0 would be the wire's speed).
 Each figure is the median of `--repeats` syncs after one warm-up. Run by hand; CI never runs it.
 """
 
@@ -81,23 +81,10 @@ def time_bare(learner: LearnerGroup, generator, total: int, chunk: int) -> float
     return max(ray.get([sender, receiver], timeout=1200))  # the wire alone: after the rendezvous and a warm-up
 
 
-def load_into_engine(self, weights: dict) -> float:
-    """Inside a vLLM worker: seconds to load weights already in its memory (the receiving end's own work)."""
-    engine = self.weight_transfer_engine
-    started = time.perf_counter()
-    engine.start_weight_update()
-    engine.model.load_weights(list(weights.items()))
-    engine.finish_weight_update()
-    return time.perf_counter() - started
-
-
 def time_load(learner: LearnerGroup, generator) -> float:
+    """Seconds the engine takes to load weights already in its process's memory (the receiving end's own work)."""
     weights = ray.get(learner.state_dict(), timeout=1200)
-
-    def load(self, weights):
-        return self.llm.collective_rpc(load_into_engine, args=(weights,))[0]
-
-    return ray.get(generator.__ray_call__.remote(load, weights), timeout=1200)
+    return ray.get(generator.load_weights.remote(weights, 0), timeout=1200)
 
 
 def time_sync(transport, repeats: int) -> float:

@@ -15,7 +15,7 @@ import ray
 from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
 from grpo_dist.faults import FaultLog
-from grpo_dist.generator_pool import GeneratorPool
+from grpo_dist.generator_pool import GeneratorPool, Joining
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
@@ -188,11 +188,20 @@ class Cluster:
         self.transport.connect()
 
     def scale_generators(self, count: int) -> None:
-        """Add or remove generators between steps (none is generating then): a new one is placed, started and
-        loaded with the learner's weights before it takes work; a removed one is stopped."""
-        if count != len(self.generators.actors):
-            self.generators.resize(count)
+        """Ask for `count` generators, between steps: removed ones stop now; new ones join when placed and started
+        (`admit_generators`), the run going on meanwhile."""
+        running = len(self.generators.actors)
+        self.generators.request(count)
+        if len(self.generators.actors) != running:
             self.reconnect()
+
+    def admit_generators(self) -> tuple[list[Joining], list[tuple[Joining, str]]]:
+        """Take in the generators that have started since the last call (each connected to the weight transport
+        and loaded with the learner's weights before it takes work); those that joined, and those given up."""
+        joined, failed = self.generators.admit()
+        if joined:
+            self.reconnect()
+        return joined, failed
 
     def save(self, out_dir: str) -> str:
         return self.learner.save(out_dir)

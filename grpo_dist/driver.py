@@ -27,7 +27,6 @@ from grpo_dist.faults import RunFailed
 from grpo_dist.learner_group import LearnerGroupError, LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
 from grpo_dist.pipeline import RolloutQueue, bound_staleness, compute_advantages, score_requests, sync_due
-from grpo_dist.placement import PlacementError
 from grpo_dist.rewards import resolve_reward, score_one
 from grpo_dist.transports import WeightSyncError
 from grpo_dist.types import ScoreRequest
@@ -117,25 +116,32 @@ def show_progress(cfg: Config, progress: tqdm, metrics: dict[str, float]) -> Non
 
 
 def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
-    """Add or remove generators as `grpo-dist scale` asked, between steps; a request that cannot be met is
-    printed and the run goes on with the generators it has."""
-    wanted = control.take_request(cfg.run_dir)
-    current = len(cluster.generators.actors)
-    if wanted is None or wanted == current:
-        return
-    started = time.monotonic()
-    bound = cfg.ray.placement_timeout_s + cfg.faults.start_timeout_s
-    tqdm.write(f"scale: {current} -> {wanted} generators" + (f" (placing and starting: at most {bound:g} s)"
-                                                              if wanted > current else ""))  # fmt: skip
+    """Between steps: ask for the generators `grpo-dist scale` asked for, and take in those that have started
+    since (a new generator is placed and started while the run goes on). What cannot be done is printed and the
+    run goes on with the generators it has."""
+    wanted, generators = control.take_request(cfg.run_dir), cluster.generators
     try:
-        cluster.scale_generators(wanted)
+        if wanted is not None and wanted != generators.wanted:
+            more = wanted > generators.wanted
+            tqdm.write(
+                f"scale: {generators.wanted} -> {wanted} generators"
+                + ("; new ones join once placed and started, the run going on meanwhile" if more else "")
+            )
+            cluster.scale_generators(wanted)
+            if not more:
+                tqdm.write(f"scale: now {len(generators.actors)} generators")
+        joined, failed = cluster.admit_generators()
     except LearnerLost:
         raise
-    except (PlacementError, RunFailed, WeightSyncError, LearnerGroupError) as err:
-        tqdm.write(f"scale: could not go from {current} to {wanted} generators; going on with {current}: {err}")
-        cluster.scale_generators(current)
+    except (WeightSyncError, LearnerGroupError) as err:
+        tqdm.write(f"scale: could not connect the generators to the weight transport ({err}); going on")
         return
-    tqdm.write(f"scale: now {wanted} generators ({time.monotonic() - started:.1f} s)")
+    for joining, why in failed:
+        tqdm.write(f"scale: generator {joining.index} {why}; going on with {len(generators.actors)} generators")
+    for joining in joined:
+        waited = time.monotonic() - joining.asked
+        tqdm.write(f"scale: now {len(generators.actors)} generators (generator {joining.index} joined "
+                   f"{waited:.1f} s after it was asked for)")  # fmt: skip
 
 
 def checkpoint_due(cfg: Config, step: int) -> bool:

@@ -169,16 +169,10 @@ class ActorPool:
         took = time.monotonic() - started
         self.faults.record(self.counter, f"{self.name(slot)} {why}; replaced it in {took:.1f} s{then and '; ' + then}")
 
-    def add(self) -> None:
-        """Start one more actor, in a new last slot, and wait until it is up; on failure the slot is gone again."""
-        slot = len(self.actors)
-        self.actors.append(self.start_actor(slot))
-        self.health.append(Health.STARTING)
-        try:
-            self.wait_ready([slot])
-        except BaseException:
-            self.remove_last()
-            raise
+    def join(self, actor: ray.actor.ActorHandle) -> None:
+        """Take an actor started elsewhere, and up, into a new last slot."""
+        self.actors.append(actor)
+        self.health.append(Health.HEALTHY)
 
     def remove_last(self) -> None:
         """Stop the actor of the last slot and drop the slot."""

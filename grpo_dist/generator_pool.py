@@ -33,6 +33,18 @@ POLL_S = 0.05  # how often `while_waiting` runs while requests are under way
 
 
 @dataclass
+class Joining:
+    """A generator asked for while the run goes: waiting for room (`placed` not ready), then starting."""
+
+    index: int  # its slot once it joins
+    placed: ray.ObjectRef  # ready once its placement group is
+    asked: float  # when it was asked for
+    actor: ray.actor.ActorHandle | None = None
+    started: ray.ObjectRef | None = None  # its `start` call
+    starting: float = 0.0  # when it was created
+
+
+@dataclass
 class Request:
     """One prompt's group being generated: by which slot's actor (the one it was sent to), since when."""
 
@@ -57,6 +69,7 @@ class GeneratorPool:
         self.completions: Counter[int] = Counter()  # per slot, since `step_metrics` last read them
         self.tokens: Counter[int] = Counter()  # generated tokens per slot, likewise
         self.busy_s: Counter[int] = Counter()  # seconds a slot had requests under way, likewise
+        self.joining: list[Joining] = []  # asked for while the run goes, not yet in the pool
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
             cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s, ready_call="start",
@@ -174,25 +187,64 @@ class GeneratorPool:
                 replaced = True
         return replaced
 
-    def resize(self, count: int) -> None:
-        """Add generators (each in a new placement group, started and up before it returns) or stop the last ones
-        (between steps none is generating); the caller reconnects the weight transport."""
-        while len(self.actors) < count:
-            slot = len(self.actors)
-            self.placement.add_generator(self.cfg, slot, self.cfg.ray.placement_timeout_s)
+    @property
+    def wanted(self) -> int:
+        """The generators asked for: those running and those still joining."""
+        return len(self.actors) + len(self.joining)
+
+    def request(self, count: int) -> None:
+        """Ask for `count` generators. New ones join later (`admit`), the run going on meanwhile; the last ones
+        (those still joining first) are stopped now: between steps, when no generator holds work."""
+        while self.wanted < count:
+            index = self.wanted
+            self.joining.append(Joining(index, self.placement.request_generator(self.cfg, index), time.monotonic()))
+        while self.wanted > count:
+            if self.joining:
+                self._drop(self.joining.pop())
+            else:
+                self.pool.remove_last()
+                self.placement.remove_generator(len(self.actors))
+
+    def admit(self) -> tuple[list[Joining], list[tuple[Joining, str]]]:
+        """Move the joining generators along, without waiting: one that has been placed is started, one that has
+        started joins the pool (the caller then connects it to the weight transport), in the order asked for.
+        Returns those that joined, and those that could not start, with why (they are given up)."""
+        joined, failed = [], []
+        while self.joining:
+            first = self.joining[0]
+            if first.actor is None:
+                if not ray.wait([first.placed], timeout=0)[0]:
+                    break  # no room yet: on an autoscaling cluster, until a node joins
+                first.actor, first.starting = self._start(first.index), time.monotonic()
+                first.started = first.actor.start.remote()
+            if not ray.wait([first.started], timeout=0)[0]:
+                bound = self.cfg.faults.start_timeout_s
+                if time.monotonic() - first.starting <= bound:
+                    break
+                failed.append((self.joining.pop(0), f"did not start within {bound:g} s (faults.start_timeout_s)"))
+                self._drop(failed[-1][0])
+                continue
+            self.joining.pop(0)
             try:
-                self.pool.add()
-            except BaseException:
-                self.placement.remove_generator(slot)
-                raise
-        while len(self.actors) > count:
-            self.pool.remove_last()
-            self.placement.remove_generator(len(self.actors))
+                ray.get(first.started)
+            except ray.exceptions.RayError as err:
+                failed.append((first, f"failed to start: {first_line(err)}"))
+                self._drop(first)
+                continue
+            self.pool.join(first.actor)
+            joined.append(first)
+        return joined, failed
+
+    def _drop(self, joining: Joining) -> None:
+        """Give up a joining generator: its actor (if started) and its placement group."""
+        if joining.actor is not None:
+            ray.kill(joining.actor, no_restart=True)
+        self.placement.remove_generator(joining.index)
 
     def step_metrics(self) -> dict[str, float]:
-        """`generators/count`, and each generator's completions and tokens per second (of the time it had requests
-        under way) since the last call."""
-        metrics = {"generators/count": float(len(self.actors))}
+        """`generators/count` and `/joining` (asked for, not yet in the pool), and each generator's completions and
+        tokens per second (of the time it had requests under way) since the last call."""
+        metrics = {"generators/count": float(len(self.actors)), "generators/joining": float(len(self.joining))}
         for slot in range(len(self.actors)):
             metrics[f"generators/{slot}/completions"] = float(self.completions[slot])
             metrics[f"generators/{slot}/tokens_per_s"] = (
@@ -212,3 +264,6 @@ class GeneratorPool:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+        for joining in self.joining:
+            if joining.actor is not None:
+                ray.kill(joining.actor, no_restart=True)

@@ -117,21 +117,13 @@ class Placement:
             raise PlacementError(f"no bundle for reward worker {index}: the reward group has {workers}")
         return _in_bundle(self.groups["reward"], index)
 
-    def add_generator(self, cfg: Config, index: int, timeout_s: float) -> None:
-        """Reserve generator `index`'s group while the run goes (elastic scaling), waiting at most `timeout_s` for
-        room: on an autoscaling cluster, for a node to join."""
+    def request_generator(self, cfg: Config, index: int) -> ray.ObjectRef:
+        """Ask for generator `index`'s group while the run goes (elastic scaling), without waiting: the reference
+        returned is ready once the cluster has room for it (on an autoscaling cluster, once a node has joined)."""
         request = generator_request(cfg, index)
         group = placement_group(request.bundles, strategy=request.strategy)
-        ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-        if not ready:
-            remove_placement_group(group)
-            free = {name: sum(node[f"free_{name}"] for node in cluster_nodes()) for name in RESOURCES}
-            raise PlacementError(
-                f"could not place a new {request.role} ({_request_text(request)}) within {timeout_s:g} s "
-                f"(ray.placement_timeout_s); the cluster has {_amounts(free)} free (a run's own local cluster has "
-                "ray.num_cpus CPUs)"
-            )
         self.requests[request.role], self.groups[request.role] = request, group
+        return group.ready()
 
     def remove_generator(self, index: int) -> None:
         """Release generator `index`'s group (its actor already stopped)."""

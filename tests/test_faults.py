@@ -15,7 +15,7 @@ import psutil
 import pytest
 import yaml
 from conftest import TESTS_DIR, small_config
-from test_resume import grpo_dist
+from test_resume import training
 
 pytestmark = pytest.mark.slow
 
@@ -77,14 +77,10 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
         sync={"timeout_s": 60},  # also the bound on a generator that hangs during a weight sync
         faults={"generate_timeout_s": 10, "score_timeout_s": 8},
     )
-    config = tmp_path / "faults.yaml"
-    config.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "outputs" / "test"
-    log = (tmp_path / "run.log").open("w")
-    run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    driver = psutil.Process(run.pid)
-    timings, everything = [], []
-    try:
+    with training(tmp_path, raw) as run:
+        driver = psutil.Process(run.pid)
+        timings, everything = [], []
         wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 1, run, "first step")
         for what, actor_class, method, sig, counter in FAULTS:
             before = last_row(run_dir)[f"faults/{counter}"]
@@ -98,10 +94,6 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
             wait_for(lambda c=counter, b=before: (row := last_row(run_dir)) and row[f"faults/{c}"] > b, run, what)
             timings.append((what, time.monotonic() - sent))
         assert run.wait(timeout=900) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-        log.close()
     output = (tmp_path / "run.log").read_text()
     for what, seconds in timings:
         print(f"{what}: handled (next step logged) {seconds:.1f} s after the signal")
@@ -152,30 +144,26 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
         faults={"generate_timeout_s": 10, "score_timeout_s": 8},
         ray={"address": cluster.address},
     )
-    config = tmp_path / "node.yaml"
-    config.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "outputs" / "test"
-    log = (tmp_path / "run.log").open("w")
-    run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), run, "a checkpoint")
-        # Prefer a node without the learner rank (then only generators and reward workers are replaced).
-        candidates = sorted(
-            workers, key=lambda node: (not node_actors(node, "Generator"), bool(node_actors(node, "Learner")))
-        )
-        lost = candidates[0]
-        assert node_actors(lost, "Generator"), "a generator should run on one of the worker nodes"
-        cluster.remove_node(lost, allow_graceful=False)
-        started = time.monotonic()
-        wait_for(
-            lambda: (row := last_row(run_dir)) and row["faults/generator_restarts"] >= 1, run, "a replaced generator"
-        )
-        print(f"node lost: handled (next step logged) {time.monotonic() - started:.1f} s after its removal")
-        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        with training(tmp_path, raw) as run:
+            wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), run, "a checkpoint")
+            # Prefer a node without the learner rank (then only generators and reward workers are replaced).
+            candidates = sorted(
+                workers, key=lambda node: (not node_actors(node, "Generator"), bool(node_actors(node, "Learner")))
+            )
+            lost = candidates[0]
+            assert node_actors(lost, "Generator"), "a generator should run on one of the worker nodes"
+            cluster.remove_node(lost, allow_graceful=False)
+            started = time.monotonic()
+            wait_for(
+                lambda: (row := last_row(run_dir)) and row["faults/generator_restarts"] >= 1,
+                run,
+                "a replaced generator",
+            )
+            print(f"node lost: handled (next step logged) {time.monotonic() - started:.1f} s after its removal")
+            assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-        log.close()
         cluster.shutdown()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 13))

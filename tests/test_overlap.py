@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import small_config
-from test_resume import grpo_dist
+from conftest import TESTS_DIR, small_config
+from test_resume import grpo_dist, training
 
 from grpo_dist import control
 from grpo_dist.config import ConfigError, load_config, validate_config
@@ -144,16 +144,12 @@ def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k
 def test_generators_added_and_removed_while_a_run_goes(tmp_path):
     """1 generator, 2 from the first step after a `grpo-dist scale` request, then 1 again; every step trains on
     all its prompts and each generator's completions show in metrics.jsonl."""
-    steps, prompts, group = 14, 4, 4
+    steps, prompts, group = 80, 4, 4  # a new generator takes seconds to start; a step here takes a fraction of one
     raw = small_config(
         tmp_path, run={"steps": steps}, rollout={"num_generators": 1, "group_size": group}, ray={"num_cpus": 4}
     )  # the run's own Ray cluster has room for a second generator
-    config = tmp_path / "elastic.yaml"
-    config.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "outputs" / "test"
-    log = (tmp_path / "run.log").open("w")
-    run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with training(tmp_path, raw) as run:
         wait_for_row(run_dir, run, lambda row: row["step"] >= 2)
         assert grpo_dist("scale", str(run_dir), "generators=2").wait(timeout=60) == 0
         up = wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
@@ -161,10 +157,6 @@ def test_generators_added_and_removed_while_a_run_goes(tmp_path):
         control.scale(run_dir, generators=1)  # the same from Python
         wait_for_row(run_dir, run, lambda row: row["step"] > up["step"] + 2 and row["generators/count"] == 1)
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-        log.close()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     counts = [int(row["generators/count"]) for row in rows]
@@ -203,7 +195,6 @@ def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
     """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: it keeps only the requests
     it was handed first, generator 0 takes every other prompt, and the batch comes back whole, in prompt order."""
     import os
-    import signal
     import threading
 
     from grpo_dist.driver import prepare
@@ -262,3 +253,36 @@ def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, t
         assert (after.weight_version, after.newest_weight_version) == (version, None)
     finally:
         ray_cluster.kill(generator)
+
+
+@pytest.mark.slow
+def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypatch):
+    """On a Ray cluster with no room for a second generator, `grpo-dist scale generators=2` leaves the run going
+    with one while the new one waits (`generators/joining`); once a node joins, as an autoscaler would add one, the
+    new generator starts there and joins the run."""
+    from ray.cluster_utils import Cluster
+
+    # The nodes' workers import the test's reward functions.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    cluster.add_node(num_cpus=4)  # the run as it starts: learner rank, one generator, two reward workers
+    steps = 150  # the new generator waits for a node, then takes seconds to start; a step here takes a fraction of one
+    raw = small_config(tmp_path, run={"steps": steps}, ray={"address": cluster.address})
+    run_dir = tmp_path / "outputs" / "test"
+    try:
+        with training(tmp_path, raw) as run:
+            wait_for_row(run_dir, run, lambda row: row["step"] >= 2)
+            control.scale(run_dir, generators=2)
+            waiting = wait_for_row(run_dir, run, lambda row: row["generators/joining"] == 1)
+            wait_for_row(run_dir, run, lambda row: row["step"] >= waiting["step"] + 3)  # the run goes on meanwhile
+            cluster.add_node(num_cpus=1)
+            wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
+            assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        cluster.shutdown()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    counts = [(int(row["generators/count"]), int(row["generators/joining"])) for row in rows]
+    assert [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] == [(1, 0), (1, 1), (2, 0)]
+    assert sum(c == (1, 1) for c in counts) >= 4  # steps trained while the new generator waited for room
+    assert "joined" in (tmp_path / "run.log").read_text()

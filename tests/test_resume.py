@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,6 +34,21 @@ def grpo_dist(*args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen([sys.executable, "-m", "grpo_dist", *args], cwd=REPO, env=env, **kwargs)
+
+
+@contextmanager
+def training(tmp_path: Path, raw: dict) -> Iterator[subprocess.Popen]:
+    """`grpo-dist train` on the config `raw`, in the background, its output in tmp_path/run.log; killed with its
+    whole session if it is still running when the block ends (a failed test leaves nothing behind)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    with (tmp_path / "run.log").open("w") as log:
+        run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield run
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
 
 
 def rows(run_dir) -> list[dict]:

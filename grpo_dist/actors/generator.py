@@ -49,6 +49,7 @@ class Generator:
         import torch
         from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from grpo_dist.actors.weight_sync import WORKER_EXTENSION
@@ -56,13 +57,17 @@ class Generator:
         self.rollout = rollout
         self.weight_version = 0
         self.request_ids = itertools.count()
+        on_gpu = torch.cuda.is_available()
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=model_path,
                 dtype=rollout.dtype,
                 max_model_len=rollout.max_model_len,
                 gpu_memory_utilization=rollout.gpu_memory_utilization,
-                kv_cache_memory_bytes=None if torch.cuda.is_available() else int(rollout.cpu_kv_cache_gib * 2**30),
+                kv_cache_memory_bytes=None if on_gpu else int(rollout.cpu_kv_cache_gib * 2**30),
+                # On the CPU backend a seeded request whose prompt is cut between engine steps stops the engine
+                # (its random generator cannot step back), so a prompt is always prefilled whole there.
+                enable_chunked_prefill=None if on_gpu else False,
                 enforce_eager=True,
                 seed=seed,
                 logprobs_mode="processed_logprobs",
@@ -71,7 +76,8 @@ class Generator:
                 tensor_parallel_size=rollout.tensor_parallel_size,
                 distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else "uni",
                 disable_log_stats=True,
-            )
+            ),
+            usage_context=UsageContext.LLM_CLASS,  # batch sizes for offline batches, as `vllm.LLM` has
         )
 
     async def start(self) -> None:
@@ -129,18 +135,19 @@ class Generator:
             newest_weight_version=max(versions) if len(set(versions)) > 1 else None,
         )
 
-    async def load_weights(self, state_dict: dict, weight_version: int) -> int:
+    async def load_weights(self, state_dict: dict, weight_version: int) -> float:
         """Load the learner's full weights (the object-store transport); tokens sampled afterwards carry
-        `weight_version`. They reach the engine's process through a file in shared memory."""
+        `weight_version`. They reach the engine's process through a file in shared memory. Returns the seconds the
+        engine took to load them."""
         from safetensors.torch import save_file
 
         directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
         with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=directory) as weights:
             save_file({name: tensor.contiguous() for name, tensor in state_dict.items()}, weights.name)
             await self._pause()
-            await self.engine.collective_rpc("receive_weights_file", args=(weights.name,))
+            (seconds, *_) = await self.engine.collective_rpc("receive_weights_file", args=(weights.name,))
         await self._resume(weight_version)
-        return weight_version
+        return seconds
 
     async def _pause(self) -> None:
         """Stop scheduling, the requests under way kept where they are."""

@@ -10,6 +10,7 @@ post-processing.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpo_dist.transports.gloo  # noqa: F401  registers the gloo weight-transfer engine inside each vLLM worker
 
@@ -21,12 +22,13 @@ WORKER_EXTENSION = f"{__name__}.WeightReceiver"
 class WeightReceiver:
     """Methods added to each vLLM worker (`self` is the worker: it has `model_runner`)."""
 
-    def receive_weights_file(self, path: str) -> int:
-        """Load full (unsharded) Hugging Face weights from a safetensors file into the engine's model; returns how
-        many were given."""
+    def receive_weights_file(self, path: str) -> float:
+        """Load full (unsharded) Hugging Face weights from a safetensors file into the engine's model; returns the
+        seconds the reload took (the file read left out)."""
         from safetensors.torch import load_file
 
         state_dict = load_file(path)
+        started = time.perf_counter()
         # vLLM warns on each reload that the rotary embedding "failed to load": its cos/sin cache is derived from
         # the config, not from weights, and is kept. Every real parameter is loaded (tests compare logprobs).
         layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -36,7 +38,7 @@ class WeightReceiver:
             self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))
         finally:
             layerwise.setLevel(level)
-        return len(state_dict)
+        return time.perf_counter() - started
 
     def close_abandoned_update(self) -> bool:
         """End a broadcast update that a failed sync left open (its sender or a peer was lost mid-way), so that the
