@@ -2,7 +2,7 @@
 whether k = 1 learns as well as k = 0. Four parts, each measured side by side in one run; one JSON line per
 measurement, with a `ratio`:
 
-    .venv/bin/python benchmarks/overlap.py [--steps 10] [--parity-seeds 3] [--skip-parity] [key=value ...]
+    .venv/bin/python benchmarks/overlap.py [--steps 10] [--parity-seeds 3] [--parts step_time ...] [key=value ...]
 
 1. `step_time`: the same config and seed at k = 0, 1 and 2, one run after another, with a judge that sleeps 200 ms
    per completion (`judges.slow_math_answer`: an I/O-bound reward such as a remote model or a sandbox) and a policy
@@ -10,17 +10,19 @@ measurement, with a `ratio`:
    k's (steps after the first two, the last left out); `hidden` is the fraction of k = 0's reward time the overlap
    took off a step: (step(k=0) - step(k)) / reward(k=0) (target at least 0.8; above 1 when generation is hidden
    too, which `hidden_of_generate_and_reward` measures against both).
-2. `in_flight`: k = 1 with `sync.mode: between_batches` and `in_flight`, completions long enough (up to 48 tokens)
-   that generating the next batch outlasts a training step, so the update lands mid-batch. `ratio` is the
-   between-batches step time over the in-flight one; `synced_in_flight` the fraction of batches that took an
-   update mid-way, `spanning` the mean completions per step whose tokens span two versions.
+2. `in_flight`: k = 1 with `sync.mode: between_batches` and `in_flight`, on a quick-start-sized model with small
+   batches of long completions (up to 96 tokens), where generating the next batch outlasts a training step, so the
+   update lands mid-batch. `ratio` is the between-batches step time over the in-flight one (the two runs sample
+   different completions once their weights differ, so it also reflects their lengths, printed beside it);
+   `synced_in_flight` is the fraction of batches that took an update mid-way, `spanning` the mean completions per
+   step whose tokens span two versions, and `staleness_mean` the mean staleness of the trained completions.
 3. `reward_pool`: that judge scoring the same 64 completions with 1, 2 and 4 reward workers; `ratio` is the
    throughput over one worker's (target at least 0.9 x workers).
 4. `parity`: the quick start (200 steps) at k = 1 and k = 0, at seeds 0 .. N-1 (`--parity-seeds`, 3); `difference`
    is k = 1's last-10-step mean reward minus k = 0's (target within 0.05), `ratio` the one over the other; then
    the mean difference and how many seeds are within 0.05.
 
-Overrides after the options apply to the runs of parts 1 and 2. Run by hand; CI never runs it.
+Overrides after the options apply to the runs of parts 1 and 2; `--parts` picks parts. Run by hand; CI never runs it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ STEP_TIME_SETTINGS = [
     "model.tiny.intermediate_size=2048", "data.prompts_per_step=16", "rollout.group_size=4",
     f"reward.functions={JUDGE}", "reward.num_workers=4", "learner.micro_batch_size=64", "eval.max_prompts=16",
 ]  # fmt: skip
-LONG_COMPLETIONS = ["rollout.max_new_tokens=48", "rollout.max_model_len=96"]
+IN_FLIGHT_SETTINGS = [  # the quick start's model size with letters too (a random model stops later), small batches
+    # of long completions: generating a batch outlasts a training step
+    "model.tiny.characters='abcdefghijklmnopqrstuvwxyz0123456789 :'", "data.prompts_per_step=8",
+    "rollout.group_size=8", "rollout.max_new_tokens=96", "rollout.max_model_len=128",
+]  # fmt: skip
+PARTS = ["step_time", "in_flight", "reward_pool", "parity"]
 WARM_UP_STEPS = 2  # first steps pay one-time costs (allocations, first collectives); the last has nothing to overlap
 
 
@@ -55,12 +62,12 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
-def run(name: str, k: int, steps: int, out_dir: Path, overrides: list[str]) -> dict[str, float]:
-    """Mean per-step figures of one `grpo-dist train` run of the step-time config at staleness bound k."""
+def run(name: str, k: int, steps: int, out_dir: Path, settings: list[str]) -> dict[str, float]:
+    """Mean per-step figures of one `grpo-dist train` run of the quick start with `settings`, at staleness bound k."""
     settings = [
         f"run.steps={steps}", f"run.name={name}", f"run.output_dir={out_dir}", f"model.path={out_dir / 'model'}",
         f"rollout.max_staleness={k}", "wandb.enabled=false", "checkpoint.every_steps=0", "run.save_final=false",
-        *STEP_TIME_SETTINGS, *overrides,
+        *settings,
     ]  # fmt: skip
     command = [sys.executable, "-m", "grpo_dist", "train", "configs/quickstart.yaml", *settings]
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True)
@@ -69,11 +76,12 @@ def run(name: str, k: int, steps: int, out_dir: Path, overrides: list[str]) -> d
     rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
     timed = rows[WARM_UP_STEPS:-1]
     keys = ["time/step", "time/reward", "time/train", "time/generate", "sync/in_flight", "staleness/spanning"]
+    keys += ["staleness/mean", "response_length/mean"]
     return {key: statistics.mean(row.get(key, 0.0) for row in timed) for key in keys}
 
 
 def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
-    times = {k: run(f"k{k}", k, steps, out_dir, overrides) for k in (0, 1, 2)}
+    times = {k: run(f"k{k}", k, steps, out_dir, [*STEP_TIME_SETTINGS, *overrides]) for k in (0, 1, 2)}
     base = times[0]
     for k in (1, 2):
         saved = base["time/step"] - times[k]["time/step"]
@@ -94,7 +102,7 @@ def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
 
 def in_flight(steps: int, out_dir: Path, overrides: list[str]) -> None:
     runs = {
-        mode: run(f"k1-{mode}", 1, steps, out_dir, [*LONG_COMPLETIONS, f"sync.mode={mode}", *overrides])
+        mode: run(f"k1-{mode}", 1, steps, out_dir, [*IN_FLIGHT_SETTINGS, f"sync.mode={mode}", *overrides])
         for mode in ("between_batches", "in_flight")
     }
     base, timed = runs["between_batches"], runs["in_flight"]
@@ -108,6 +116,10 @@ def in_flight(steps: int, out_dir: Path, overrides: list[str]) -> None:
         "baseline_generate_s": round(base["time/generate"], 3),
         "synced_in_flight": round(timed["sync/in_flight"], 3),
         "spanning": round(timed["staleness/spanning"], 1),
+        "staleness_mean": round(timed["staleness/mean"], 3),
+        "baseline_staleness_mean": round(base["staleness/mean"], 3),
+        "response_length": round(timed["response_length/mean"], 1),
+        "baseline_response_length": round(base["response_length/mean"], 1),
     }
     print(json.dumps(line), flush=True)
 
@@ -184,16 +196,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run of part 1")
     parser.add_argument("--parity-seeds", type=int, default=3, help="seeds of part 4 (two 200-step runs each)")
-    parser.add_argument("--skip-parity", action="store_true", help="leave out part 4")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="the parts to run, in this order")
     parser.add_argument("--out-dir", default="outputs/overlap")
     parser.add_argument("overrides", nargs="*", help="key=value settings for the runs of parts 1 and 2")
     args = parser.parse_args()
     out_dir = Path(args.out_dir).resolve()
-    step_times(args.steps, out_dir / "step_time", args.overrides)
-    in_flight(args.steps, out_dir / "in_flight", args.overrides)
-    reward_pool_scaling()
-    if not args.skip_parity:
-        parity(out_dir / "parity", args.parity_seeds)
+    parts = {
+        "step_time": lambda: step_times(args.steps, out_dir / "step_time", args.overrides),
+        "in_flight": lambda: in_flight(args.steps, out_dir / "in_flight", args.overrides),
+        "reward_pool": reward_pool_scaling,
+        "parity": lambda: parity(out_dir / "parity", args.parity_seeds),
+    }
+    for name in args.parts:
+        parts[name]()
 
 
 if __name__ == "__main__":
