@@ -64,12 +64,11 @@ def environment() -> dict[str, str]:
 
 def run(name: str, k: int, steps: int, out_dir: Path, settings: list[str]) -> dict[str, float]:
     """Mean per-step figures of one `grpo-dist train` run of the quick start with `settings`, at staleness bound k."""
-    settings = [
+    common = [
         f"run.steps={steps}", f"run.name={name}", f"run.output_dir={out_dir}", f"model.path={out_dir / 'model'}",
         f"rollout.max_staleness={k}", "wandb.enabled=false", "checkpoint.every_steps=0", "run.save_final=false",
-        *settings,
     ]  # fmt: skip
-    command = [sys.executable, "-m", "grpo_dist", "train", "configs/quickstart.yaml", *settings]
+    command = [sys.executable, "-m", "grpo_dist", "train", "configs/quickstart.yaml", *common, *settings]
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: grpo-dist train exited {done.returncode}:\n{done.stderr[-3000:]}")

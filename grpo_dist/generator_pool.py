@@ -62,6 +62,17 @@ def requests_per_generator(prompts: int, generators: int) -> int:
 PROBE_TIMEOUT_S = 30.0  # an idle engine answers a probe at once
 
 
+def _start_failure(started: ray.ObjectRef, bound: float) -> str | None:
+    """Why a generator's start call (done, or past `bound`) did not bring it up; None when it did."""
+    if not ray.wait([started], timeout=0)[0]:
+        return f"did not start within {bound:g} s (faults.start_timeout_s)"
+    try:
+        ray.get(started)
+    except ray.exceptions.RayError as err:
+        return f"failed to start: {first_line(err)}"
+    return None
+
+
 class GeneratorPool:
     def __init__(self, cfg: Config, model_path: str, placement: Placement, faults: FaultLog) -> None:
         self.cfg, self.model_path, self.placement, self.faults = cfg, model_path, placement, faults
@@ -216,23 +227,17 @@ class GeneratorPool:
                 if not ray.wait([first.placed], timeout=0)[0]:
                     break  # no room yet: on an autoscaling cluster, until a node joins
                 first.actor, first.starting = self._start(first.index), time.monotonic()
-                first.started = first.actor.start.remote()
-            if not ray.wait([first.started], timeout=0)[0]:
-                bound = self.cfg.faults.start_timeout_s
-                if time.monotonic() - first.starting <= bound:
-                    break
-                failed.append((self.joining.pop(0), f"did not start within {bound:g} s (faults.start_timeout_s)"))
-                self._drop(failed[-1][0])
-                continue
+                first.started = getattr(first.actor, self.pool.ready_call).remote()
+            bound = self.cfg.faults.start_timeout_s
+            if not ray.wait([first.started], timeout=0)[0] and time.monotonic() - first.starting <= bound:
+                break
             self.joining.pop(0)
-            try:
-                ray.get(first.started)
-            except ray.exceptions.RayError as err:
-                failed.append((first, f"failed to start: {first_line(err)}"))
+            if why := _start_failure(first.started, bound):
+                failed.append((first, why))
                 self._drop(first)
-                continue
-            self.pool.join(first.actor)
-            joined.append(first)
+            else:
+                self.pool.join(first.actor)
+                joined.append(first)
         return joined, failed
 
     def _drop(self, joining: Joining) -> None:
