@@ -200,7 +200,8 @@ class AlgorithmConfig(_Section):
     """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch holds
     `data.prompts_per_step` groups."""
     max_sampling_rounds: int = Field(4, ge=1)
-    """Cap on generation rounds per step with dynamic sampling; past it the step trains on the groups it has."""
+    """Cap on the prompts a step sends with dynamic sampling, in batches of `data.prompts_per_step`; past it the step
+    trains on the groups it has."""
     overlong: Literal["none", "mask", "soft_penalty"] = "none"
     """Completions cut at `rollout.max_new_tokens`: kept as they are, masked out of the loss, or given DAPO's soft
     overlong penalty."""

@@ -267,6 +267,7 @@ def train_step(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_
     metrics.update(sampling_metrics, **staleness, **train_metrics, **timer.times, weight_version=cluster.weight_version)
     metrics.update(cluster.rewards.failures.end_step(), **cluster.faults.metrics(), **cluster.generators.step_metrics())
     metrics["reward/shaped_mean"] = rewards.nanmean().item()
+    metrics["rollout/groups"] = float(len(rollout.prompts))
     metrics["time/step"] = time.perf_counter() - started
     metrics["time/learner_idle"] = metrics["time/step"] - metrics["time/learner_busy"]
     metrics["time/generator_idle"] = max(0.0, metrics["time/step"] - metrics.get("time/generate", 0.0))

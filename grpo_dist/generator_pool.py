@@ -107,18 +107,30 @@ class GeneratorPool:
         seeds: list[int] | None = None,
         on_group: Callable[[list[Completion]], None] | None = None,
         while_waiting: Callable[[], None] | None = None,
+        more: Callable[[], list[tuple[PromptRecord, int]] | None] | None = None,
     ) -> list[Completion]:
         """All prompts' completions, grouped, in prompt order. `seeds`: one sampling seed per prompt. `on_group`
         gets each prompt's group as soon as it is generated; `while_waiting` runs every `POLL_S` while requests are
-        under way. A lost generator's prompts are generated again by its replacement."""
+        under way. A lost generator's prompts are generated again by its replacement. `more`, asked every `POLL_S`,
+        streams further prompts with their seeds (numbered on from the last); once it answers None the caller has
+        what it needs: the requests still under way are cancelled and the groups generated so far returned."""
+        prompts, seeds = list(prompts), None if seeds is None else list(seeds)
         queue = deque(range(len(prompts)))
         depth = requests_per_generator(len(prompts), len(self.actors))
         running: dict[ray.ObjectRef, Request] = {}
         done: dict[int, list[Completion]] = {}  # prompt index -> its group
         busy_since: dict[int, float] = {}
-        while queue or running:
+        while queue or running or more is not None:
+            if more is not None:
+                if (streamed := more()) is None:
+                    self._cancel(running, queue)
+                    self._account_busy(running, busy_since, greedy)
+                    break
+                queue.extend(range(len(prompts), len(prompts) + len(streamed)))
+                prompts += [prompt for prompt, _ in streamed]
+                seeds += [seed for _, seed in streamed]
             self._send(queue, running, depth, prompts, group_size, greedy, seeds)
-            self._wait(running, while_waiting is not None)
+            self._wait(running, while_waiting is not None or more is not None)
             lost = self._collect(running, done, greedy, on_group)
             self._account_busy(running, busy_since, greedy)
             if while_waiting is not None:
@@ -126,6 +138,13 @@ class GeneratorPool:
             if self._replace_lost(lost, queue):
                 self.rejoin()
         return [completion for index in sorted(done) for completion in done[index]]
+
+    def _cancel(self, running: dict[ray.ObjectRef, Request], queue: deque) -> None:
+        """Drop the queued prompts and cancel the requests under way (each engine aborts its request)."""
+        queue.clear()
+        for call in running:
+            ray.cancel(call)
+        running.clear()
 
     def _send(self, queue, running, depth, prompts, group_size, greedy, seeds) -> None:
         """Hand queued prompts, one request each, to the generators with the fewest under way, up to `depth`."""
@@ -143,6 +162,9 @@ class GeneratorPool:
 
     def _wait(self, running: dict[ray.ObjectRef, Request], poll: bool) -> None:
         """Until a request finishes, the oldest passes its bound, or (with `poll`) `POLL_S` has gone by."""
+        if not running:
+            time.sleep(POLL_S)  # only while `more` may stream further prompts
+            return
         deadline = min(request.started for request in running.values()) + self.cfg.faults.generate_timeout_s
         timeout = max(0.0, deadline - time.monotonic())
         ray.wait(list(running), num_returns=1, timeout=min(timeout, POLL_S) if poll else timeout)
@@ -151,7 +173,7 @@ class GeneratorPool:
         """Take every finished request's group; the requests lost with their generator (dead, or past the bound:
         every request of a generator that hung), with why."""
         bound = self.cfg.faults.generate_timeout_s
-        finished, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+        finished = ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []
         lost: list[tuple[Request, str]] = []
         for call in finished:
             request = running.pop(call)

@@ -7,15 +7,18 @@ learner has: on-policy. With k >= 1 the next step's batch is generated and score
 per sample (groups holding an older completion are dropped and counted) and reports it; truncated importance
 sampling (`algorithm.is_cap`) corrects for the older sampling policy. With `sync.mode: in_flight` the generators
 take new weights mid-batch (`update_in_flight`); a completion whose tokens span versions counts as old as its
-oldest token.
+oldest token. With dynamic sampling the batch is refilled from the stream (`Refill`): each group that teaches
+nothing calls for another prompt as soon as it is scored.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -119,64 +122,158 @@ def collect_rollout(
     step: int,
     while_generating: Callable[[], None] | None = None,
 ) -> tuple[Rollout, dict[str, float]]:
-    """Generate and score groups; with dynamic sampling (DAPO) keep only groups with unequal rewards, sampling
-    more prompts until `prompts_per_step` groups are kept or `max_sampling_rounds` rounds were spent. Sampling is
-    seeded by (run seed, step, round, prompt), so a resumed run draws the same completions."""
-    algo, wanted = cfg.algorithm, cfg.data.prompts_per_step
-    group_size, seed = cfg.rollout.group_size, cfg.run.seed
-    if not algo.dynamic_sampling:
-        return sample_round(cluster, next(sampler), group_size, timer, f"{seed}:{step}:1", while_generating), {}
-    kept, generated, rounds = Rollout(), 0, 0
-    while rounds < algo.max_sampling_rounds:
-        rounds += 1
-        key = f"{seed}:{step}:{rounds}"
-        latest = sample_round(cluster, next(sampler), group_size, timer, key, while_generating)
-        generated += len(latest.prompts)
-        rewards, _ = compute_advantages(cfg, latest)
-        kept = kept + latest.select_groups(informative_groups(rewards, cfg.rollout.group_size).tolist())
-        if len(kept.prompts) >= wanted:
-            break
-    metrics = {
-        "dynamic_sampling/dropped_fraction": 1 - len(kept.prompts) / generated,
-        "dynamic_sampling/rounds": float(rounds),
-    }
-    # Past the cap with nothing informative, the last round still makes a (zero-advantage) step.
-    return (kept.first_groups(wanted) if kept.prompts else latest), metrics
+    """Generate and score a step's groups. With dynamic sampling (DAPO) keep only groups with unequal rewards,
+    streaming more prompts until `prompts_per_step` are kept (`Refill`). Sampling is seeded by (run seed, step,
+    prompt), so a resumed run draws the same completions."""
+    group_size, key = cfg.rollout.group_size, f"{cfg.run.seed}:{step}"
+    if not cfg.algorithm.dynamic_sampling:
+        prompts = next(sampler)
+        return sample_round(cluster, prompts, prompt_seeds(key, len(prompts), len(prompts)), group_size, timer,
+                            while_generating), {}  # fmt: skip
+    refill = Refill(cfg, sampler, key)
+    prompts, seeds = refill.first()
+    rollout = sample_round(cluster, prompts, seeds, group_size, timer, while_generating, refill)
+    return refill.batch(rollout), refill.metrics()
+
+
+def prompt_seeds(key: str, batch: int, count: int) -> list[int]:
+    """The sampling seeds of a step's first `count` prompts: batch after batch of `batch`, each batch's drawn from
+    its own stream (a step's first batch is seeded alike with and without dynamic sampling)."""
+    seeds: list[int] = []
+    for round_ in range(1, math.ceil(count / batch) + 1):
+        stream = random.Random(f"{key}:{round_}")
+        seeds += [stream.getrandbits(31) for _ in range(batch)]
+    return seeds[:count]
+
+
+class Refill:
+    """Dynamic sampling's prompts for one step, streamed as scored groups show how many more are needed.
+
+    A group whose rewards are all equal teaches nothing (DAPO) and is dropped. The step trains on the informative
+    groups of the shortest run of prompts, in the order drawn, that holds `prompts_per_step` of them (or of all
+    `max_sampling_rounds` x `prompts_per_step` prompts, the cap): the same groups whatever order the engines finish
+    them in, so a resumed run trains on the same batch. To keep the engines busy it sends ahead as many prompts as
+    the informative fraction seen so far says are needed; prompts past that run are cancelled or their groups
+    dropped, and the sampler is wound back to just after it (the next step draws them again).
+    """
+
+    def __init__(self, cfg: Config, sampler: PromptSampler, key: str) -> None:
+        self.wanted, self.group_size = cfg.data.prompts_per_step, cfg.rollout.group_size
+        self.cap = cfg.algorithm.max_sampling_rounds * self.wanted
+        self.cfg, self.sampler, self.start = cfg, sampler, sampler.state_dict()
+        self.prompts = sampler.draw(self.cap)  # wound back by `batch` to the prompts the step used
+        self.seeds = prompt_seeds(key, self.wanted, self.cap)
+        self.sent = 0
+        self.informative: dict[int, bool] = {}  # prompt index -> whether its group is; filled as groups are scored
+        self.lock = threading.Lock()
+
+    def first(self) -> tuple[list[PromptRecord], list[int]]:
+        """The prompts to send at once: one batch."""
+        self.sent = self.wanted
+        return self.prompts[: self.wanted], self.seeds[: self.wanted]
+
+    def scored(self, rollout: Rollout, indices: list[int]) -> None:
+        """Note which of a scored rollout's groups (prompts `indices` of the step) are informative."""
+        rewards, _ = compute_advantages(self.cfg, rollout)
+        with self.lock:
+            self.informative.update(zip(indices, informative_groups(rewards, self.group_size).tolist(), strict=True))
+
+    def used(self) -> int | None:
+        """How many prompts, from the first, the step trains on; None until that is known."""
+        kept = 0
+        for index in range(self.sent):
+            if index not in self.informative:
+                return None
+            kept += self.informative[index]
+            if kept == self.wanted:
+                return index + 1
+        return self.sent if self.sent == self.cap else None
+
+    def more(self) -> list[tuple[PromptRecord, int]] | None:
+        """Prompts (with seeds) to send now; None once the step has its groups."""
+        with self.lock:
+            if self.used() is not None:
+                return None
+            scored, kept = len(self.informative), sum(self.informative.values())
+            rate = max((kept + 1) / (scored + 1), 1 / self.cfg.algorithm.max_sampling_rounds)
+            expected = math.ceil((self.wanted - kept) / rate)  # prompts under way that should give the rest
+            count = min(self.cap - self.sent, max(0, expected - (self.sent - scored)))
+            first, self.sent = self.sent, self.sent + count
+            return list(zip(self.prompts[first : self.sent], self.seeds[first : self.sent], strict=True))
+
+    def batch(self, rollout: Rollout) -> Rollout:
+        """The step's batch from every group generated (`rollout`, numbered as sent); winds the sampler on to just
+        after the prompts used. Past the cap with nothing informative, the last batch of groups still makes a
+        (zero-advantage) step."""
+        used = self.used()
+        self.sampler.load_state_dict(self.start)
+        self.sampler.draw(used)
+        keep = [index < used and self.informative[index] for index in range(len(rollout.prompts))]
+        if not any(keep):
+            keep = [used - self.wanted <= index < used for index in range(len(rollout.prompts))]
+        return rollout.select_groups(keep)
+
+    def metrics(self) -> dict[str, float]:
+        """The fraction of the used prompts' groups dropped, the used prompts in batches, and the prompts sent
+        past them."""
+        used = self.used()
+        kept = sum(self.informative[index] for index in range(used))
+        return {
+            "dynamic_sampling/dropped_fraction": 1 - kept / used,
+            "dynamic_sampling/rounds": used / self.wanted,
+            "dynamic_sampling/discarded": float(self.sent - used),
+        }
 
 
 def sample_round(
     cluster: Cluster,
     prompts: list[PromptRecord],
+    seeds: list[int],
     group_size: int,
     timer: StepTimer,
-    seed_key: str,
     while_generating: Callable[[], None] | None = None,
+    refill: Refill | None = None,
 ) -> Rollout:
-    """Generate and score one batch; each generated group is scored while the rest generate (the groups that
+    """Generate and score a batch; each generated group is scored while the rest generate (the groups that
     finished while the reward pool was busy go together), so `time/reward` is the scoring left when generation
-    ends. `while_generating` runs every few milliseconds while requests are under way."""
-    seeds = random.Random(seed_key)
+    ends. `while_generating` runs every few milliseconds while requests are under way. With `refill` the batch
+    grows as it asks, and the groups generated before it had enough are returned, numbered as sent."""
     scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
     waiting: list[Completion] = []  # generated, not yet handed to the reward pool
     lock = threading.Lock()
     batches: list[Future] = []  # each: (completions, their scores)
+    sent = list(prompts)  # with `refill`, grows as it sends more
 
     def score_waiting() -> tuple[list[Completion], list[Score]]:
         with lock:
             batch = waiting.copy()
             waiting.clear()
-        return batch, cluster.score(score_requests(prompts, batch)) if batch else []
+        scores = cluster.score(score_requests(sent, batch)) if batch else []
+        if refill is not None and batch:
+            indices = sorted({c.prompt_index for c in batch})
+            renumber = {index: position for position, index in enumerate(indices)}
+            grouped = sorted(zip(batch, scores, strict=True), key=lambda pair: pair[0].prompt_index)
+            refill.scored(Rollout([sent[index] for index in indices],
+                                  [replace(c, prompt_index=renumber[c.prompt_index]) for c, _ in grouped],
+                                  [score for _, score in grouped]), indices)  # fmt: skip
+        return batch, scores
 
     def on_group(group: list[Completion]) -> None:
         with lock:
             waiting.extend(group)
         batches.append(scoring.submit(score_waiting))
 
+    def more() -> list[tuple[PromptRecord, int]] | None:
+        streamed = refill.more()
+        if streamed:
+            sent.extend(prompt for prompt, _ in streamed)
+        return streamed
+
     try:
         with timer("generate"):
             completions = cluster.generators.generate(
-                prompts, group_size, seeds=[seeds.getrandbits(31) for _ in prompts], on_group=on_group,
-                while_waiting=while_generating,
+                prompts, group_size, seeds=seeds, on_group=on_group, while_waiting=while_generating,
+                more=None if refill is None else more,
             )  # fmt: skip
         with timer("reward"):
             by_prompt: dict[int, list[Score]] = {}
@@ -188,7 +285,7 @@ def sample_round(
         raise
     scoring.shutdown()
     scores = [score for index in sorted(by_prompt) for score in by_prompt[index]]
-    return Rollout(prompts, completions, scores)
+    return Rollout(sent, completions, scores)
 
 
 def compute_advantages(cfg: Config, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:

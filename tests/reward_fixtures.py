@@ -5,6 +5,7 @@ from __future__ import annotations
 import string
 import sys
 import time
+import zlib
 from typing import Any
 
 NOT_CALLABLE = 3
@@ -45,4 +46,12 @@ def first_char_reward(prompt: str, completion: str, **_: Any) -> float:
     non-zero advantages. Raises for an empty completion or one opening with punctuation: those stay unscored."""
     if not completion or completion[0] in string.punctuation:
         raise ValueError(f"cannot score {completion!r}")
+    return (ord(completion[0]) % 10) / 10
+
+
+def half_informative_reward(prompt: str, completion: str, **_: Any) -> float:
+    """For the prompts whose CRC-32 is odd, (code of the first character mod 10) / 10 (0 for an empty completion);
+    0 for the others: their groups' rewards are all equal, so dynamic sampling drops about half the groups."""
+    if zlib.crc32(prompt.encode()) % 2 == 0 or not completion:
+        return 0.0
     return (ord(completion[0]) % 10) / 10

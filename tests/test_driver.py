@@ -28,13 +28,15 @@ def config_with_dataset(tmp_path, path):
     return raw
 
 
-def test_malformed_row_is_reported_with_file_and_line_before_ray_starts(tmp_path, bad_dataset):
+def test_malformed_row_is_reported_with_file_and_line_before_ray_starts(tmp_path, bad_dataset, monkeypatch):
     import ray
 
+    started = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: started.append(args))  # whether or not Ray is up
     cfg = validate_config(config_with_dataset(tmp_path, bad_dataset))
     with pytest.raises(DatasetError, match=rf"{bad_dataset}:2: "):
         prepare(cfg)
-    assert not ray.is_initialized()
+    assert not started
 
 
 def test_cli_exits_with_the_dataset_error(tmp_path, bad_dataset):

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +19,8 @@ from test_resume import grpo_dist, training
 
 from grpo_dist import control
 from grpo_dist.config import ConfigError, load_config, validate_config
-from grpo_dist.data import PromptRecord
-from grpo_dist.pipeline import bound_staleness, sync_due
+from grpo_dist.data import PromptRecord, PromptSampler
+from grpo_dist.pipeline import Refill, bound_staleness, sync_due
 from grpo_dist.rollout import Rollout
 from grpo_dist.types import Completion, Score
 
@@ -73,6 +75,60 @@ def test_a_sync_is_due_only_when_the_next_batch_would_break_the_bound(k, generat
     assert sync_due(cfg, cluster) is due
 
 
+def stream_refill(tmp_path, informative: set[int], order_seed: int, rounds: int = 3) -> tuple[Refill, Rollout, int]:
+    """Run dynamic sampling's `Refill` for one step of 4 prompts over 40 numbered records, scoring the groups sent
+    in a random order (`order_seed`) as the engines might finish them: record i's group is informative when i is
+    in `informative`. Returns the refill, the step's batch and the sampler's position after the step."""
+    import random
+
+    raw = small_config(tmp_path, algorithm={"dynamic_sampling": True, "max_sampling_rounds": rounds})
+    raw["reward"]["functions"] = [{"name": "math_answer", "weight": 1.0}]
+    cfg = validate_config(raw)
+    sampler = PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)], 4, seed=0)
+    refill, order = Refill(cfg, sampler, "0:1"), random.Random(order_seed)
+    sent, _ = refill.first()
+    sent, groups = list(sent), {}
+    while (streamed := refill.more()) is not None:
+        sent += [prompt for prompt, _ in streamed]
+        index = order.choice([index for index in range(len(sent)) if index not in groups])
+        rewards = [1.0, 0.0, 0.0, 0.0] if int(sent[index].text) in informative else [0.0] * 4
+        groups[index] = [(Completion(index, [1], [2], "2", [-0.5], "stop", 0), Score(r, [r])) for r in rewards]
+        refill.scored(Rollout([sent[index]], [replace(c, prompt_index=0) for c, _ in groups[index]],
+                              [score for _, score in groups[index]]), [index])  # fmt: skip
+    pairs = [pair for index in sorted(groups) for pair in groups[index]]
+    rollout = Rollout(sent, [c for c, _ in pairs], [score for _, score in pairs])
+    batch = refill.batch(rollout)
+    return refill, batch, sampler.state_dict()["position"]
+
+
+def test_dynamic_sampling_streams_prompts_and_trains_on_the_same_groups_whatever_order_they_finish_in(tmp_path):
+    draw_order = [int(record.text) for record in PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)],
+                                                               40, seed=0).draw(40)]  # fmt: skip
+    informative = set(draw_order[2:12:2])  # the 3rd, 5th, 7th, 9th and 11th prompts drawn
+    outcomes = set()
+    for order_seed in range(20):
+        refill, batch, position = stream_refill(tmp_path, informative, order_seed)
+        kept = tuple(int(p.text) for p in batch.prompts)
+        outcomes.add((kept, position))
+        assert len(batch.completions) == 4 * 4 and refill.sent <= 12  # never past the cap of 3 x 4 prompts
+        metrics = refill.metrics()
+        assert metrics["dynamic_sampling/rounds"] == 9 / 4  # the 9th prompt drawn completes the 4 informative
+        assert metrics["dynamic_sampling/dropped_fraction"] == pytest.approx(5 / 9)
+        assert metrics["dynamic_sampling/discarded"] == refill.sent - 9
+    assert outcomes == {(tuple(draw_order[2:10:2]), 9)}  # the first 4 informative; the next step draws from the 10th
+
+
+def test_dynamic_sampling_past_its_cap_trains_on_what_it_has(tmp_path):
+    draw_order = [int(record.text) for record in PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)],
+                                                               40, seed=0).draw(40)]  # fmt: skip
+    refill, batch, position = stream_refill(tmp_path, {draw_order[5]}, order_seed=0, rounds=2)
+    assert [int(p.text) for p in batch.prompts] == [draw_order[5]] and position == 8
+    assert refill.metrics()["dynamic_sampling/dropped_fraction"] == 7 / 8
+    refill, batch, position = stream_refill(tmp_path, set(), order_seed=0, rounds=2)
+    assert [int(p.text) for p in batch.prompts] == draw_order[4:8]  # nothing informative: the last 4, advantage 0
+    assert refill.metrics()["dynamic_sampling/dropped_fraction"] == 1.0
+
+
 def test_importance_sampling_is_on_by_default_once_samples_can_be_stale(tmp_path):
     assert validate_config(small_config(tmp_path)).algorithm.is_cap is None
     stale = validate_config(small_config(tmp_path, rollout={"max_staleness": 1}))
@@ -101,25 +157,31 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
     assert done.wait(timeout=60) == 2 and "expected generators=N" in done.stderr.read()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("k", "mode"), [(1, "between_batches"), (2, "between_batches"), (1, "in_flight")], ids=["k1", "k2", "k1-in-flight"]
-)
-def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k, mode):
+def train_rows(cfg) -> tuple[Path, list[dict]]:
+    """Train `cfg` on its own cluster to the end; the run directory and its metrics rows, one per step."""
     from grpo_dist.cluster import Cluster
     from grpo_dist.driver import prepare, train
 
-    steps = 6
-    long = {"max_new_tokens": 96, "max_model_len": 128}  # generation outlasts training: updates land mid-batch
-    rollout = {"max_staleness": k, **(long if mode == "in_flight" else {})}
-    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout=rollout, sync={"mode": mode}))
     cluster = Cluster.start(cfg, prepare(cfg).model_path)
     try:
         run_dir = train(cfg, cluster)
     finally:
         cluster.shutdown()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert [row["step"] for row in rows] == list(range(1, cfg.run.steps + 1))
+    return run_dir, rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("k", "mode"), [(1, "between_batches"), (2, "between_batches"), (1, "in_flight")], ids=["k1", "k2", "k1-in-flight"]
+)
+def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k, mode):
+    steps = 6
+    long = {"max_new_tokens": 96, "max_model_len": 128}  # generation outlasts training: updates land mid-batch
+    rollout = {"max_staleness": k, **(long if mode == "in_flight" else {})}
+    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout=rollout, sync={"mode": mode}))
+    run_dir, rows = train_rows(cfg)
     # staleness/max is the largest over the step's samples: the bound holds for each one, and is reached.
     assert all(row["staleness/max"] <= k for row in rows)
     assert max(row["staleness/max"] for row in rows) == k
@@ -138,6 +200,27 @@ def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k
         assert not any(in_flight) and not any(row["staleness/spanning"] for row in rows)
     else:
         assert any(in_flight)  # at least one batch took the learner's new weights mid-way
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_from_the_stream_under_in_flight_updates(ray_cluster, tmp_path):
+    """About half the prompts' groups teach nothing (their rewards are all equal): each step streams more prompts as
+    such groups are scored, and trains on exactly `prompts_per_step` informative groups, the first ones drawn."""
+    steps, wanted = 5, 4  # 4 prompts per step (small_config)
+    raw = small_config(
+        tmp_path, run={"steps": steps}, sync={"mode": "in_flight"}, algorithm={"dynamic_sampling": True},
+        rollout={"max_staleness": 1, "max_new_tokens": 48, "max_model_len": 80},
+    )  # fmt: skip
+    raw["reward"]["functions"] = [{"name": "reward_fixtures.half_informative_reward", "weight": 1.0}]
+    _, rows = train_rows(validate_config(raw))
+    used = [row["dynamic_sampling/rounds"] * wanted for row in rows]  # prompts drawn up to the last group trained
+    print(f"prompts used per step: {used}; sent past them: {[row['dynamic_sampling/discarded'] for row in rows]}")
+    assert all(row["rollout/groups"] == wanted for row in rows)
+    assert any(count > wanted for count in used)  # some steps refilled
+    for row, count in zip(rows, used, strict=True):
+        kept = round(count * (1 - row["dynamic_sampling/dropped_fraction"]))
+        assert kept == wanted and count == int(count)  # whole prompts, not rounds: only what the step needed
+    assert all(row["staleness/max"] <= 1 for row in rows)
 
 
 @pytest.mark.slow

@@ -182,7 +182,11 @@ class PromptSampler:
         return self
 
     def __next__(self) -> list[PromptRecord]:
-        return [self._next_record() for _ in range(self.batch_size)]
+        return self.draw(self.batch_size)
+
+    def draw(self, count: int) -> list[PromptRecord]:
+        """The next `count` records."""
+        return [self._next_record() for _ in range(count)]
 
     def state_dict(self) -> dict[str, int]:
         """The position to resume from (the records and seed must be the same on resume)."""
