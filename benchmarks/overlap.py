@@ -9,7 +9,10 @@ measurement, with a `ratio`:
    big enough (about 85M parameters) that a training step takes seconds. `ratio` is k = 0's mean step time over
    k's (steps after the first two, the last left out); `hidden` is the fraction of k = 0's reward time the overlap
    took off a step: (step(k=0) - step(k)) / reward(k=0) (target at least 0.8; above 1 when generation is hidden
-   too, which `hidden_of_generate_and_reward` measures against both).
+   too, which `hidden_of_generate_and_reward` measures against both). Each k also runs with the judge answering at
+   once (`-instant`): what the judge's delay adds to a step is step(judge) - step(instant judge), and
+   `judge_latency_hidden` is 1 - that at k over that at k = 0 (the judge's latency alone, apart from what sharing
+   the CPU between generation and training costs).
 2. `in_flight`: k = 1 with `sync.mode: between_batches` and `in_flight`, on a quick-start-sized model with small
    batches of long completions (up to 96 tokens), where generating the next batch outlasts a training step, so the
    update lands mid-batch. `ratio` is the between-batches step time over the in-flight one (the two runs sample
@@ -41,11 +44,16 @@ BENCHMARKS = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(BENCHMARKS))
 
-JUDGE = "[{name: judges.slow_math_answer, weight: 1.0, kwargs: {delay_s: 0.2}}]"
+
+def judge(delay_s: float) -> str:
+    return f"reward.functions=[{{name: judges.slow_math_answer, weight: 1.0, kwargs: {{delay_s: {delay_s}}}}}]"
+
+
+JUDGE_DELAY_S = 0.2
 STEP_TIME_SETTINGS = [
     "model.tiny.hidden_size=768", "model.tiny.num_layers=12", "model.tiny.num_heads=12",
     "model.tiny.intermediate_size=2048", "data.prompts_per_step=16", "rollout.group_size=4",
-    f"reward.functions={JUDGE}", "reward.num_workers=4", "learner.micro_batch_size=64", "eval.max_prompts=16",
+    "reward.num_workers=4", "learner.micro_batch_size=64", "eval.max_prompts=16",
 ]  # fmt: skip
 IN_FLIGHT_SETTINGS = [  # the quick start's model size with letters too (a random model stops later), small batches
     # of long completions: generating a batch outlasts a training step
@@ -80,10 +88,15 @@ def run(name: str, k: int, steps: int, out_dir: Path, settings: list[str]) -> di
 
 
 def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
-    times = {k: run(f"k{k}", k, steps, out_dir, [*STEP_TIME_SETTINGS, *overrides]) for k in (0, 1, 2)}
+    times, instant = {}, {}
+    for k in (0, 1, 2):
+        times[k] = run(f"k{k}", k, steps, out_dir, [*STEP_TIME_SETTINGS, judge(JUDGE_DELAY_S), *overrides])
+        instant[k] = run(f"k{k}-instant", k, steps, out_dir, [*STEP_TIME_SETTINGS, judge(0), *overrides])
     base = times[0]
+    latency_at_k0 = base["time/step"] - instant[0]["time/step"]  # what the judge's delay adds to a step
     for k in (1, 2):
         saved = base["time/step"] - times[k]["time/step"]
+        latency = times[k]["time/step"] - instant[k]["time/step"]
         line = {
             "benchmark": "step_time",
             "k": k,
@@ -95,6 +108,11 @@ def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
             "generate_s_at_k0": round(base["time/generate"], 3),
             "hidden_of_generate_and_reward": round(saved / (base["time/generate"] + base["time/reward"]), 3),
             "train_s_at_k0": round(base["time/train"], 3),
+            "instant_judge_step_s": round(instant[k]["time/step"], 3),
+            "instant_judge_step_s_at_k0": round(instant[0]["time/step"], 3),
+            "judge_latency_in_step_s": round(latency, 3),
+            "judge_latency_in_step_s_at_k0": round(latency_at_k0, 3),
+            "judge_latency_hidden": round(1 - latency / latency_at_k0, 3),
         }
         print(json.dumps(line), flush=True)
 
@@ -137,7 +155,7 @@ def reward_pool_scaling(completions: int = 64) -> None:
     throughput = {}
     try:
         for workers in (1, 2, 4):
-            settings = [f"reward.functions={JUDGE}", f"reward.num_workers={workers}"]
+            settings = [judge(JUDGE_DELAY_S), f"reward.num_workers={workers}"]
             cfg = load_config(REPO / "configs/quickstart.yaml", settings)
             placement = place(cfg)
             pool = RewardPool(cfg, placement, FaultLog())
