@@ -55,7 +55,10 @@ class Request:
 
 
 def requests_per_generator(prompts: int, generators: int) -> int:
-    """How many requests a generator may have under way: half of an even share of the prompts."""
+    """How many requests a generator may have under way: half of an even share of the prompts; all of them when
+    there is one generator (no other to share with, and a second wave of requests would cost a wait)."""
+    if generators == 1:
+        return max(1, prompts)
     return max(1, math.ceil(prompts / (2 * generators)))
 
 

@@ -273,6 +273,13 @@ def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 3
     raise AssertionError(f"no metrics row met the condition within {timeout_s} s")
 
 
+def test_generators_share_prompts_by_half_an_even_share_and_a_lone_one_takes_all():
+    from grpo_dist.generator_pool import requests_per_generator
+
+    assert [requests_per_generator(16, g) for g in (1, 2, 3, 4)] == [16, 4, 3, 2]
+    assert requests_per_generator(1, 4) == 1 and requests_per_generator(0, 1) == 1
+
+
 @pytest.mark.slow
 def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
     """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: it keeps only the requests
