@@ -65,7 +65,7 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         cluster = Cluster.start(cfg, inputs.model_path)
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     rollouts = RolloutQueue(cfg, cluster, sampler)
-    step, wandb_id = resume_from(cluster, sampler, checkpoint) if checkpoint else (0, None)
+    step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=step)
     if step == 0:
         report_accuracy(cfg, cluster, inputs.held_out, "before training")
@@ -83,8 +83,7 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
                 if checkpoint_due(cfg, step):
                     checkpoints.save(cfg, cluster, step, run_state(rollouts, sink))
             except LearnerLost as lost:
-                rollouts.reset()
-                step = restart_learner(cfg, cluster, sampler, sink, lost)
+                step = restart_learner(cfg, cluster, rollouts, sink, lost)
                 progress.n = step
                 progress.refresh()
         sink.close()
@@ -164,9 +163,9 @@ def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, up
         log.error("could not write a checkpoint of step %d (%s: %s)", step, type(err).__name__, err)
 
 
-def restart_learner(cfg: Config, cluster: Cluster, sampler: PromptSampler, sink: MetricsSink, lost: LearnerLost) -> int:
-    """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler, random state and
-    metrics back to its step (the steps since are done again). Returns that step."""
+def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, lost: LearnerLost) -> int:
+    """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler (and the batch
+    drawn ahead), random state and metrics back to its step (the steps since are done again). Returns that step."""
     restarts = cluster.faults.counts["learner_restarts"]
     if restarts >= cfg.faults.max_learner_restarts:
         raise RunFailed(
@@ -176,7 +175,7 @@ def restart_learner(cfg: Config, cluster: Cluster, sampler: PromptSampler, sink:
         raise RunFailed(f"{lost}; no checkpoint to restart the learner group from yet (checkpoint.every_steps)")
     started = time.monotonic()
     cluster.restart_learner()
-    step, _ = resume_from(cluster, sampler, checkpoints.find(cfg, None))
+    step, _ = resume_from(cluster, rollouts, checkpoints.find(cfg, None))
     sink.rewind(step)
     cluster.faults.record(
         "learner_restarts",
@@ -195,22 +194,22 @@ def find_checkpoint(cfg: Config, resume: str | bool) -> Path | None:
     return checkpoint
 
 
-def resume_from(cluster: Cluster, sampler: PromptSampler, checkpoint: Path) -> tuple[int, str | None]:
-    """Load a checkpoint into the learner group, the generators, the sampler and the driver's random generators;
-    returns the last step it holds and its W&B run id."""
+def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Path) -> tuple[int, str | None]:
+    """Load a checkpoint into the learner group, the generators, the sampler (and the batch drawn ahead) and the
+    driver's random generators; returns the last step it holds and its W&B run id."""
     state = checkpoints.load_state(checkpoint)
     cluster.learner.load_checkpoint(str(checkpoint / "learner"))
     cluster.learner_version = state["step"]
     cluster.sync_weights()
-    sampler.load_state_dict(state["sampler"])
+    rollouts.load_state_dict(state, state["step"])
     checkpoints.restore_random_state(state["random"])
     print(f"resumed from {checkpoint} after step {state['step']}")
     return state["step"], state["wandb_id"]
 
 
 def run_state(rollouts: RolloutQueue, sink: MetricsSink) -> dict:
-    """What the driver carries from step to step, for a checkpoint (the sampler from before a batch drawn ahead)."""
-    return {"sampler": rollouts.sampler_state(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
+    """What the driver carries from step to step, for a checkpoint (the sampler, and the batch drawn ahead)."""
+    return {**rollouts.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
 
 
 def start_run_dir(cfg: Config) -> Path | None:

@@ -68,9 +68,27 @@ class RolloutQueue:
         metrics["sync/in_flight"] = float(synced)
         self.ahead, self.sampler_before_ahead = (step, rollout, metrics), before
 
-    def sampler_state(self) -> dict:
-        """The sampler as a checkpoint must hold it: from before the batch drawn ahead, if there is one."""
-        return self.sampler_before_ahead if self.ahead is not None else self.sampler.state_dict()
+    def state_dict(self) -> dict:
+        """For a checkpoint: the sampler from before the batch drawn ahead, and that batch with the sampler after it.
+        A run resumed with k >= 1 trains on the batch as the uninterrupted run would; one resumed with k = 0 draws
+        its prompts again."""
+        if self.ahead is None:
+            return {"sampler": self.sampler.state_dict(), "ahead": None}
+        return {
+            "sampler": self.sampler_before_ahead,
+            "ahead": {"batch": self.ahead, "sampler": self.sampler.state_dict()},
+        }
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Back to a checkpoint of step `step` (`state_dict`); a checkpoint from before batches drawn ahead were
+        kept holds the sampler only."""
+        self.reset()
+        ahead = state.get("ahead")
+        if ahead and self.cfg.rollout.max_staleness >= 1 and ahead["batch"][0] == step + 1:
+            self.sampler.load_state_dict(ahead["sampler"])
+            self.ahead, self.sampler_before_ahead = ahead["batch"], state["sampler"]
+        else:
+            self.sampler.load_state_dict(state["sampler"])
 
     def queued_prompts(self) -> int:
         return len(self.ahead[1].prompts) if self.ahead is not None else 0

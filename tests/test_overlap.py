@@ -20,7 +20,7 @@ from test_resume import grpo_dist, training
 from grpo_dist import control
 from grpo_dist.config import ConfigError, load_config, validate_config
 from grpo_dist.data import PromptRecord, PromptSampler
-from grpo_dist.pipeline import Refill, bound_staleness, sync_due
+from grpo_dist.pipeline import Refill, RolloutQueue, bound_staleness, sync_due
 from grpo_dist.rollout import Rollout
 from grpo_dist.types import Completion, Score
 
@@ -127,6 +127,27 @@ def test_dynamic_sampling_past_its_cap_trains_on_what_it_has(tmp_path):
     refill, batch, position = stream_refill(tmp_path, set(), order_seed=0, rounds=2)
     assert [int(p.text) for p in batch.prompts] == draw_order[4:8]  # nothing informative: the last 4, advantage 0
     assert refill.metrics()["dynamic_sampling/dropped_fraction"] == 1.0
+
+
+def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_draws_its_prompts_again(tmp_path):
+    def queue(k: int) -> RolloutQueue:
+        records = [PromptRecord(str(i), [1], {}) for i in range(40)]
+        return RolloutQueue(validate_config(small_config(tmp_path, rollout={"max_staleness": k})), None,
+                            PromptSampler(records, 4, seed=0))  # fmt: skip
+
+    run = queue(1)
+    before = run.sampler.state_dict()
+    run.sampler.draw(4)  # the prompts of step 4's batch, drawn ahead while step 3 trained
+    run.ahead, run.sampler_before_ahead = (4, rollout_of([[2], [2], [2], [2]]), {"sync/in_flight": 0.0}), before
+    state = run.state_dict()
+    resumed = queue(1)
+    resumed.load_state_dict(state, step=3)
+    assert resumed.ahead == run.ahead and resumed.sampler.state_dict() == {"epoch": 0, "position": 4}
+    assert resumed.state_dict() == state  # checkpointed again before step 4, it holds the same
+    for k, step in [(0, 3), (1, 5)]:  # resumed on-policy, or from another step: the prompts are drawn again
+        other = queue(k)
+        other.load_state_dict(state, step=step)
+        assert other.ahead is None and other.sampler.state_dict() == {"epoch": 0, "position": 0}
 
 
 def test_importance_sampling_is_on_by_default_once_samples_can_be_stale(tmp_path):

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.slow
 COMPARED = ("reward/mean", "reward/std", "loss", "kl", "grad_norm", "response_length/mean")
 
 
-def write_config(tmp_path, name: str) -> str:
-    raw = small_config(tmp_path, run={"name": name, "steps": 6}, checkpoint={"every_steps": 3, "keep": 1})
+def write_config(tmp_path, name: str, k: int = 0) -> str:
+    raw = small_config(tmp_path, run={"name": name, "steps": 6}, checkpoint={"every_steps": 3, "keep": 1},
+                       rollout={"max_staleness": k})  # fmt: skip
+    # A step of at least 0.4 s (16 completions, 2 workers), the rewards unchanged: the test sees the step-3
+    # checkpoint before the run writes the next.
+    slow = {"name": "reward_fixtures.slow_reward", "weight": 0.0, "kwargs": {"delay_s": 0.05}}
+    raw["reward"]["functions"].append(slow)
     raw["model"]["path"] = str(tmp_path / "model")  # shared: built once by the first run
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -55,16 +60,19 @@ def rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path):
-    whole = grpo_dist("train", write_config(tmp_path, "whole"))
+@pytest.mark.parametrize("k", [0, 1], ids=["on-policy", "k1"])
+def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
+    """At k = 1 the checkpoint holds the batch drawn ahead (sampled by the weights before the checkpoint's), which the
+    resumed run trains on as the uninterrupted one does."""
+    whole = grpo_dist("train", write_config(tmp_path, "whole", k))
     assert whole.wait(timeout=600) == 0
 
-    interrupted = grpo_dist("train", write_config(tmp_path, "resumed"), start_new_session=True)
+    interrupted = grpo_dist("train", write_config(tmp_path, "resumed", k), start_new_session=True)
     run_dir = tmp_path / "outputs" / "resumed"
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "latest").exists():
         assert interrupted.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
-        time.sleep(0.5)
+        time.sleep(0.1)
     os.kill(interrupted.pid, signal.SIGKILL)  # the driver only: its Ray cluster has to notice by itself
     interrupted.wait(timeout=60)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000003"
@@ -76,6 +84,7 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path):
 
     expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
     assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]  # no step duplicated or missing
+    assert [row["rollout/weight_version"] for row in got] == [0, 0, 1, 2, 3, 4] if k else [0, 1, 2, 3, 4, 5]
     for want, have in zip(expected, got, strict=True):
         for key in COMPARED:
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
