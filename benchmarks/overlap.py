@@ -46,6 +46,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 
 def judge(delay_s: float) -> str:
+    """The override for a judge that sleeps `delay_s` per completion, then scores it as `math_answer` does."""
     return f"reward.functions=[{{name: judges.slow_math_answer, weight: 1.0, kwargs: {{delay_s: {delay_s}}}}}]"
 
 

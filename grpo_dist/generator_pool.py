@@ -54,10 +54,10 @@ class Request:
     actor: ray.actor.ActorHandle
 
 
-def requests_per_generator(prompts: int, generators: int) -> int:
+def requests_per_generator(prompts: int, generators: int, lone_takes_all: bool = True) -> int:
     """How many requests a generator may have under way: half of an even share of the prompts; all of them when
-    there is one generator (no other to share with, and a second wave of requests would cost a wait)."""
-    if generators == 1:
+    there is one generator and `lone_takes_all` (no other to share with, and a second wave would cost a wait)."""
+    if generators == 1 and lone_takes_all:
         return max(1, prompts)
     return max(1, math.ceil(prompts / (2 * generators)))
 
@@ -115,31 +115,38 @@ class GeneratorPool:
         """All prompts' completions, grouped, in prompt order. `seeds`: one sampling seed per prompt. `on_group`
         gets each prompt's group as soon as it is generated; `while_waiting` runs every `POLL_S` while requests are
         under way. A lost generator's prompts are generated again by its replacement. `more`, asked every `POLL_S`,
-        streams further prompts with their seeds (numbered on from the last); once it answers None the caller has
-        what it needs: the requests still under way are cancelled and the groups generated so far returned."""
+        streams further prompts with their seeds (numbered on from the last; `seeds` is then required); once it
+        answers None the caller has what it needs: the requests still under way are cancelled and the groups
+        generated so far returned. An error (from `more`, `while_waiting` or a generator that cannot be replaced)
+        cancels the requests under way too. With one generator every prompt goes at once, except in greedy
+        evaluation and with in-flight weight updates (prompts sent after an update are sampled by the new weights
+        alone)."""
         prompts, seeds = list(prompts), None if seeds is None else list(seeds)
         queue = deque(range(len(prompts)))
-        depth = requests_per_generator(len(prompts), len(self.actors))
+        lone_takes_all = not greedy and self.cfg.sync.mode != "in_flight"
+        depth = requests_per_generator(len(prompts), len(self.actors), lone_takes_all)
         running: dict[ray.ObjectRef, Request] = {}
         done: dict[int, list[Completion]] = {}  # prompt index -> its group
         busy_since: dict[int, float] = {}
-        while queue or running or more is not None:
-            if more is not None:
-                if (streamed := more()) is None:
-                    self._cancel(running, queue)
-                    self._account_busy(running, busy_since, greedy)
-                    break
-                queue.extend(range(len(prompts), len(prompts) + len(streamed)))
-                prompts += [prompt for prompt, _ in streamed]
-                seeds += [seed for _, seed in streamed]
-            self._send(queue, running, depth, prompts, group_size, greedy, seeds)
-            self._wait(running, while_waiting is not None or more is not None)
-            lost = self._collect(running, done, greedy, on_group)
+        try:
+            while queue or running or more is not None:
+                if more is not None:
+                    if (streamed := more()) is None:
+                        break
+                    queue.extend(range(len(prompts), len(prompts) + len(streamed)))
+                    prompts += [prompt for prompt, _ in streamed]
+                    seeds += [seed for _, seed in streamed]
+                self._send(queue, running, depth, prompts, group_size, greedy, seeds)
+                self._wait(running, while_waiting is not None or more is not None)
+                lost = self._collect(running, done, greedy, on_group)
+                self._account_busy(running, busy_since, greedy)
+                if while_waiting is not None:
+                    while_waiting()
+                if self._replace_lost(lost, queue):
+                    self.rejoin()
+        finally:
+            self._cancel(running, queue)
             self._account_busy(running, busy_since, greedy)
-            if while_waiting is not None:
-                while_waiting()
-            if self._replace_lost(lost, queue):
-                self.rejoin()
         return [completion for index in sorted(done) for completion in done[index]]
 
     def _cancel(self, running: dict[ray.ObjectRef, Request], queue: deque) -> None:

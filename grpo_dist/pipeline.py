@@ -76,7 +76,7 @@ class RolloutQueue:
             return {"sampler": self.sampler.state_dict(), "ahead": None}
         return {
             "sampler": self.sampler_before_ahead,
-            "ahead": {"batch": self.ahead, "sampler": self.sampler.state_dict()},
+            "ahead": {"batch": self.ahead, "sampler": self.sampler.state_dict(), "settings": batch_settings(self.cfg)},
         }
 
     def load_state_dict(self, state: dict, step: int) -> None:
@@ -84,11 +84,14 @@ class RolloutQueue:
         kept holds the sampler only."""
         self.reset()
         ahead = state.get("ahead")
-        if ahead and self.cfg.rollout.max_staleness >= 1 and ahead["batch"][0] == step + 1:
+        if ahead and ahead["settings"] != batch_settings(self.cfg):
+            print("the checkpoint's batch drawn ahead was sampled or scored under other settings (rewards, batch "
+                  "size, sampling): its prompts are drawn again")  # fmt: skip
+        elif ahead and self.cfg.rollout.max_staleness >= 1 and ahead["batch"][0] == step + 1:
             self.sampler.load_state_dict(ahead["sampler"])
             self.ahead, self.sampler_before_ahead = ahead["batch"], state["sampler"]
-        else:
-            self.sampler.load_state_dict(state["sampler"])
+            return
+        self.sampler.load_state_dict(state["sampler"])
 
     def queued_prompts(self) -> int:
         return len(self.ahead[1].prompts) if self.ahead is not None else 0
@@ -96,6 +99,17 @@ class RolloutQueue:
     def reset(self) -> None:
         """Forget the batch drawn ahead (taken, or stale after the learner group restarted from a checkpoint)."""
         self.ahead = self.sampler_before_ahead = None
+
+
+def batch_settings(cfg: Config) -> dict:
+    """The settings a batch drawn ahead was generated and scored under: a run resumed with others draws it again."""
+    rollout, algo = cfg.rollout, cfg.algorithm
+    return {
+        "reward.functions": [spec.model_dump(mode="json") for spec in cfg.reward.functions],
+        "data.prompts_per_step": cfg.data.prompts_per_step,
+        "algorithm.dynamic_sampling": [algo.dynamic_sampling, algo.max_sampling_rounds],
+        "rollout.sampling": [rollout.temperature, rollout.top_p],
+    }
 
 
 def sync_due(cfg: Config, cluster: Cluster) -> bool:
@@ -146,11 +160,11 @@ def collect_rollout(
     group_size, key = cfg.rollout.group_size, f"{cfg.run.seed}:{step}"
     if not cfg.algorithm.dynamic_sampling:
         prompts = next(sampler)
-        return sample_round(cluster, prompts, prompt_seeds(key, len(prompts), len(prompts)), group_size, timer,
+        return sample_batch(cluster, prompts, prompt_seeds(key, len(prompts), len(prompts)), group_size, timer,
                             while_generating), {}  # fmt: skip
     refill = Refill(cfg, sampler, key)
     prompts, seeds = refill.first()
-    rollout = sample_round(cluster, prompts, seeds, group_size, timer, while_generating, refill)
+    rollout = sample_batch(cluster, prompts, seeds, group_size, timer, while_generating, refill)
     return refill.batch(rollout), refill.metrics()
 
 
@@ -167,12 +181,12 @@ def prompt_seeds(key: str, batch: int, count: int) -> list[int]:
 class Refill:
     """Dynamic sampling's prompts for one step, streamed as scored groups show how many more are needed.
 
-    A group whose rewards are all equal teaches nothing (DAPO) and is dropped. The step trains on the informative
-    groups of the shortest run of prompts, in the order drawn, that holds `prompts_per_step` of them (or of all
-    `max_sampling_rounds` x `prompts_per_step` prompts, the cap): the same groups whatever order the engines finish
-    them in, so a resumed run trains on the same batch. To keep the engines busy it sends ahead as many prompts as
-    the informative fraction seen so far says are needed; prompts past that run are cancelled or their groups
-    dropped, and the sampler is wound back to just after it (the next step draws them again).
+    A group whose rewards are all equal teaches nothing (DAPO, arXiv 2503.14476) and is dropped. The step trains on
+    the informative groups of the shortest run of prompts, in the order drawn, that holds `prompts_per_step` of them
+    (or of all `max_sampling_rounds` x `prompts_per_step` prompts, the cap): the same groups whatever order the
+    engines finish them in, so a resumed run trains on the same batch. To keep the engines busy it sends ahead as
+    many prompts as the informative fraction seen so far says are needed; prompts past that run are cancelled or
+    their groups dropped, and the sampler is wound back to just after it (the next step draws them again).
     """
 
     def __init__(self, cfg: Config, sampler: PromptSampler, key: str) -> None:
@@ -243,7 +257,7 @@ class Refill:
         }
 
 
-def sample_round(
+def sample_batch(
     cluster: Cluster,
     prompts: list[PromptRecord],
     seeds: list[int],
@@ -255,7 +269,8 @@ def sample_round(
     """Generate and score a batch; each generated group is scored while the rest generate (the groups that
     finished while the reward pool was busy go together), so `time/reward` is the scoring left when generation
     ends. `while_generating` runs every few milliseconds while requests are under way. With `refill` the batch
-    grows as it asks, and the groups generated before it had enough are returned, numbered as sent."""
+    grows as it asks; the rollout returned holds every prompt sent, numbered as sent, and the groups generated
+    before it had enough (a prompt cancelled then has none: `Refill.batch` keeps only prompts it used)."""
     scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
     waiting: list[Completion] = []  # generated, not yet handed to the reward pool
     lock = threading.Lock()
@@ -282,6 +297,9 @@ def sample_round(
         batches.append(scoring.submit(score_waiting))
 
     def more() -> list[tuple[PromptRecord, int]] | None:
+        for batch in batches:  # a group that failed to score (a reward pool past its restarts) is never scored
+            if batch.done() and batch.exception() is not None:
+                raise batch.exception()
         streamed = refill.more()
         if streamed:
             sent.extend(prompt for prompt, _ in streamed)

@@ -41,16 +41,3 @@ class Rollout:
             completions=[replace(c, prompt_index=new_index[c.prompt_index]) for c, _ in pairs],
             scores=[s for _, s in pairs],
         )
-
-    def first_groups(self, count: int) -> Rollout:
-        """The first `count` groups."""
-        return self.select_groups([index < count for index in range(len(self.prompts))])
-
-    def __add__(self, other: Rollout) -> Rollout:
-        offset = len(self.prompts)
-        return Rollout(
-            prompts=self.prompts + other.prompts,
-            completions=self.completions
-            + [replace(c, prompt_index=c.prompt_index + offset) for c in other.completions],
-            scores=self.scores + other.scores,
-        )

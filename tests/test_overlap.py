@@ -129,7 +129,7 @@ def test_dynamic_sampling_past_its_cap_trains_on_what_it_has(tmp_path):
     assert refill.metrics()["dynamic_sampling/dropped_fraction"] == 1.0
 
 
-def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_draws_its_prompts_again(tmp_path):
+def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_draws_its_prompts_again(tmp_path, capsys):
     def queue(k: int) -> RolloutQueue:
         records = [PromptRecord(str(i), [1], {}) for i in range(40)]
         return RolloutQueue(validate_config(small_config(tmp_path, rollout={"max_staleness": k})), None,
@@ -148,6 +148,39 @@ def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_dr
         other = queue(k)
         other.load_state_dict(state, step=step)
         assert other.ahead is None and other.sampler.state_dict() == {"epoch": 0, "position": 0}
+    rescored = queue(1)  # resumed with another reward: the batch was scored by the old one
+    rescored.cfg.reward.functions[0].weight = 2.0
+    rescored.load_state_dict(state, step=3)
+    assert rescored.ahead is None and rescored.sampler.state_dict() == {"epoch": 0, "position": 0}
+    assert "drawn again" in capsys.readouterr().out
+    older = queue(1)  # a checkpoint written before batches drawn ahead were kept
+    older.load_state_dict({"sampler": {"epoch": 0, "position": 8}}, step=3)
+    assert older.ahead is None and older.sampler.state_dict() == {"epoch": 0, "position": 8}
+
+
+def test_a_group_that_cannot_be_scored_ends_dynamic_sampling_with_the_error(tmp_path):
+    """The reward pool past its restarts: the step stops with its error instead of waiting for that group."""
+    from grpo_dist.faults import RunFailed
+    from grpo_dist.metrics import StepTimer
+    from grpo_dist.pipeline import collect_rollout
+
+    def generate(prompts, group_size, seeds, on_group, while_waiting, more):  # every group at once, then `more`
+        for index in range(len(prompts)):
+            on_group([Completion(index, [1], [2], "2", [-0.5], "stop", 0) for _ in range(group_size)])
+        for _ in range(200):
+            if more() is None:
+                return []
+            time.sleep(0.01)
+        raise AssertionError("still waiting for a group that will never be scored")
+
+    def score(requests):
+        raise RunFailed("reward worker lost; already restarted 3 times (faults.max_reward_worker_restarts)")
+
+    cfg = validate_config(small_config(tmp_path, algorithm={"dynamic_sampling": True}))
+    cluster = SimpleNamespace(generators=SimpleNamespace(generate=generate), score=score)
+    sampler = PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)], 4, seed=0)
+    with pytest.raises(RunFailed, match="already restarted"):
+        collect_rollout(cfg, cluster, sampler, StepTimer(), step=1)
 
 
 def test_importance_sampling_is_on_by_default_once_samples_can_be_stale(tmp_path):
@@ -226,7 +259,7 @@ def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k
 @pytest.mark.slow
 def test_dynamic_sampling_refills_from_the_stream_under_in_flight_updates(ray_cluster, tmp_path):
     """About half the prompts' groups teach nothing (their rewards are all equal): each step streams more prompts as
-    such groups are scored, and trains on exactly `prompts_per_step` informative groups, the first ones drawn."""
+    such groups are scored, and trains on exactly `prompts_per_step` informative groups."""
     steps, wanted = 5, 4  # 4 prompts per step (small_config)
     raw = small_config(
         tmp_path, run={"steps": steps}, sync={"mode": "in_flight"}, algorithm={"dynamic_sampling": True},
@@ -238,9 +271,8 @@ def test_dynamic_sampling_refills_from_the_stream_under_in_flight_updates(ray_cl
     print(f"prompts used per step: {used}; sent past them: {[row['dynamic_sampling/discarded'] for row in rows]}")
     assert all(row["rollout/groups"] == wanted for row in rows)
     assert any(count > wanted for count in used)  # some steps refilled
-    for row, count in zip(rows, used, strict=True):
-        kept = round(count * (1 - row["dynamic_sampling/dropped_fraction"]))
-        assert kept == wanted and count == int(count)  # whole prompts, not rounds: only what the step needed
+    for row, count in zip(rows, used, strict=True):  # the prompts used held exactly the groups trained on
+        assert round(count * (1 - row["dynamic_sampling/dropped_fraction"])) == wanted
     assert all(row["staleness/max"] <= 1 for row in rows)
 
 
@@ -248,9 +280,9 @@ def test_dynamic_sampling_refills_from_the_stream_under_in_flight_updates(ray_cl
 def test_generators_added_and_removed_while_a_run_goes(tmp_path):
     """1 generator, 2 from the first step after a `grpo-dist scale` request, then 1 again; every step trains on
     all its prompts and each generator's completions show in metrics.jsonl."""
-    steps, prompts, group = 80, 4, 4  # a new generator takes seconds to start; a step here takes a fraction of one
+    prompts, group = 4, 4
     raw = small_config(
-        tmp_path, run={"steps": steps}, rollout={"num_generators": 1, "group_size": group}, ray={"num_cpus": 4}
+        tmp_path, run={"steps": UNTIL_STOPPED}, rollout={"num_generators": 1, "group_size": group}, ray={"num_cpus": 4}
     )  # the run's own Ray cluster has room for a second generator
     run_dir = tmp_path / "outputs" / "test"
     with training(tmp_path, raw) as run:
@@ -259,10 +291,11 @@ def test_generators_added_and_removed_while_a_run_goes(tmp_path):
         up = wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
         wait_for_row(run_dir, run, lambda row: row["step"] >= up["step"] + 2)
         control.scale(run_dir, generators=1)  # the same from Python
-        wait_for_row(run_dir, run, lambda row: row["step"] > up["step"] + 2 and row["generators/count"] == 1)
-        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        down = wait_for_row(run_dir, run, lambda row: row["step"] > up["step"] + 2 and row["generators/count"] == 1)
+        wait_for_row(run_dir, run, lambda row: row["step"] >= down["step"] + 2)
+        stop(run, tmp_path)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
     counts = [int(row["generators/count"]) for row in rows]
     assert [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] == [1, 2, 1]  # up once, down once
     for row in rows:  # all of the step's prompts generated, by the generators it had
@@ -272,6 +305,16 @@ def test_generators_added_and_removed_while_a_run_goes(tmp_path):
     output = (tmp_path / "run.log").read_text()
     assert "scale: 1 -> 2 generators" in output and "scale: now 2 generators" in output
     assert "scale: 2 -> 1 generators" in output and "scale: now 1 generators" in output
+
+
+UNTIL_STOPPED = 100_000  # steps of a run that a test stops (`stop`) once it has seen what it waits for: a new
+# generator takes seconds to start, a step here a fraction of one, so no fixed length is sure to outlast it
+
+
+def stop(run: subprocess.Popen, tmp_path) -> None:
+    """Stop a run as preemption would (SIGTERM): it finishes cleanly with status 130."""
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=300) == 130, (tmp_path / "run.log").read_text()[-3000:]
 
 
 def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 300) -> dict:
@@ -298,6 +341,7 @@ def test_generators_share_prompts_by_half_an_even_share_and_a_lone_one_takes_all
     from grpo_dist.generator_pool import requests_per_generator
 
     assert [requests_per_generator(16, g) for g in (1, 2, 3, 4)] == [16, 4, 3, 2]
+    assert requests_per_generator(16, 1, lone_takes_all=False) == 8  # evaluation, in-flight updates
     assert requests_per_generator(1, 4) == 1 and requests_per_generator(0, 1) == 1
 
 
@@ -377,8 +421,7 @@ def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypat
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
     cluster.add_node(num_cpus=4)  # the run as it starts: learner rank, one generator, two reward workers
-    steps = 150  # the new generator waits for a node, then takes seconds to start; a step here takes a fraction of one
-    raw = small_config(tmp_path, run={"steps": steps}, ray={"address": cluster.address})
+    raw = small_config(tmp_path, run={"steps": UNTIL_STOPPED}, ray={"address": cluster.address})
     run_dir = tmp_path / "outputs" / "test"
     try:
         with training(tmp_path, raw) as run:
@@ -387,12 +430,13 @@ def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypat
             waiting = wait_for_row(run_dir, run, lambda row: row["generators/joining"] == 1)
             wait_for_row(run_dir, run, lambda row: row["step"] >= waiting["step"] + 3)  # the run goes on meanwhile
             cluster.add_node(num_cpus=1)
-            wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
-            assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+            up = wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
+            wait_for_row(run_dir, run, lambda row: row["step"] >= up["step"] + 2)
+            stop(run, tmp_path)
     finally:
         cluster.shutdown()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert [row["step"] for row in rows] == list(range(1, len(rows) + 1))
     counts = [(int(row["generators/count"]), int(row["generators/joining"])) for row in rows]
     assert [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] == [(1, 0), (1, 1), (2, 0)]
     assert sum(c == (1, 1) for c in counts) >= 4  # steps trained while the new generator waited for room

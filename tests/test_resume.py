@@ -84,7 +84,7 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
 
     expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
     assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]  # no step duplicated or missing
-    assert [row["rollout/weight_version"] for row in got] == [0, 0, 1, 2, 3, 4] if k else [0, 1, 2, 3, 4, 5]
+    assert [row["rollout/weight_version"] for row in got] == ([0, 0, 1, 2, 3, 4] if k else [0, 1, 2, 3, 4, 5])
     for want, have in zip(expected, got, strict=True):
         for key in COMPARED:
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
