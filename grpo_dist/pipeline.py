@@ -18,7 +18,6 @@ import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 import torch
 
@@ -204,9 +203,14 @@ class Refill:
         self.sent = self.wanted
         return self.prompts[: self.wanted], self.seeds[: self.wanted]
 
-    def scored(self, rollout: Rollout, indices: list[int]) -> None:
-        """Note which of a scored rollout's groups (prompts `indices` of the step) are informative."""
-        rewards, _ = compute_advantages(self.cfg, rollout)
+    def scored(self, prompts: list[PromptRecord], completions: list[Completion], scores: list[Score]) -> None:
+        """Note which groups of newly scored `completions` (whole groups of `prompts`, numbered as sent) are
+        informative."""
+        fresh = {c.prompt_index for c in completions}
+        indices = sorted(fresh)
+        pairs = sorted(zip(completions, scores, strict=True), key=lambda pair: pair[0].prompt_index)
+        groups = Rollout(prompts, [c for c, _ in pairs], [score for _, score in pairs])
+        rewards, _ = compute_advantages(self.cfg, groups.select_groups([i in fresh for i in range(len(prompts))]))
         with self.lock:
             self.informative.update(zip(indices, informative_groups(rewards, self.group_size).tolist(), strict=True))
 
@@ -283,12 +287,7 @@ def sample_batch(
             waiting.clear()
         scores = cluster.score(score_requests(sent, batch)) if batch else []
         if refill is not None and batch:
-            indices = sorted({c.prompt_index for c in batch})
-            renumber = {index: position for position, index in enumerate(indices)}
-            grouped = sorted(zip(batch, scores, strict=True), key=lambda pair: pair[0].prompt_index)
-            refill.scored(Rollout([sent[index] for index in indices],
-                                  [replace(c, prompt_index=renumber[c.prompt_index]) for c, _ in grouped],
-                                  [score for _, score in grouped]), indices)  # fmt: skip
+            refill.scored(sent[:], batch, scores)  # a copy: `more` may send further prompts meanwhile
         return batch, scores
 
     def on_group(group: list[Completion]) -> None:

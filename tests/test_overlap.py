@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,8 +92,7 @@ def stream_refill(tmp_path, informative: set[int], order_seed: int, rounds: int 
         index = order.choice([index for index in range(len(sent)) if index not in groups])
         rewards = [1.0, 0.0, 0.0, 0.0] if int(sent[index].text) in informative else [0.0] * 4
         groups[index] = [(Completion(index, [1], [2], "2", [-0.5], "stop", 0), Score(r, [r])) for r in rewards]
-        refill.scored(Rollout([sent[index]], [replace(c, prompt_index=0) for c, _ in groups[index]],
-                              [score for _, score in groups[index]]), [index])  # fmt: skip
+        refill.scored(sent, [c for c, _ in groups[index]], [score for _, score in groups[index]])
     pairs = [pair for index in sorted(groups) for pair in groups[index]]
     rollout = Rollout(sent, [c for c, _ in pairs], [score for _, score in pairs])
     batch = refill.batch(rollout)
