@@ -191,9 +191,15 @@ class AlgorithmConfig(_Section):
     """beta: weight of the KL penalty to the frozen reference; 0 never loads the reference model."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator; k3 = exp(ref - lp) - (ref - lp) - 1 as in DeepSeekMath."""
+    old_logprobs: Literal["auto", "learner", "sampler"] = "auto"
+    """The policy the ratio is taken against, whose neighbourhood the clip keeps each step in: `learner`, the
+    learner's weights before the step; `sampler`, the weights that sampled each token (the generators' sampling
+    logprobs), so the ratio is itself the importance weight of an older sample. auto: `sampler` with
+    `rollout.max_staleness` >= 1, `rollout.top_p` 1 and no number for `is_cap`, `learner` otherwise."""
     is_cap: float | Literal["auto"] | None = "auto"
-    """Truncated importance sampling between sampling and learner logprobs, capped here; null disables it; auto is
-    2 with `rollout.max_staleness` >= 1 (off-policy samples) and off otherwise."""
+    """With `old_logprobs: learner`, truncated importance sampling between sampling and learner logprobs, capped
+    here; null disables it; auto is 2 with `rollout.max_staleness` >= 1 and `old_logprobs: learner`, off
+    otherwise (`sampler` needs none)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (the token entropy is logged every step either way)."""
     dynamic_sampling: bool = False
@@ -389,10 +395,19 @@ class Config(_Section):
     """Experiment tracking."""
 
     @model_validator(mode="after")
-    def _is_cap_resolved(self) -> Config:
-        algorithm = self.algorithm
+    def _off_policy_resolved(self) -> Config:
+        algorithm, off_policy = self.algorithm, self.rollout.max_staleness >= 1
+        if algorithm.old_logprobs == "auto":  # top_p < 1 samples a truncated distribution: every ratio falls below 1
+            sampler = off_policy and self.rollout.top_p == 1 and not isinstance(algorithm.is_cap, float)
+            algorithm.old_logprobs = "sampler" if sampler else "learner"
         if algorithm.is_cap == "auto":
-            algorithm.is_cap = 2.0 if self.rollout.max_staleness >= 1 else None
+            algorithm.is_cap = 2.0 if off_policy and algorithm.old_logprobs == "learner" else None
+        if algorithm.is_cap is not None and algorithm.old_logprobs == "sampler":
+            raise ValueError(
+                f"algorithm.is_cap={algorithm.is_cap} does nothing with algorithm.old_logprobs=sampler: the ratio is "
+                "already taken against the sampling policy (its importance weight) and the clip bounds it; set "
+                "is_cap=null, or old_logprobs=learner for truncated importance sampling"
+            )
         return self
 
     @model_validator(mode="after")

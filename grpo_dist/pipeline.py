@@ -4,8 +4,8 @@ With `rollout.max_staleness` k = 0 a step's batch is generated and scored when t
 learner has: on-policy. With k >= 1 the next step's batch is generated and scored while the learner trains
 (`RolloutQueue.draw_ahead`), by weights up to k updates older than the learner's when it trains on them
 (`sync_due` says when the generators must get new weights for that to hold). `bound_staleness` enforces the bound
-per sample (groups holding an older completion are dropped and counted) and reports it; truncated importance
-sampling (`algorithm.is_cap`) corrects for the older sampling policy. With `sync.mode: in_flight` the generators
+per sample (groups holding an older completion are dropped and counted) and reports it; the learner corrects for
+the older sampling policy (`algorithm.old_logprobs`, `algorithm.is_cap`). With `sync.mode: in_flight` the generators
 take new weights mid-batch (`update_in_flight`); a completion whose tokens span versions counts as old as its
 oldest token. With dynamic sampling the batch is refilled from the stream (`Refill`): each group that teaches
 nothing calls for another prompt as soon as it is scored.

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
 import torch
 from conftest import small_config
 
+from grpo_dist.algo import group_advantages
 from grpo_dist.batch import collate
 from grpo_dist.config import validate_config
 from grpo_dist.types import Completion
@@ -41,8 +43,6 @@ def start_group(ray_cluster, tmp_path, model_dir, learner: dict, algorithm: dict
 
 
 def sample_batch():
-    from grpo_dist.algo import group_advantages
-
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.2])
     return collate(fake_rollout(), group_advantages(rewards, 4), pad_token_id=0)
 
@@ -76,6 +76,26 @@ def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, tmp_path, m
     assert "kl" not in metrics
     # is_cap set: the generator's sampling logprobs enter the loss as truncated importance weights.
     assert 0 < metrics["is_weight/mean"] <= 2.0
+    group.shutdown()
+
+
+def test_old_logprobs_sampler_takes_the_ratio_against_the_sampling_policy(ray_cluster, tmp_path, model_dir):
+    """Sampling logprobs set to the learner's own minus ln 2 (a sampler half as likely to pick each token): every
+    ratio is then 2, so exactly the positive-advantage tokens are clipped, though the learner's weights have not
+    moved (with `learner` the ratio would be 1)."""
+    group = start_group(ray_cluster, tmp_path, model_dir, {"micro_batch_size": 8}, {"old_logprobs": "sampler"})
+    completions = fake_rollout()
+    for completion in completions:
+        (own,) = group.call("sequence_logprobs", completion.prompt_token_ids + completion.token_ids)
+        completion.logprobs = [logprob - math.log(2) for logprob in own[-len(completion.token_ids) :]]
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.2])
+    batch = collate(completions, group_advantages(rewards, 4), pad_token_id=0)
+    metrics = group.train(batch)
+    positive = (batch.completion_mask * (batch.advantages > 0)[:, None]).sum() / batch.completion_mask.sum()
+    assert metrics["ratio/mean"] == pytest.approx(2.0, rel=1e-4)
+    assert metrics["clip_fraction/high"] == pytest.approx(positive.item(), rel=1e-6)
+    assert metrics["clip_fraction/low"] == 0.0
+    assert "is_weight/mean" not in metrics  # the ratio is the importance weight: no second one
     group.shutdown()
 
 

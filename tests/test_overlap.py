@@ -181,16 +181,24 @@ def test_a_group_that_cannot_be_scored_ends_dynamic_sampling_with_the_error(tmp_
         collect_rollout(cfg, cluster, sampler, StepTimer(), step=1)
 
 
-def test_importance_sampling_is_on_by_default_once_samples_can_be_stale(tmp_path):
-    assert validate_config(small_config(tmp_path)).algorithm.is_cap is None
-    stale = validate_config(small_config(tmp_path, rollout={"max_staleness": 1}))
-    assert stale.algorithm.is_cap == 2.0
-    off = validate_config(small_config(tmp_path, rollout={"max_staleness": 1}, algorithm={"is_cap": None}))
-    assert off.algorithm.is_cap is None
+def test_off_policy_correction_is_on_by_default_once_samples_can_be_stale(tmp_path):
+    def algorithm(rollout: dict | None = None, **settings):
+        resolved = validate_config(small_config(tmp_path, rollout=rollout or {}, algorithm=settings)).algorithm
+        return resolved.old_logprobs, resolved.is_cap
+
+    stale = {"max_staleness": 1}
+    assert algorithm() == ("learner", None)  # on-policy: the learner's own logprobs, nothing to correct
+    assert algorithm(stale) == ("sampler", None)  # the ratio is taken against the weights that sampled
+    assert algorithm(stale, old_logprobs="learner") == ("learner", 2.0)  # truncated importance sampling instead
+    assert algorithm(stale, is_cap=3.0) == ("learner", 3.0)  # a cap asks for truncated importance sampling
+    assert algorithm({**stale, "top_p": 0.9}) == ("learner", 2.0)  # a truncated sampler would read as a policy change
+    assert algorithm(stale, old_logprobs="learner", is_cap=None) == ("learner", None)  # no correction at all
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path)))
     with pytest.raises(ConfigError, match="is_cap must be > 0"):
         load_config(config, ["algorithm.is_cap=0"])
+    with pytest.raises(ConfigError, match="is_cap=2.0 does nothing with algorithm.old_logprobs=sampler"):
+        load_config(config, ["algorithm.old_logprobs=sampler", "algorithm.is_cap=2.0"])
 
 
 def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsys):

@@ -271,6 +271,7 @@ def test_truncated_importance_sampling_weight() -> None:
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, -0.25]], dtype=torch.float64))
     assert sampling.grad is None  # the weight is detached: nothing flows back to the sampler's logprobs
     assert metrics["is_weight/mean"] == pytest.approx(1.25)
+    assert metrics["is_weight/capped"] == pytest.approx(0.5)  # the first token's 3 hit the cap
     assert metrics["loss/policy"] == pytest.approx(-1.25)
 
 

@@ -189,7 +189,10 @@ class Learner:
         started = time.perf_counter()
         batch = shard.batch.to(self.device)
         reuse = self.algo.ppo_epochs > 1 or len(shard.mini_batches) > 1
-        old_logprobs = self._logprobs(self.engine.module, batch, shard) if reuse else None  # [b, T]
+        if self.algo.old_logprobs == "sampler":
+            old_logprobs = batch.sampling_logprobs  # [b, T]
+        else:  # the learner's own: before the first update, or in the update's own forward pass if it is the only one
+            old_logprobs = self._logprobs(self.engine.module, batch, shard) if reuse else None  # [b, T]
         ref_logprobs = self._logprobs(self.reference, batch, shard) if self.reference is not None else None  # [b, T]
         history: list[dict[str, float]] = []
         for _ in range(self.algo.ppo_epochs):

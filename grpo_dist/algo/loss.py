@@ -25,7 +25,8 @@ Conventions and departures:
 - GSPO's ratio carries gradient to every token of its sequence (the plain sequence-level variant, not GSPO-token).
 - Dual clip is applied before the TIS weight; the TIS weight multiplies the policy term only, not KL or entropy.
 - ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``sampling_logprobs`` are constants (detached).
-- Clip fractions, ratio statistics and ``is_weight/mean`` are token means over masked tokens whatever the
+- Clip fractions, ratio statistics, ``is_weight/mean`` and ``is_weight/capped`` (the fraction of tokens whose
+  weight hit ``is_cap``) are token means over masked tokens whatever the
   aggregation; ``kl`` and ``entropy`` use ``aggregation``, the same number that enters the loss.
 - Math runs in at least float32.
 """
@@ -71,7 +72,7 @@ def policy_loss(
 
     logprobs, old_logprobs, mask, ref_logprobs, sampling_logprobs, entropy: [B, T]; advantages: [B].
     Metrics: loss/policy, clip_fraction/low, clip_fraction/high, clip_fraction, ratio/mean, ratio/max, and when
-    their inputs are given dual_clip_fraction, is_weight/mean, kl, entropy.
+    their inputs are given dual_clip_fraction, is_weight/mean, is_weight/capped, kl, entropy.
     """
     _check_options(clip_low, clip_high, dual_clip, ratio_level, aggregation, max_length, kl_estimator, is_cap)
     _check_coefficients(kl_coef, ref_logprobs, entropy_coef, entropy)
@@ -97,9 +98,10 @@ def policy_loss(
     if dual_clip is not None:
         per_token, stats["dual_clip_fraction"] = _dual_clip(per_token, advantages, mask, dual_clip)
     if sampling_logprobs is not None:
-        weight = _tis_weight(old_logprobs, sampling_logprobs.detach().to(dtype), mask, is_cap)  # [B, T]
-        per_token = per_token * weight
-        stats["is_weight/mean"] = _token_mean(weight, mask)
+        weight = _tis_weight(old_logprobs, sampling_logprobs.detach().to(dtype), mask)  # [B, T]
+        per_token = per_token * weight.clamp(max=is_cap)
+        stats["is_weight/mean"] = _token_mean(weight.clamp(max=is_cap), mask)
+        stats["is_weight/capped"] = _token_mean(weight > is_cap, mask)
     loss = aggregate(per_token)
     stats["loss/policy"] = loss.detach()
     if ref_logprobs is not None:
@@ -193,10 +195,10 @@ def _dual_clip(per_token: Tensor, advantages: Tensor, mask: Tensor, dual_clip: f
     return torch.where(capped, cap, per_token), _token_mean(capped, mask)
 
 
-def _tis_weight(old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, is_cap: float) -> Tensor:
-    """min(pi_old / pi_sampler, is_cap), detached; 1 at masked-out positions. [B, T]"""
+def _tis_weight(old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """pi_old / pi_sampler before the cap, detached; 1 at masked-out positions. [B, T]"""
     log_weight = torch.where(mask, old_logprobs - sampling_logprobs, 0.0)  # [B, T]
-    return log_weight.exp().clamp(max=is_cap).detach()
+    return log_weight.exp().detach()
 
 
 def _kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str) -> Tensor:
