@@ -383,6 +383,48 @@ def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
+def test_requests_cancelled_by_the_pool_are_aborted_in_the_engine(ray_cluster, tmp_path):
+    """Dynamic sampling's stop: once `more` answers None the pool cancels the requests under way, and the engine
+    drops them (vLLM aborts a request whose call is cancelled). The engine is paused with its requests kept before
+    the stop, so a request that was not aborted would stay in it rather than finish on its own."""
+    from grpo_dist.driver import prepare
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.generator_pool import GeneratorPool
+    from grpo_dist.placement import place
+
+    cfg = validate_config(small_config(tmp_path, rollout={"max_new_tokens": 200, "max_model_len": 256}))
+    inputs = prepare(cfg)
+    placement = place(cfg)
+    pool = GeneratorPool(cfg, inputs.model_path, placement, FaultLog())
+    engine = pool.actors[0]
+
+    def in_engine() -> int:
+        return ray_cluster.get(engine.__ray_call__.remote(lambda self: self.engine.get_num_unfinished_requests()))
+
+    seen: list[int] = []
+
+    def more():  # nothing more to send; once the engine holds requests, freeze them there and stop
+        seen.append(in_engine())
+        if seen[-1]:
+            ray_cluster.get(engine._pause.remote())
+        return None if seen[-1] or len(seen) > 200 else []
+
+    try:
+        pool.pool.wait_ready()
+        prompts = inputs.train[:8]
+        completions = pool.generate(prompts, group_size=4, seeds=list(range(len(prompts))), more=more)
+        deadline = time.monotonic() + 30
+        while (left := in_engine()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        pool.shutdown()
+        placement.remove()
+    assert seen[-1] > 0, "the engine never held the requests, so there was nothing to cancel"
+    assert left == 0, f"{left} cancelled requests still in the (paused) engine after 30 s"
+    assert len(completions) < len(prompts) * 4  # the requests were stopped, not generated to the end
+
+
+@pytest.mark.slow
 def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, tmp_path):
     """New weights loaded while an engine samples long completions: the engine pauses with its requests kept,
     loads them and resumes. A completion under way then holds tokens of both versions and is labelled by the
