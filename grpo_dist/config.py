@@ -294,8 +294,9 @@ class FaultsConfig(_Section):
     """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
     this many seconds stops the run, naming it."""
     generate_timeout_s: float = Field(600.0, gt=0)
-    """A generator with a request (one prompt's group) under way longer than this is treated as hung: killed,
-    replaced and its prompts generated again."""
+    """A generator that answers none of its requests (one prompt's group each) for this long while it has some
+    under way is treated as hung: killed, replaced and its prompts generated again. A long queue in a working
+    engine does not count, as long as it keeps finishing requests."""
     score_timeout_s: float = Field(120.0, gt=0)
     """A reward worker whose share of a step's scoring takes longer is treated as hung: killed, replaced and its
     completions scored again."""

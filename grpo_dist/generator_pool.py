@@ -83,6 +83,7 @@ class GeneratorPool:
         self.completions: Counter[int] = Counter()  # per slot, since `step_metrics` last read them
         self.tokens: Counter[int] = Counter()  # generated tokens per slot, likewise
         self.busy_s: Counter[int] = Counter()  # seconds a slot had requests under way, likewise
+        self.answered: dict[int, float] = {}  # when each slot last answered a request (monotonic)
         self.joining: list[Joining] = []  # asked for while the run goes, not yet in the pool
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
@@ -175,13 +176,21 @@ class GeneratorPool:
         if not running:
             time.sleep(POLL_S)  # only while `more` may stream further prompts
             return
-        deadline = min(request.started for request in running.values()) + self.cfg.faults.generate_timeout_s
+        deadline = min(self._progress(running).values()) + self.cfg.faults.generate_timeout_s
         timeout = max(0.0, deadline - time.monotonic())
         ray.wait(list(running), num_returns=1, timeout=min(timeout, POLL_S) if poll else timeout)
 
+    def _progress(self, running: dict[ray.ObjectRef, Request]) -> dict[int, float]:
+        """For each slot with requests under way, since when it has been without progress: its last answer, or
+        when its oldest request under way was sent if that is later."""
+        progress: dict[int, float] = {}
+        for request in running.values():
+            progress[request.slot] = min(progress.get(request.slot, request.started), request.started)
+        return {slot: max(since, self.answered.get(slot, since)) for slot, since in progress.items()}
+
     def _collect(self, running, done, greedy, on_group) -> list[tuple[Request, str]]:
-        """Take every finished request's group; the requests lost with their generator (dead, or past the bound:
-        every request of a generator that hung), with why."""
+        """Take every finished request's group; the requests lost with their generator (dead, or hung: no answer
+        for `faults.generate_timeout_s` while it had requests under way), with why."""
         bound = self.cfg.faults.generate_timeout_s
         finished = ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []
         lost: list[tuple[Request, str]] = []
@@ -192,13 +201,14 @@ class GeneratorPool:
             except ray.exceptions.RayActorError as err:
                 lost.append((request, f"died ({first_line(err)})"))
                 continue
+            self.answered[request.slot] = time.monotonic()
             if not greedy:  # training samples, not a held-out evaluation
                 self.completions[request.slot] += len(group)
                 self.tokens[request.slot] += sum(len(c.token_ids) for c in group)
             if on_group is not None:
                 on_group(group)
         now = time.monotonic()
-        hung = {request.slot for request in running.values() if now - request.started > bound}
+        hung = {slot for slot, since in self._progress(running).items() if now - since > bound}
         for call in [call for call, request in running.items() if request.slot in hung]:
             lost.append((running.pop(call), f"gave no answer within {bound:g} s"))
         return lost

@@ -351,6 +351,21 @@ def test_generators_share_prompts_by_half_an_even_share_and_a_lone_one_takes_all
     assert requests_per_generator(1, 4) == 1 and requests_per_generator(0, 1) == 1
 
 
+def test_a_generator_counts_as_hung_only_after_a_bound_without_answers():
+    """A slot's time without progress starts at its last answer, or at the sending of its oldest request under way
+    if that is later: a long queue in an engine that keeps answering is not a hang."""
+    from grpo_dist.generator_pool import GeneratorPool, Request
+
+    pool = object.__new__(GeneratorPool)  # the bookkeeping alone, no generators
+    pool.answered = {0: 40.0, 1: 5.0}
+    running = {
+        "a": Request(0, 0, 10.0, None), "b": Request(0, 1, 50.0, None),  # queued since 10, answered at 40
+        "c": Request(1, 2, 30.0, None),  # sent at 30, last answer (an earlier batch's) at 5
+        "d": Request(2, 3, 20.0, None), "e": Request(2, 4, 25.0, None),  # never answered
+    }  # fmt: skip
+    assert pool._progress(running) == {0: 40.0, 1: 30.0, 2: 20.0}
+
+
 @pytest.mark.slow
 def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
     """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: it keeps only the requests
