@@ -119,7 +119,8 @@ def step_times(steps: int, out_dir: Path, overrides: list[str]) -> None:
             "instant_judge_step_s_at_k0": round(instant[0]["time/step"], 3),
             "judge_latency_in_step_s": round(latency, 3),
             "judge_latency_in_step_s_at_k0": round(latency_at_k0, 3),
-            "judge_latency_hidden": round(1 - latency / latency_at_k0, 3),
+            # None where the judge's delay added nothing at k = 0 (an override that made it instant)
+            "judge_latency_hidden": round(1 - latency / latency_at_k0, 3) if latency_at_k0 > 0 else None,
         }
         print(json.dumps(line), flush=True)
 
