@@ -35,7 +35,7 @@ from learning import grpo_dist  # noqa: E402
 
 from grpo_dist.config import Config, load_config  # noqa: E402
 from grpo_dist.data.dataset import load_rows  # noqa: E402
-from grpo_dist.driver import prepare_data  # noqa: E402
+from grpo_dist.inputs import prepare_data  # noqa: E402
 from grpo_dist.rewards.registry import resolve_reward  # noqa: E402
 
 OWN_ACCURACY = re.compile(r"held-out accuracy after training: ([0-9.]+)")

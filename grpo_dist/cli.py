@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     sft.add_argument("config", help="YAML config file with an sft section")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200")
     sft.add_argument("--overwrite", action="store_true", help="replace an existing model at model.path")
-    check = commands.add_parser("check", help="validate a config (with overrides) and print it, starting nothing")
+    check = commands.add_parser(
+        "check",
+        help="validate a config (with overrides) and what it points at (model, tokenizer, data, rewards), print it; "
+        "starts nothing and writes nothing",
+    )
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
     check.add_argument(
@@ -93,12 +97,15 @@ def _run(args: argparse.Namespace) -> int:
         print(build_tiny_model(args.out_dir, seed=args.seed))
         return 0
     cfg = load_config(args.config, args.overrides)
-    if args.command == "check":
-        import yaml
-
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        return _check_cluster(cfg, args.cluster) if args.cluster else 0
     from grpo_dist.data import DatasetError
+
+    if args.command == "check":
+        try:
+            _check_inputs(cfg)
+        except DatasetError as err:
+            print(f"grpo-dist: {err}", file=sys.stderr)
+            return 2
+        return _check_cluster(cfg, args.cluster) if args.cluster else 0
 
     if args.command == "sft":
         from grpo_dist.sft import run_sft
@@ -153,6 +160,23 @@ def _scale(run_dir: str, setting: str) -> int:
 
 def _stop(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _check_inputs(cfg: Config) -> None:
+    """Print the resolved config, then resolve and read what it points at as `train` does (a tiny model or a
+    bundled task is built in a scratch directory, removed afterwards); raises what `train` would raise."""
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from grpo_dist.inputs import prepare
+
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    with tempfile.TemporaryDirectory(prefix="grpo-dist-check-") as scratch:
+        inputs = prepare(cfg, scratch=Path(scratch))
+    print(f"inputs: {len(inputs.train)} training prompts, {len(inputs.held_out)} held-out, rewards "
+          f"{', '.join(spec.name for spec in cfg.reward.functions)} resolved")  # fmt: skip
 
 
 def _check_cluster(cfg: Config, address: str) -> int:

@@ -1,26 +1,26 @@
 """The Ray side of a run: start or join a cluster, place the actors by role, and the few calls the driver makes.
 
-Each role is its own module (`grpo_dist.learner_group`, `grpo_dist.generator_pool`, `grpo_dist.reward_pool`); the
-cluster joins them with the weight transport, and brings a replaced generator or learner group back into it.
+Each role is its own module (`grpo_dist.learner_group`, `grpo_dist.generator_pool`, `grpo_dist.reward_pool`) and
+owns its state; the cluster joins them with the weight transport, brings a replaced generator or learner group back
+into it, and resizes the generator pool on request.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import ray
 
-from grpo_dist.batch import TrainBatch
 from grpo_dist.config import Config
 from grpo_dist.faults import FaultLog
-from grpo_dist.generator_pool import GeneratorPool, Joining
+from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
-from grpo_dist.types import Score, ScoreRequest
 
 
 def actor_cpus(cfg: Config) -> float:
@@ -69,7 +69,10 @@ RECONNECT_ATTEMPTS = 3  # a node going down takes its generators one after anoth
 @dataclass
 class Cluster:
     """The run's actors, by role (the learner group, the generator pool, the reward pool), their placement groups,
-    the weight transport between them, and the log of the faults they survived."""
+    the weight transport between them, and the log of the faults they survived. Each role owns its state (the
+    learner group its version and the step under way, the pool its members and their weights); the cluster joins
+    them: it syncs weights, reconnects the transport after a member changed, restarts the learner group and scales
+    the pool."""
 
     cfg: Config
     model_path: str
@@ -79,10 +82,6 @@ class Cluster:
     transport: WeightTransport
     placement: Placement
     faults: FaultLog
-    weight_version: int = 0  # the weights the generators hold (0: the initial model)
-    learner_version: int = 0  # the learner's: updates in its weights (the step they finished)
-    training: list | None = None  # a training step under way (`start_train`)
-    trained: dict | None = None  # its metrics, when a reconnect had to wait for it
 
     @classmethod
     def start(cls, cfg: Config, model_path: str) -> Cluster:
@@ -91,7 +90,7 @@ class Cluster:
         placement, faults = place(cfg), FaultLog()
         started: list = []
         try:
-            learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies(), timeout_s=cfg.sync.timeout_s)
+            learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies())
             started.append(learner)
             generators = GeneratorPool(cfg, model_path, placement, faults)
             started.append(generators)
@@ -106,68 +105,34 @@ class Cluster:
                 role.shutdown()
             placement.remove()
             raise
-        cluster = cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
-        generators.rejoin = cluster.reconnect
-        return cluster
-
-    def score(self, requests: list[ScoreRequest]) -> list[Score]:
-        return self.rewards.score(requests)
-
-    def train(self, batch: TrainBatch) -> dict[str, float]:
-        self.start_train(batch)
-        return self.finish_train()
-
-    def start_train(self, batch: TrainBatch) -> None:
-        """Start a training step; the driver generates the next batch meanwhile."""
-        self.training = self.learner.submit_train(batch)
-
-    def finish_train(self) -> dict[str, float]:
-        """Wait for the training step `start_train` began; its metrics."""
-        self._await_training()
-        metrics, self.trained = self.trained, None
-        return metrics
-
-    def poll_training(self) -> bool:
-        """Whether no training step is under way any more (one that has just ended is taken in, its metrics kept
-        for `finish_train`), without waiting."""
-        if self.training is not None:
-            _, pending = ray.wait(self.training, num_returns=len(self.training), timeout=0)
-            if not pending:
-                self._await_training()
-        return self.training is None
-
-    def _await_training(self) -> None:
-        if self.training is not None:
-            calls, self.training = self.training, None
-            self.trained = self.learner.wait_train(calls)
-            self.learner_version += 1
+        return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
 
     def sync_weights(self) -> None:
-        """Load the learner's current weights (`learner_version`) into every generator, by the configured
-        transport. A sync that fails because a generator is gone or hung is done again once it is replaced;
-        otherwise the error is raised (a lost learner rank: `LearnerLost`)."""
+        """Load the learner's current weights (its `version`) into every generator, by the configured transport.
+        A sync that fails because a generator is gone or hung is done again once it is replaced; otherwise the
+        error is raised (a lost learner rank: `LearnerLost`)."""
         try:
-            self.transport.sync(self.learner_version)
+            self.transport.sync(self.learner.version)
         except (WeightSyncError, LearnerGroupError) as err:
             # A rank that is alive but stuck may be waiting on a generator that hung mid-sync: check them first.
             rank_died = isinstance(err, LearnerLost) and not isinstance(err, LearnerHung)
             if rank_died or not self.generators.replace_unresponsive():
                 raise
             self.reconnect()
-        self.weight_version = self.learner_version
+        self.generators.loaded(self.learner.version)
 
     def reconnect(self) -> None:
         """Connect the weight transport afresh (after a generator or the learner group was replaced, or the pool
         resized) and load the learner's weights into every generator (after the training step under way, if any);
         a generator lost meanwhile is replaced and the connection made again."""
-        self._await_training()
+        self.learner.wait_idle()
         for attempt in range(1, RECONNECT_ATTEMPTS + 1):
             try:
                 self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
                 self.transport.connect()
-                if self.learner_version:
-                    self.transport.sync(self.learner_version)
-                self.weight_version = self.learner_version
+                if self.learner.version:
+                    self.transport.sync(self.learner.version)
+                self.generators.loaded(self.learner.version)
                 return
             except LearnerLost:
                 raise
@@ -180,28 +145,40 @@ class Cluster:
         caller loads a checkpoint), then reconnect the transport."""
         self.learner.shutdown()
         self.generators.replace_unresponsive()  # one lost with the learner (the same node) must not stall the sync
-        strategies = self.placement.learner_strategies()
-        self.learner = LearnerGroup.start(self.cfg, self.model_path, strategies, timeout_s=self.cfg.sync.timeout_s)
-        self.weight_version = self.learner_version = 0
-        self.training = self.trained = None
+        self.learner = LearnerGroup.start(self.cfg, self.model_path, self.placement.learner_strategies())
         self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
         self.transport.connect()
 
-    def scale_generators(self, count: int) -> None:
-        """Ask for `count` generators, between steps: removed ones stop now; new ones join when placed and started
-        (`admit_generators`), the run going on meanwhile."""
-        running = len(self.generators.actors)
-        self.generators.request(count)
-        if len(self.generators.actors) != running:
-            self.reconnect()
-
-    def admit_generators(self) -> tuple[list[Joining], list[tuple[Joining, str]]]:
-        """Take in the generators that have started since the last call (each connected to the weight transport
-        and loaded with the learner's weights before it takes work); those that joined, and those given up."""
-        joined, failed = self.generators.admit()
-        if joined:
-            self.reconnect()
-        return joined, failed
+    def scale(self, wanted: int | None) -> list[str]:
+        """Between steps: ask for `wanted` generators (None: no new request), and take in those that have started
+        since the last call (each connected to the weight transport and loaded with the learner's weights before it
+        takes work); removed ones stop now, new ones join once placed and started, the run going on meanwhile.
+        Returns what happened, one line each, to print. What cannot be done is said there and the run goes on with
+        the generators it has; a learner rank lost meanwhile is raised (`LearnerLost`)."""
+        generators, said = self.generators, []
+        try:
+            if wanted is not None and wanted != generators.wanted:
+                more = wanted > generators.wanted
+                later = "; new ones join once placed and started, the run going on meanwhile" if more else ""
+                said.append(f"{generators.wanted} -> {wanted} generators{later}")
+                running = len(generators.actors)
+                generators.request(wanted)
+                if len(generators.actors) != running:
+                    self.reconnect()
+                if not more:
+                    said.append(f"now {len(generators.actors)} generators")
+            joined, failed = generators.admit()
+            if joined:
+                self.reconnect()
+        except LearnerLost:
+            raise
+        except (WeightSyncError, LearnerGroupError) as err:
+            return [*said, f"could not connect the generators to the weight transport ({err}); going on"]
+        said += [f"generator {joining.index} {why}; going on with {len(generators.actors)} generators"
+                 for joining, why in failed]  # fmt: skip
+        said += [f"now {len(generators.actors)} generators (generator {joining.index} joined "
+                 f"{time.monotonic() - joining.asked:.1f} s after it was asked for)" for joining in joined]  # fmt: skip
+        return said
 
     def save(self, out_dir: str) -> str:
         return self.learner.save(out_dir)

@@ -43,26 +43,88 @@ class RunFailed(RuntimeError):
     """A fault the run cannot survive (a role out of restarts, nothing to restart from); names what and why."""
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The longest one phase of the run waits on actors, and the config key that sets it (named in every error)."""
+
+    phase: str  # what it bounds: "start", "generate", "score", "train", "sync", "probe", "placement", "poll"
+    seconds: float
+    setting: str = ""  # the config key; empty for a fixed bound
+
+    def __str__(self) -> str:
+        return f"{self.seconds:g} s" + (f" ({self.setting})" if self.setting else "")
+
+
+POLL = Bound("poll", 0.0)
+"""No wait: what has finished by now."""
+PROBE_TIMEOUT_S = 30.0  # an idle actor answers a probe at once
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Every phase's bound, from the config: the one place a wait on actors takes its timeout from."""
+
+    start: Bound  # an actor's constructor, an engine's start
+    generate: Bound  # a generator without an answer while it has requests under way
+    score: Bound  # a reward worker's share of a batch
+    train: Bound  # a learner call (a training step, a checkpoint, a collective)
+    sync: Bound  # a weight sync's calls on the generators
+    placement: Bound  # the run's placement groups
+    probe: Bound = Bound("probe", PROBE_TIMEOUT_S)  # an idle actor asked whether it is alive
+
+    @classmethod
+    def of(cls, cfg) -> Bounds:
+        faults = cfg.faults
+        return cls(
+            start=Bound("start", faults.start_timeout_s, "faults.start_timeout_s"),
+            generate=Bound("generate", faults.generate_timeout_s, "faults.generate_timeout_s"),
+            score=Bound("score", faults.score_timeout_s, "faults.score_timeout_s"),
+            train=Bound("train", cfg.sync.timeout_s, "sync.timeout_s"),
+            sync=Bound("sync", cfg.sync.timeout_s, "sync.timeout_s"),
+            placement=Bound("placement", cfg.ray.placement_timeout_s, "ray.placement_timeout_s"),
+        )
+
+
 @dataclass
 class Outcome:
     """What one bounded remote call gave: its value, or why there is none."""
 
     value: Any = None
-    fault: str | None = None  # "died: ..." or "no answer within N s"; None when the call returned
+    fault: str | None = None  # "died (...)", or "gave no answer within N s": the actor, not its code, failed
+    error: BaseException | None = None  # the exception: the actor's death, or one its own code raised
+    pending: bool = False  # not finished when the wait ended (a fault unless the wait was a poll)
+
+    @property
+    def ok(self) -> bool:
+        return self.fault is None and self.error is None
+
+    @property
+    def raised(self) -> bool:
+        """Whether the actor's own code raised (a bug, raised as such), as opposed to the actor dying or hanging."""
+        return self.error is not None and self.fault is None
 
 
-def gather(refs: list[ray.ObjectRef], timeout_s: float) -> list[Outcome]:
-    """Wait at most `timeout_s` for all calls; one outcome per call, in order. An actor's own exception is raised."""
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+def gather(refs: list[ray.ObjectRef], bound: Bound, count: int | None = None, fetch: bool = True) -> list[Outcome]:
+    """Wait until `count` of the calls (default: all) have finished or `bound` has passed; one outcome per call, in
+    order, for every call finished by then (a call still pending is `pending`, with its fault named by the bound).
+    Nothing is raised: the caller decides. `fetch=False` leaves a finished value where it is (a reference passed
+    on to other actors)."""
+    if refs and bound.seconds > 0:
+        ray.wait(refs, num_returns=min(count or len(refs), len(refs)), timeout=bound.seconds, fetch_local=fetch)
+    done = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch)[0]) if refs else set()
     outcomes = []
     for ref in refs:
-        if ref in pending:
-            outcomes.append(Outcome(fault=f"gave no answer within {timeout_s:g} s"))
-            continue
-        try:
-            outcomes.append(Outcome(value=ray.get(ref)))
-        except ray.exceptions.RayActorError as err:
-            outcomes.append(Outcome(fault=f"died ({first_line(err)})"))
+        if ref not in done:
+            outcomes.append(Outcome(fault=f"gave no answer within {bound}", pending=True))
+        elif not fetch:
+            outcomes.append(Outcome(value=ref))
+        else:
+            try:
+                outcomes.append(Outcome(value=ray.get(ref)))
+            except ray.exceptions.RayActorError as err:
+                outcomes.append(Outcome(fault=f"died ({first_line(err)})", error=err))
+            except ray.exceptions.RayError as err:
+                outcomes.append(Outcome(error=err))
     return outcomes
 
 
@@ -111,12 +173,12 @@ class ActorPool:
         size: int,
         faults: FaultLog,
         max_restarts: int,
-        start_timeout_s: float,
+        start_bound: Bound,
         ready_call: str = "__ray_ready__",
     ) -> None:
         self.role, self.counter, self.start_actor, self.faults = role, counter, start_actor, faults
         self.ready_call = ready_call
-        self.max_restarts, self.start_timeout_s = max_restarts, start_timeout_s
+        self.max_restarts, self.start_bound = max_restarts, start_bound
         self.actors = [start_actor(slot) for slot in range(size)]
         self.health = [Health.STARTING] * size
         self.restarts = 0
@@ -128,20 +190,16 @@ class ActorPool:
         """Wait for the actors to be up (engines loading their models); fail naming the first that failed or hung."""
         slots = list(range(len(self.actors))) if slots is None else slots
         refs = [getattr(self.actors[slot], self.ready_call).remote() for slot in slots]
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.start_timeout_s)
-        for slot, ref in zip(slots, refs, strict=True):
-            if ref in pending:
+        for slot, outcome in zip(slots, gather(refs, self.start_bound), strict=True):
+            if outcome.pending:
                 self.health[slot] = Health.FAILED
                 raise RunFailed(
-                    f"{self.name(slot)} did not start within {self.start_timeout_s:g} s (faults.start_timeout_s): "
-                    "its placement bundle may be waiting for room on a live node (see `ray status`), or its engine "
-                    "is slow to load"
+                    f"{self.name(slot)} did not start within {self.start_bound}: its placement bundle may be waiting "
+                    "for room on a live node (see `ray status`), or its engine is slow to load"
                 )
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as err:
+            if not outcome.ok:
                 self.health[slot] = Health.FAILED
-                raise RunFailed(f"{self.name(slot)} failed to start: {first_line(err)}") from err
+                raise RunFailed(f"{self.name(slot)} failed to start: {first_line(outcome.error)}") from outcome.error
             self.health[slot] = Health.HEALTHY
 
     def replace(self, slot: int, why: str, then: str = "") -> None:
@@ -179,11 +237,16 @@ class ActorPool:
         ray.kill(self.actors.pop(), no_restart=True)
         self.health.pop()
 
-    def call(self, method: str, args: dict[int, tuple], timeout_s: float) -> dict[int, Outcome]:
-        """`method(*args[slot])` on each given slot at once; the outcome of each."""
+    def call(self, method: str, args: dict[int, tuple], bound: Bound) -> dict[int, Outcome]:
+        """`method(*args[slot])` on each given slot at once; the outcome of each (an error of the actor's own code is
+        raised: it is a bug, not a fault)."""
         slots = list(args)
         refs = [getattr(self.actors[slot], method).remote(*args[slot]) for slot in slots]
-        return dict(zip(slots, gather(refs, timeout_s), strict=True))
+        outcomes = gather(refs, bound)
+        for outcome in outcomes:
+            if outcome.raised:
+                raise outcome.error
+        return dict(zip(slots, outcomes, strict=True))
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -1,14 +1,15 @@
-"""The generator pool: the run's vLLM engines, a step's prompts streamed to them one request each, a lost engine
+"""The generator pool: the run's vLLM engines, a batch's prompts streamed to them one request each, a lost engine
 replaced.
 
-`generate` keeps the prompts in a queue and sends the next one to the generator with the fewest requests under way,
-up to `requests_per_generator` each (half of an even share: enough for an engine to batch, few enough that a fast
-engine takes more of the batch and no engine sets the pace); each finished group goes to `on_group` at once (the
-reward pool scores it while the rest generate). A generator that dies or does not finish a request within
-`faults.generate_timeout_s` (a deadlocked engine) is killed and a new one started in its placement group; `rejoin`,
-given by the cluster, brings the new engine into the weight transport and loads the current weights, and its
-prompts are generated again. Sampling is seeded per prompt, so the completions are the same whichever engine draws
-them (for the same weights).
+`start(prompts, ...)` begins a `Generation`: its prompts wait in a queue and each goes, as one request, to the
+generator with the fewest under way, up to `requests_per_generator` each (half of an even share: enough for an
+engine to batch, few enough that a fast engine takes more of the batch and no engine sets the pace). The caller
+drives it: each `advance` sends what it can, waits (bounded), and returns the groups finished since the last call
+and whether a generator was replaced, for the caller to act on (score them at once; bring a new engine into the
+weight transport before it takes work). A generator that dies or gives no answer within `faults.generate_timeout_s`
+while it has requests under way (a deadlocked engine) is killed and a new one started in its placement group, and
+its prompts are generated again. Sampling is seeded per prompt, so the completions are the same whichever engine
+draws them (for the same weights). The pool owns its members and the weight version they hold.
 """
 
 from __future__ import annotations
@@ -16,20 +17,19 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
 from grpo_dist.actors.generator import Generator
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
-from grpo_dist.faults import ActorPool, FaultLog, first_line
+from grpo_dist.faults import POLL, ActorPool, Bound, Bounds, FaultLog, first_line, gather
 from grpo_dist.placement import Placement, generator_resources
 from grpo_dist.transports import wire_backend
 from grpo_dist.types import Completion
 
-POLL_S = 0.05  # how often `while_waiting` runs while requests are under way
+POLL_S = 0.05  # the longest `advance` waits when the caller polls
 
 
 @dataclass
@@ -54,6 +54,14 @@ class Request:
     actor: ray.actor.ActorHandle
 
 
+@dataclass
+class Advanced:
+    """What one `Generation.advance` brought."""
+
+    groups: list[list[Completion]] = field(default_factory=list)  # each finished prompt's group, as it came
+    replaced: bool = False  # a generator was replaced: bring it into the weight transport before the next call
+
+
 def requests_per_generator(prompts: int, generators: int, lone_takes_all: bool = True) -> int:
     """How many requests a generator may have under way: half of an even share of the prompts; all of them when
     there is one generator and `lone_takes_all` (no other to share with, and a second wave would cost a wait)."""
@@ -62,24 +70,20 @@ def requests_per_generator(prompts: int, generators: int, lone_takes_all: bool =
     return max(1, math.ceil(prompts / (2 * generators)))
 
 
-PROBE_TIMEOUT_S = 30.0  # an idle engine answers a probe at once
-
-
-def _start_failure(started: ray.ObjectRef, bound: float) -> str | None:
+def _start_failure(outcome, bound: Bound) -> str | None:
     """Why a generator's start call (done, or past `bound`) did not bring it up; None when it did."""
-    if not ray.wait([started], timeout=0)[0]:
-        return f"did not start within {bound:g} s (faults.start_timeout_s)"
-    try:
-        ray.get(started)
-    except ray.exceptions.RayError as err:
-        return f"failed to start: {first_line(err)}"
+    if outcome.pending:
+        return f"did not start within {bound}"
+    if not outcome.ok:
+        return f"failed to start: {first_line(outcome.error)}"
     return None
 
 
 class GeneratorPool:
     def __init__(self, cfg: Config, model_path: str, placement: Placement, faults: FaultLog) -> None:
         self.cfg, self.model_path, self.placement, self.faults = cfg, model_path, placement, faults
-        self.rejoin: Callable[[], None] = lambda: None  # set by the cluster once the weight transport exists
+        self.bounds = Bounds.of(cfg)
+        self.weight_version = 0  # the weights every generator holds (0: the initial model)
         self.completions: Counter[int] = Counter()  # per slot, since `step_metrics` last read them
         self.tokens: Counter[int] = Counter()  # generated tokens per slot, likewise
         self.busy_s: Counter[int] = Counter()  # seconds a slot had requests under way, likewise
@@ -87,7 +91,7 @@ class GeneratorPool:
         self.joining: list[Joining] = []  # asked for while the run goes, not yet in the pool
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
-            cfg.faults.max_generator_restarts, cfg.faults.start_timeout_s, ready_call="start",
+            cfg.faults.max_generator_restarts, self.bounds.start, ready_call="start",
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
@@ -103,82 +107,24 @@ class GeneratorPool:
         """The current generator actors (a list the weight transport shares: replacements appear in it)."""
         return self.pool.actors
 
-    def generate(
+    def loaded(self, weight_version: int) -> None:
+        """Record that every generator now holds the weights of `weight_version` (after a weight sync)."""
+        self.weight_version = weight_version
+
+    def start(
         self,
         prompts: list[PromptRecord],
         group_size: int,
         greedy: bool = False,
         seeds: list[int] | None = None,
-        on_group: Callable[[list[Completion]], None] | None = None,
-        while_waiting: Callable[[], None] | None = None,
-        more: Callable[[], list[tuple[PromptRecord, int]] | None] | None = None,
-    ) -> list[Completion]:
-        """All prompts' completions, grouped, in prompt order. `seeds`: one sampling seed per prompt. `on_group`
-        gets each prompt's group as soon as it is generated; `while_waiting` runs every `POLL_S` while requests are
-        under way. A lost generator's prompts are generated again by its replacement. `more`, asked every `POLL_S`,
-        streams further prompts with their seeds (numbered on from the last; `seeds` is then required); once it
-        answers None the caller has what it needs: the requests still under way are cancelled and the groups
-        generated so far returned. An error (from `more`, `while_waiting` or a generator that cannot be replaced)
-        cancels the requests under way too. With one generator every prompt goes at once, except in greedy
+    ) -> Generation:
+        """Begin generating `group_size` completions of each prompt (`seeds`: one sampling seed per prompt); the
+        caller drives it with `Generation.advance`. With one generator every prompt goes at once, except in greedy
         evaluation and with in-flight weight updates (prompts sent after an update are sampled by the new weights
         alone)."""
-        prompts, seeds = list(prompts), None if seeds is None else list(seeds)
-        queue = deque(range(len(prompts)))
         lone_takes_all = not greedy and self.cfg.sync.mode != "in_flight"
         depth = requests_per_generator(len(prompts), len(self.actors), lone_takes_all)
-        running: dict[ray.ObjectRef, Request] = {}
-        done: dict[int, list[Completion]] = {}  # prompt index -> its group
-        busy_since: dict[int, float] = {}
-        try:
-            while queue or running or more is not None:
-                if more is not None:
-                    if (streamed := more()) is None:
-                        break
-                    queue.extend(range(len(prompts), len(prompts) + len(streamed)))
-                    prompts += [prompt for prompt, _ in streamed]
-                    seeds += [seed for _, seed in streamed]
-                self._send(queue, running, depth, prompts, group_size, greedy, seeds)
-                self._wait(running, while_waiting is not None or more is not None)
-                lost = self._collect(running, done, greedy, on_group)
-                self._account_busy(running, busy_since, greedy)
-                if while_waiting is not None:
-                    while_waiting()
-                if self._replace_lost(lost, queue):
-                    self.rejoin()
-        finally:
-            self._cancel(running, queue)
-            self._account_busy(running, busy_since, greedy)
-        return [completion for index in sorted(done) for completion in done[index]]
-
-    def _cancel(self, running: dict[ray.ObjectRef, Request], queue: deque) -> None:
-        """Drop the queued prompts and cancel the requests under way (each engine aborts its request)."""
-        queue.clear()
-        for call in running:
-            ray.cancel(call)
-        running.clear()
-
-    def _send(self, queue, running, depth, prompts, group_size, greedy, seeds) -> None:
-        """Hand queued prompts, one request each, to the generators with the fewest under way, up to `depth`."""
-        under_way = Counter({slot: 0 for slot in range(len(self.actors))})
-        under_way.update(request.slot for request in running.values())
-        while queue:
-            slot, count = min(under_way.items(), key=lambda item: (item[1], item[0]))
-            if count >= depth:
-                return
-            index = queue.popleft()
-            actor = self.actors[slot]
-            call = actor.generate.remote(prompts[index].token_ids, group_size, greedy, index, seeds and seeds[index])
-            running[call] = Request(slot, index, time.monotonic(), actor)
-            under_way[slot] += 1
-
-    def _wait(self, running: dict[ray.ObjectRef, Request], poll: bool) -> None:
-        """Until a request finishes, the oldest passes its bound, or (with `poll`) `POLL_S` has gone by."""
-        if not running:
-            time.sleep(POLL_S)  # only while `more` may stream further prompts
-            return
-        deadline = min(self._progress(running).values()) + self.cfg.faults.generate_timeout_s
-        timeout = max(0.0, deadline - time.monotonic())
-        ray.wait(list(running), num_returns=1, timeout=min(timeout, POLL_S) if poll else timeout)
+        return Generation(self, list(prompts), group_size, greedy, None if seeds is None else list(seeds), depth)
 
     def _progress(self, running: dict[ray.ObjectRef, Request]) -> dict[int, float]:
         """For each slot with requests under way, since when it has been without progress: its last answer, or
@@ -188,48 +134,18 @@ class GeneratorPool:
             progress[request.slot] = min(progress.get(request.slot, request.started), request.started)
         return {slot: max(since, self.answered.get(slot, since)) for slot, since in progress.items()}
 
-    def _collect(self, running, done, greedy, on_group) -> list[tuple[Request, str]]:
-        """Take every finished request's group; the requests lost with their generator (dead, or hung: no answer
-        for `faults.generate_timeout_s` while it had requests under way), with why."""
-        bound = self.cfg.faults.generate_timeout_s
-        finished = ray.wait(list(running), num_returns=len(running), timeout=0)[0] if running else []
-        lost: list[tuple[Request, str]] = []
-        for call in finished:
-            request = running.pop(call)
-            try:
-                done[request.prompt_index] = group = ray.get(call)
-            except ray.exceptions.RayActorError as err:
-                lost.append((request, f"died ({first_line(err)})"))
-                continue
-            self.answered[request.slot] = time.monotonic()
-            if not greedy:  # training samples, not a held-out evaluation
-                self.completions[request.slot] += len(group)
-                self.tokens[request.slot] += sum(len(c.token_ids) for c in group)
-            if on_group is not None:
-                on_group(group)
-        now = time.monotonic()
-        hung = {slot for slot, since in self._progress(running).items() if now - since > bound}
-        for call in [call for call, request in running.items() if request.slot in hung]:
-            lost.append((running.pop(call), f"gave no answer within {bound:g} s"))
-        return lost
+    def _answered(self, request: Request, group: list[Completion], greedy: bool) -> None:
+        self.answered[request.slot] = time.monotonic()
+        if not greedy:  # training samples, not a held-out evaluation
+            self.completions[request.slot] += len(group)
+            self.tokens[request.slot] += sum(len(c.token_ids) for c in group)
 
-    def _account_busy(self, running, busy_since: dict[int, float], greedy: bool) -> None:
-        """Add to each slot's busy time the spans in which it had requests under way."""
-        if greedy:
-            return
-        now, busy = time.monotonic(), {request.slot for request in running.values()}
-        for slot in busy - busy_since.keys():
-            busy_since[slot] = now
-        for slot in set(busy_since) - busy:
-            self.busy_s[slot] += now - busy_since.pop(slot)
-
-    def _replace_lost(self, lost: list[tuple[Request, str]], queue: deque) -> bool:
-        """Put lost prompts back in the queue and replace their generators, unless one was replaced already (by a
-        reconnect after an earlier loss); returns whether any was replaced now."""
+    def _replace_lost(self, lost: list[tuple[Request, str]]) -> bool:
+        """Replace the generators of lost requests, unless one was replaced already (after an earlier loss);
+        returns whether any was replaced now."""
         replaced = False
         by_actor: dict[int, list[tuple[Request, str]]] = {}
         for request, why in lost:
-            queue.appendleft(request.prompt_index)
             by_actor.setdefault(id(request.actor), []).append((request, why))
         self.faults.count("regenerated", len(lost))
         for requests in by_actor.values():
@@ -266,15 +182,15 @@ class GeneratorPool:
         while self.joining:
             first = self.joining[0]
             if first.actor is None:
-                if not ray.wait([first.placed], timeout=0)[0]:
+                if gather([first.placed], POLL)[0].pending:
                     break  # no room yet: on an autoscaling cluster, until a node joins
                 first.actor, first.starting = self._start(first.index), time.monotonic()
                 first.started = getattr(first.actor, self.pool.ready_call).remote()
-            bound = self.cfg.faults.start_timeout_s
-            if not ray.wait([first.started], timeout=0)[0] and time.monotonic() - first.starting <= bound:
+            bound, (started,) = self.bounds.start, gather([first.started], POLL)
+            if started.pending and time.monotonic() - first.starting <= bound.seconds:
                 break
             self.joining.pop(0)
-            if why := _start_failure(first.started, bound):
+            if why := _start_failure(started, bound):
                 failed.append((first, why))
                 self._drop(first)
             else:
@@ -303,7 +219,7 @@ class GeneratorPool:
     def replace_unresponsive(self) -> bool:
         """Probe every generator; replace those that are dead or do not answer. Returns whether any was."""
         outcomes = self.pool.call("current_weight_version", {slot: () for slot in range(len(self.actors))},
-                                  PROBE_TIMEOUT_S)  # fmt: skip
+                                  self.bounds.probe)  # fmt: skip
         lost = {slot: outcome.fault for slot, outcome in outcomes.items() if outcome.fault is not None}
         for slot, fault in lost.items():
             self.pool.replace(slot, fault)
@@ -314,3 +230,111 @@ class GeneratorPool:
         for joining in self.joining:
             if joining.actor is not None:
                 ray.kill(joining.actor, no_restart=True)
+
+
+class Generation:
+    """One batch of prompts being generated by the pool, driven by its caller (`advance`), which may stream more
+    prompts in (`add`) and stop it early (`cancel`: the engines abort the requests under way)."""
+
+    def __init__(self, pool: GeneratorPool, prompts, group_size: int, greedy: bool, seeds, depth: int) -> None:
+        self.pool, self.prompts, self.group_size, self.greedy, self.seeds = pool, prompts, group_size, greedy, seeds
+        self.depth = depth
+        self.queue = deque(range(len(prompts)))
+        self.running: dict[ray.ObjectRef, Request] = {}
+        self.done: dict[int, list[Completion]] = {}  # prompt index -> its group
+        self.busy_since: dict[int, float] = {}
+
+    @property
+    def finished(self) -> bool:
+        """Whether every prompt sent so far has its group."""
+        return not self.queue and not self.running
+
+    def add(self, prompts: list[PromptRecord], seeds: list[int]) -> None:
+        """Stream more prompts in, numbered on from the last (the generation must have been started with seeds)."""
+        self.queue.extend(range(len(self.prompts), len(self.prompts) + len(prompts)))
+        self.prompts += prompts
+        self.seeds += seeds
+
+    def advance(self, poll: bool = False) -> Advanced:
+        """Send what the generators have room for, wait until a group finishes, a generator passes its bound or
+        (with `poll`) `POLL_S` has gone by; the groups finished by then, and whether a lost generator was replaced
+        (its prompts are queued again)."""
+        self._send()
+        outcomes = self._wait(poll)
+        groups, lost = self._collect(outcomes)
+        self._account_busy()
+        for request, _ in lost:
+            self.queue.appendleft(request.prompt_index)
+        return Advanced(groups, bool(lost) and self.pool._replace_lost(lost))
+
+    def completions(self) -> list[Completion]:
+        """Every group finished so far, in prompt order."""
+        return [completion for index in sorted(self.done) for completion in self.done[index]]
+
+    def cancel(self) -> None:
+        """Drop the queued prompts and cancel the requests under way (each engine aborts its request)."""
+        self.queue.clear()
+        for call in self.running:
+            ray.cancel(call)
+        self.running.clear()
+        self._account_busy()
+
+    def _send(self) -> None:
+        """Hand queued prompts, one request each, to the generators with the fewest under way, up to `depth`."""
+        actors = self.pool.actors
+        under_way = Counter({slot: 0 for slot in range(len(actors))})
+        under_way.update(request.slot for request in self.running.values())
+        while self.queue:
+            slot, count = min(under_way.items(), key=lambda item: (item[1], item[0]))
+            if count >= self.depth:
+                return
+            index = self.queue.popleft()
+            prompt, seed = self.prompts[index].token_ids, self.seeds and self.seeds[index]
+            call = actors[slot].generate.remote(prompt, self.group_size, self.greedy, index, seed)
+            self.running[call] = Request(slot, index, time.monotonic(), actors[slot])
+            under_way[slot] += 1
+
+    def _wait(self, poll: bool) -> list:
+        """Until a request finishes, the slot longest without progress passes the generate bound, or (with
+        `poll`) `POLL_S` has gone by; the outcome of every request under way."""
+        if not self.running:
+            time.sleep(POLL_S)  # only while the caller may stream further prompts
+            return []
+        bound = self.pool.bounds.generate
+        deadline = min(self.pool._progress(self.running).values()) + bound.seconds
+        timeout = max(0.0, deadline - time.monotonic())
+        wait = Bound(bound.phase, min(timeout, POLL_S) if poll else timeout, bound.setting)
+        return gather(list(self.running), wait, count=1)
+
+    def _collect(self, outcomes: list) -> tuple[list[list[Completion]], list[tuple[Request, str]]]:
+        """Take every finished request's group; the requests lost with their generator (dead, or hung: no answer
+        within the generate bound while it had requests under way), with why."""
+        groups: list[list[Completion]] = []
+        lost: list[tuple[Request, str]] = []
+        for call, outcome in zip(list(self.running), outcomes, strict=True):
+            if outcome.pending:
+                continue
+            request = self.running.pop(call)
+            if outcome.raised:
+                raise outcome.error
+            if outcome.fault:
+                lost.append((request, outcome.fault))
+                continue
+            self.done[request.prompt_index] = outcome.value
+            self.pool._answered(request, outcome.value, self.greedy)
+            groups.append(outcome.value)
+        bound, now = self.pool.bounds.generate, time.monotonic()
+        hung = {slot for slot, since in self.pool._progress(self.running).items() if now - since > bound.seconds}
+        for call in [call for call, request in self.running.items() if request.slot in hung]:
+            lost.append((self.running.pop(call), f"gave no answer within {bound}"))
+        return groups, lost
+
+    def _account_busy(self) -> None:
+        """Add to each slot's busy time the spans in which it had requests under way."""
+        if self.greedy:
+            return
+        now, busy = time.monotonic(), {request.slot for request in self.running.values()}
+        for slot in busy - self.busy_since.keys():
+            self.busy_since[slot] = now
+        for slot in set(self.busy_since) - busy:
+            self.pool.busy_s[slot] += now - self.busy_since.pop(slot)

@@ -1,9 +1,11 @@
 """The learner group: N learner ranks (Ray actors) forming one torch.distributed group and one DeepSpeed engine.
 
-The driver talks to the group only: `train(batch)` splits the batch across the ranks by token count and sums their
-metrics; `save`, `state_dict` and `sequence_logprobs` are collectives whose answer comes from rank 0. Rank 0's node
-and a free port on it are the rendezvous; every rank gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK
-(its index among the ranks on its node). Every wait is bounded by `timeout_s`.
+The driver talks to the group only: `start_train(batch)` splits the batch across the ranks by token count and
+returns at once, `finish_train()` sums their metrics; `save`, `state_dict` and `sequence_logprobs` are collectives
+whose answer comes from rank 0. The group owns the training state: `version`, the updates in its weights (the step
+they finished; set by `load_checkpoint`), and the training step under way. Rank 0's node and a free port on it are
+the rendezvous; every rank gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK (its index among the
+ranks on its node). Every wait is bounded: a start by `faults.start_timeout_s`, every other call by the train bound.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import ray
 from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config
-from grpo_dist.faults import first_line
+from grpo_dist.faults import POLL as POLL_BOUND
+from grpo_dist.faults import Bound, Bounds, gather
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
 FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy")
@@ -36,19 +39,20 @@ class LearnerHung(LearnerLost):
 
 
 class LearnerGroup:
-    """Handles to the ranks of one DeepSpeed engine, and the few collective calls the driver makes."""
+    """Handles to the ranks of one DeepSpeed engine, the training state they hold, and the few collective calls the
+    driver makes."""
 
-    def __init__(self, ranks: list[ray.actor.ActorHandle], cfg: Config, timeout_s: float) -> None:
+    def __init__(self, ranks: list[ray.actor.ActorHandle], cfg: Config) -> None:
         self.ranks = ranks
         self.cfg = cfg
-        self.timeout_s = timeout_s
+        self.bounds = Bounds.of(cfg)
         self.threads: list[int] = []
-        self.updates = 0  # training steps the ranks have completed
+        self.version = 0  # updates in the ranks' weights: the step they finished (0: the initial model)
+        self.training: list[ray.ObjectRef] | None = None  # the training step under way (`start_train`)
+        self.trained: dict[str, float] | None = None  # its metrics, once taken in before `finish_train`
 
     @classmethod
-    def start(
-        cls, cfg: Config, model_path: str, strategies: Sequence[Any] | None = None, timeout_s: float = 600.0
-    ) -> LearnerGroup:
+    def start(cls, cfg: Config, model_path: str, strategies: Sequence[Any] | None = None) -> LearnerGroup:
         """Create `learner.num_ranks` ranks (on the given scheduling strategies, one per rank, when placed), join
         them into one process group and build their engines."""
         learner = cfg.learner
@@ -60,13 +64,13 @@ class LearnerGroup:
             )
             for strategy in strategies
         ]
-        group = cls(ranks, cfg, timeout_s)
+        group = cls(ranks, cfg)
         group._setup()
         return group
 
     def _setup(self) -> None:
-        start_timeout_s = self.cfg.faults.start_timeout_s  # placement and engine build, not a training call
-        nodes = self._wait([rank.node.remote() for rank in self.ranks], "node", timeout_s=start_timeout_s)
+        start = self.bounds.start  # placement and engine build, not a training call
+        nodes = self._wait([rank.node.remote() for rank in self.ranks], "node", bound=start)
         master = (nodes[0][1], self._wait([self.ranks[0].free_port.remote()], "free_port")[0])
         node_ids = [node_id for node_id, _ in nodes]
         calls = [
@@ -79,35 +83,56 @@ class LearnerGroup:
             )
             for index, rank in enumerate(self.ranks)
         ]
-        self.threads = self._wait(calls, "setup", timeout_s=start_timeout_s)
+        self.threads = self._wait(calls, "setup", bound=start)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One training step on a rollout batch, split across the ranks; metrics of the whole batch."""
-        return self.wait_train(self.submit_train(batch))
+        self.start_train(batch)
+        return self.finish_train()
 
-    def submit_train(self, batch: TrainBatch) -> list[ray.ObjectRef]:
+    def start_train(self, batch: TrainBatch) -> None:
         """Start a training step and return at once (the driver works on the next batch meanwhile)."""
         learner = self.cfg.learner
         shards = shard_batch(
             batch, len(self.ranks), self.cfg.algorithm.mini_batches, learner.micro_batch_size,
             self.cfg.algorithm.aggregation,
         )  # fmt: skip
-        return [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
+        self.training = [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
 
-    def wait_train(self, calls: list[ray.ObjectRef]) -> dict[str, float]:
-        """The metrics of a training step `submit_train` started, once every rank has finished it."""
+    def finish_train(self) -> dict[str, float]:
+        """The metrics of the training step `start_train` began, once every rank has finished it."""
+        self.wait_idle()
+        metrics, self.trained = self.trained, None
+        return metrics
+
+    def poll(self) -> bool:
+        """Whether no training step is under way any more, without waiting (one that has just ended is taken in:
+        `version` moves on, its metrics are kept for `finish_train`)."""
+        if self.training is not None and not any(outcome.pending for outcome in gather(self.training, POLL_BOUND)):
+            self.wait_idle()
+        return self.training is None
+
+    def wait_idle(self) -> None:
+        """Wait for the training step under way, if any, and take it in (its metrics kept for `finish_train`)."""
+        if self.training is None:
+            return
+        calls, self.training = self.training, None
         results = self._wait(calls, "train")
-        self.updates += 1
+        self.version += 1
         metrics = {key: sum(result[key] for result in results) for key in results[0] if key not in FROM_RANK_0}
         metrics.update({key: results[0][key] for key in FROM_RANK_0 if key in results[0]})
-        return metrics
+        self.trained = metrics
+
+    @property
+    def busy(self) -> bool:
+        """Whether a training step is under way (started, not yet taken in)."""
+        return self.training is not None
 
     def state_dict(self) -> ray.ObjectRef:
         """A reference to the full weights (rank 0 returns them; the others only take part in gathering)."""
         refs = [rank.state_dict.remote() for rank in self.ranks]
         self._wait(refs[1:], "state_dict", first_rank=1)
-        ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
-        return refs[0]
+        return self._wait(refs[:1], "state_dict", fetch=False)[0]
 
     def save(self, out_dir: str) -> str:
         return self._call("save", out_dir)[0]
@@ -115,8 +140,10 @@ class LearnerGroup:
     def save_checkpoint(self, path: str) -> None:
         self._call("save_checkpoint", path)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, version: int) -> None:
+        """Load a checkpoint written after step `version` into every rank."""
         self._call("load_checkpoint", path)
+        self.version, self.training, self.trained = version, None, None
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         return self._call("sequence_logprobs", token_ids)[0]
@@ -133,22 +160,17 @@ class LearnerGroup:
         return self._wait([getattr(rank, method).remote(*args) for rank in self.ranks], method)
 
     def _wait(
-        self, refs: list[ray.ObjectRef], method: str, first_rank: int = 0, timeout_s: float | None = None
+        self, refs: list[ray.ObjectRef], method: str, first_rank: int = 0, bound: Bound | None = None, fetch=True
     ) -> list[Any]:
         """Results of one call per rank, in rank order; fails naming the first rank that failed or hung."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for ref in refs:
-            if ref in pending:
-                continue
-            rank = first_rank + refs.index(ref)
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as err:
-                raise LearnerLost(f"learner rank {rank} died during {method} ({first_line(err)})") from err
-            except ray.exceptions.RayError as err:
-                raise LearnerGroupError(f"learner rank {rank}: {method} failed: {err}") from err
-        if pending:
-            hung = [first_rank + index for index, ref in enumerate(refs) if ref in pending]
-            raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {timeout_s:.0f} s")
-        return ray.get(refs)
+        bound = bound or self.bounds.train
+        outcomes = gather(refs, bound, fetch=fetch)
+        for rank, outcome in enumerate(outcomes, start=first_rank):
+            if outcome.fault and not outcome.pending:
+                raise LearnerLost(f"learner rank {rank} {outcome.fault} during {method}") from outcome.error
+            if outcome.raised:
+                raise LearnerGroupError(f"learner rank {rank}: {method} failed: {outcome.error}") from outcome.error
+        hung = [rank for rank, outcome in enumerate(outcomes, start=first_rank) if outcome.pending]
+        if hung:
+            raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {bound}")
+        return [outcome.value for outcome in outcomes]

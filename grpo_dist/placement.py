@@ -23,6 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_dist.config import Config
+from grpo_dist.faults import Bounds, gather
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK"]
 Bundle = dict[str, float]
@@ -147,12 +148,12 @@ def place(cfg: Config) -> Placement:
     requests = _gpu_groups_first(plan(cfg))
     groups = {request.role: placement_group(request.bundles, strategy=request.strategy) for request in requests}
     refs = {role: group.ready() for role, group in groups.items()}
-    timeout_s = cfg.ray.placement_timeout_s
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    if len(ready) == len(refs):
+    bound = Bounds.of(cfg).placement
+    outcomes = gather(list(refs.values()), bound)
+    waiting = [role for role, outcome in zip(refs, outcomes, strict=True) if not outcome.ok]
+    if not waiting:
         return Placement(requests, groups)
-    waiting = [role for role, ref in refs.items() if ref not in ready]
-    message = _not_placed_message(requests, waiting, timeout_s, cluster_nodes())  # before removal: free is as seen
+    message = _not_placed_message(requests, waiting, bound.seconds, cluster_nodes())  # before removal: free is as seen
     Placement(requests, groups).remove()
     raise PlacementError(message)
 

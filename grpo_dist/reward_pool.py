@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.config import Config
-from grpo_dist.faults import ActorPool, FaultLog, RunFailed, split
+from grpo_dist.faults import ActorPool, Bounds, FaultLog, RunFailed, split
 from grpo_dist.placement import Placement
 from grpo_dist.types import Score, ScoreRequest
 
@@ -27,11 +27,12 @@ from grpo_dist.types import Score, ScoreRequest
 class RewardPool:
     def __init__(self, cfg: Config, placement: Placement, faults: FaultLog) -> None:
         self.cfg, self.placement, self.faults = cfg, placement, faults
+        self.bounds = Bounds.of(cfg)
         self.names = [spec.name for spec in cfg.reward.functions]
         self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
         self.pool = ActorPool(
             "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
-            cfg.faults.max_reward_worker_restarts, cfg.faults.start_timeout_s,
+            cfg.faults.max_reward_worker_restarts, self.bounds.start,
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
@@ -49,7 +50,7 @@ class RewardPool:
         for attempt in range(1, attempts + 1):
             again = "scoring them again" if attempt < attempts else ""
             args = {slot: (requests[start:end],) for slot, (start, end) in shards.items()}
-            outcomes = self.pool.call("score", args, self.cfg.faults.score_timeout_s)
+            outcomes = self.pool.call("score", args, self.bounds.score)
             for slot, outcome in outcomes.items():
                 if outcome.fault is None:
                     scored[slot], exhausted = outcome.value

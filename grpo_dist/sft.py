@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import DatasetError, PromptRecord, encode_prompts, load_rows
-from grpo_dist.driver import judge_accuracy, model_directory, prepare_data, read_prompts
+from grpo_dist.evaluation import judge_accuracy
+from grpo_dist.inputs import load_tokenizer, model_directory, prepare_data, read_prompts
 from grpo_dist.types import ScoreRequest
 
 EVAL_BATCH = 100
@@ -42,11 +43,11 @@ class Example:
 
 def run_sft(cfg: Config, overwrite: bool = False) -> Path:
     """Warm the base model up on the training rows and save it at `model.path`; return that directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     out_dir = _check_output(cfg, overwrite)
     base = model_directory(cfg, Path(cfg.sft.base), "sft.base")
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer = load_tokenizer(base)
     train_path, eval_path = prepare_data(cfg)
     examples = _examples(cfg, train_path, tokenizer)
     held_out = read_prompts(cfg, eval_path, tokenizer)[0][: cfg.eval.max_prompts] if eval_path else []

@@ -1,16 +1,13 @@
-"""Batch assembly in the driver: padding and masks, group bookkeeping, shaped rewards. No actors."""
+"""Batch assembly: padding and masks for the learner, and a rollout's group bookkeeping. No actors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import small_config
 
 from grpo_dist.batch import collate
-from grpo_dist.config import validate_config
 from grpo_dist.data import PromptRecord
-from grpo_dist.driver import compute_advantages
-from grpo_dist.rollout import Rollout
+from grpo_dist.rollouts import Rollout
 from grpo_dist.types import Completion, Score
 
 
@@ -51,17 +48,3 @@ def test_selecting_groups_renumbers_prompts():
     assert [p.text for p in selected.prompts] == ["p0", "p2"]
     assert [c.prompt_index for c in selected.completions] == [0, 0, 1, 1]
     assert [c.token_ids[0] for c in selected.completions] == [0, 0, 2, 2]
-
-
-def test_soft_overlong_penalty_is_added_before_advantages(tmp_path):
-    overlong = {"overlong": "soft_penalty", "overlong_buffer": 2, "overlong_penalty": 1.0}
-    raw = small_config(tmp_path, rollout={"group_size": 2, "max_new_tokens": 4}, algorithm=overlong)
-    raw["reward"]["functions"] = [{"name": "math_answer", "weight": 1.0}]
-    cfg = validate_config(raw)
-    completions = [completion(0, [5, 2]), completion(0, [5, 6, 7, 8], finish_reason="length")]
-    rollout = Rollout([PromptRecord("p", [1], {}, 0)], completions, [Score(1.0, [1.0]), Score(1.0, [1.0])])
-    rewards, advantages = compute_advantages(cfg, rollout)
-    # Lengths 2 and 4 with max 4, buffer 2: penalties 0 and ((4 - 2) - 4) / 2 * 1 = -1, so rewards 1 and 0.
-    assert rewards.tolist() == [1.0, 0.0]
-    # grpo: mean 0.5, sample std 0.7071 -> advantages +0.7071, -0.7071.
-    torch.testing.assert_close(advantages, torch.tensor([0.7071, -0.7071]), atol=1e-4, rtol=0)

@@ -109,7 +109,8 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
     assert final["faults/regenerated"] == 2  # each generator was lost with the one-prompt chunk it was generating
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert len(fault_lines) == 5, fault_lines  # one line per fault, naming the actor and what was done
-    assert any(line.startswith("fault: generator ") and "no answer within 10 s while generating" in line
+    hung = "no answer within 10 s (faults.generate_timeout_s) while generating"
+    assert any(line.startswith("fault: generator ") and hung in line
                for line in fault_lines)  # fmt: skip
     assert any(line.startswith("fault: reward worker ") and "died" in line for line in fault_lines)
     assert any(
@@ -173,9 +174,9 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
 
 def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(ray_cluster, tmp_path):
     from grpo_dist.config import load_config
-    from grpo_dist.driver import prepare_model
     from grpo_dist.faults import FaultLog, RunFailed
     from grpo_dist.generator_pool import GeneratorPool
+    from grpo_dist.inputs import prepare_model
     from grpo_dist.placement import place
 
     # An engine takes seconds to load, so a 0.5 s start bound passes first; the sync bound (600 s) plays no part.

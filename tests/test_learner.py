@@ -39,7 +39,7 @@ def start_group(ray_cluster, tmp_path, model_dir, learner: dict, algorithm: dict
     from grpo_dist.learner_group import LearnerGroup
 
     cfg = validate_config(small_config(tmp_path, learner=learner, algorithm=algorithm))
-    return LearnerGroup.start(cfg, model_dir, timeout_s=300)
+    return LearnerGroup.start(cfg, model_dir)
 
 
 def sample_batch():

@@ -38,7 +38,8 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path, monkeypatch):
     from grpo_dist import driver
     from grpo_dist.cluster import Cluster
-    from grpo_dist.driver import prepare, train
+    from grpo_dist.driver import train
+    from grpo_dist.inputs import prepare
 
     # The scaled-out shape: 2 learner ranks under ZeRO-3, 2 generators, weights broadcast over gloo.
     raw = small_config(

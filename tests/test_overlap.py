@@ -9,7 +9,6 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -18,167 +17,6 @@ from test_resume import grpo_dist, training
 
 from grpo_dist import control
 from grpo_dist.config import ConfigError, load_config, validate_config
-from grpo_dist.data import PromptRecord, PromptSampler
-from grpo_dist.pipeline import Refill, RolloutQueue, bound_staleness, sync_due
-from grpo_dist.rollout import Rollout
-from grpo_dist.types import Completion, Score
-
-
-def rollout_of(versions: list[list[int | tuple[int, int]]]) -> Rollout:
-    """One group per inner list, one completion per entry in it: a version, or (oldest, newest) for a completion
-    whose tokens were sampled by several (an in-flight update came while it was generated)."""
-    completions = [
-        Completion(index, [1], [2], "2", [-0.5], "stop", *(version if isinstance(version, tuple) else (version,)))
-        for index, group in enumerate(versions)
-        for version in group
-    ]
-    prompts = [PromptRecord(f"p{index}", [1], {}) for index in range(len(versions))]
-    return Rollout(prompts, completions, [Score(1.0, [1.0]) for _ in completions])
-
-
-def test_a_group_holding_one_completion_older_than_k_versions_is_dropped_whole():
-    rollout = rollout_of([[5, 5], [4, 3], [3, 5]])
-    kept, metrics = bound_staleness(rollout, learner_version=5, k=1)
-    assert [c.weight_version for c in kept.completions] == [5, 5]  # the groups holding version 3 are gone
-    assert [p.text for p in kept.prompts] == ["p0"]
-    assert metrics == {"staleness/dropped": 4.0, "staleness/spanning": 0.0, "staleness/mean": 0.0,
-                       "staleness/max": 0.0}  # fmt: skip
-    kept, metrics = bound_staleness(rollout, learner_version=5, k=2)
-    assert len(kept.completions) == 6
-    assert metrics["staleness/max"] == 2.0 and metrics["staleness/dropped"] == 0.0
-    assert metrics["staleness/mean"] == pytest.approx((0 + 0 + 1 + 2 + 2 + 0) / 6)
-
-
-def test_a_completion_spanning_versions_is_as_old_as_its_oldest_token():
-    # Group 0 holds tokens of version 3, 2 updates old at 5: dropped. Group 1 (4 -> 5, and 4) is 1 update old.
-    rollout = rollout_of([[(3, 5), 5], [(4, 5), 4]])
-    kept, metrics = bound_staleness(rollout, learner_version=5, k=1)
-    assert [p.text for p in kept.prompts] == ["p1"]
-    assert metrics == {"staleness/dropped": 2.0, "staleness/spanning": 1.0, "staleness/mean": 1.0,
-                       "staleness/max": 1.0}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("k", "generator_version", "learner_version", "due"),
-    [
-        (0, 4, 5, True),  # on-policy: the next batch needs the learner's weights
-        (1, 4, 5, True),  # drawn ahead, trained one update later: 6 - 4 would be 2
-        (2, 4, 5, False),  # 6 - 4 = 2 is within the bound
-        (2, 3, 5, True),
-        (3, 3, 5, False),
-    ],
-)
-def test_a_sync_is_due_only_when_the_next_batch_would_break_the_bound(k, generator_version, learner_version, due):
-    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k))
-    cluster = SimpleNamespace(weight_version=generator_version, learner_version=learner_version)
-    assert sync_due(cfg, cluster) is due
-
-
-def stream_refill(tmp_path, informative: set[int], order_seed: int, rounds: int = 3) -> tuple[Refill, Rollout, int]:
-    """Run dynamic sampling's `Refill` for one step of 4 prompts over 40 numbered records, scoring the groups sent
-    in a random order (`order_seed`) as the engines might finish them: record i's group is informative when i is
-    in `informative`. Returns the refill, the step's batch and the sampler's position after the step."""
-    import random
-
-    raw = small_config(tmp_path, algorithm={"dynamic_sampling": True, "max_sampling_rounds": rounds})
-    raw["reward"]["functions"] = [{"name": "math_answer", "weight": 1.0}]
-    cfg = validate_config(raw)
-    sampler = PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)], 4, seed=0)
-    refill, order = Refill(cfg, sampler, "0:1"), random.Random(order_seed)
-    sent, _ = refill.first()
-    sent, groups = list(sent), {}
-    while (streamed := refill.more()) is not None:
-        sent += [prompt for prompt, _ in streamed]
-        index = order.choice([index for index in range(len(sent)) if index not in groups])
-        rewards = [1.0, 0.0, 0.0, 0.0] if int(sent[index].text) in informative else [0.0] * 4
-        groups[index] = [(Completion(index, [1], [2], "2", [-0.5], "stop", 0), Score(r, [r])) for r in rewards]
-        refill.scored(sent, [c for c, _ in groups[index]], [score for _, score in groups[index]])
-    pairs = [pair for index in sorted(groups) for pair in groups[index]]
-    rollout = Rollout(sent, [c for c, _ in pairs], [score for _, score in pairs])
-    batch = refill.batch(rollout)
-    return refill, batch, sampler.state_dict()["position"]
-
-
-def test_dynamic_sampling_streams_prompts_and_trains_on_the_same_groups_whatever_order_they_finish_in(tmp_path):
-    draw_order = [int(record.text) for record in PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)],
-                                                               40, seed=0).draw(40)]  # fmt: skip
-    informative = set(draw_order[2:12:2])  # the 3rd, 5th, 7th, 9th and 11th prompts drawn
-    outcomes = set()
-    for order_seed in range(20):
-        refill, batch, position = stream_refill(tmp_path, informative, order_seed)
-        kept = tuple(int(p.text) for p in batch.prompts)
-        outcomes.add((kept, position))
-        assert len(batch.completions) == 4 * 4 and refill.sent <= 12  # never past the cap of 3 x 4 prompts
-        metrics = refill.metrics()
-        assert metrics["dynamic_sampling/rounds"] == 9 / 4  # the 9th prompt drawn completes the 4 informative
-        assert metrics["dynamic_sampling/dropped_fraction"] == pytest.approx(5 / 9)
-        assert metrics["dynamic_sampling/discarded"] == refill.sent - 9
-    assert outcomes == {(tuple(draw_order[2:10:2]), 9)}  # the first 4 informative; the next step draws from the 10th
-
-
-def test_dynamic_sampling_past_its_cap_trains_on_what_it_has(tmp_path):
-    draw_order = [int(record.text) for record in PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)],
-                                                               40, seed=0).draw(40)]  # fmt: skip
-    refill, batch, position = stream_refill(tmp_path, {draw_order[5]}, order_seed=0, rounds=2)
-    assert [int(p.text) for p in batch.prompts] == [draw_order[5]] and position == 8
-    assert refill.metrics()["dynamic_sampling/dropped_fraction"] == 7 / 8
-    refill, batch, position = stream_refill(tmp_path, set(), order_seed=0, rounds=2)
-    assert [int(p.text) for p in batch.prompts] == draw_order[4:8]  # nothing informative: the last 4, advantage 0
-    assert refill.metrics()["dynamic_sampling/dropped_fraction"] == 1.0
-
-
-def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_draws_its_prompts_again(tmp_path, capsys):
-    def queue(k: int) -> RolloutQueue:
-        records = [PromptRecord(str(i), [1], {}) for i in range(40)]
-        return RolloutQueue(validate_config(small_config(tmp_path, rollout={"max_staleness": k})), None,
-                            PromptSampler(records, 4, seed=0))  # fmt: skip
-
-    run = queue(1)
-    before = run.sampler.state_dict()
-    run.sampler.draw(4)  # the prompts of step 4's batch, drawn ahead while step 3 trained
-    run.ahead, run.sampler_before_ahead = (4, rollout_of([[2], [2], [2], [2]]), {"sync/in_flight": 0.0}), before
-    state = run.state_dict()
-    resumed = queue(1)
-    resumed.load_state_dict(state, step=3)
-    assert resumed.ahead == run.ahead and resumed.sampler.state_dict() == {"epoch": 0, "position": 4}
-    assert resumed.state_dict() == state  # checkpointed again before step 4, it holds the same
-    for k, step in [(0, 3), (1, 5)]:  # resumed on-policy, or from another step: the prompts are drawn again
-        other = queue(k)
-        other.load_state_dict(state, step=step)
-        assert other.ahead is None and other.sampler.state_dict() == {"epoch": 0, "position": 0}
-    rescored = queue(1)  # resumed with another reward: the batch was scored by the old one
-    rescored.cfg.reward.functions[0].weight = 2.0
-    rescored.load_state_dict(state, step=3)
-    assert rescored.ahead is None and rescored.sampler.state_dict() == {"epoch": 0, "position": 0}
-    assert "drawn again" in capsys.readouterr().out
-    older = queue(1)  # a checkpoint written before batches drawn ahead were kept
-    older.load_state_dict({"sampler": {"epoch": 0, "position": 8}}, step=3)
-    assert older.ahead is None and older.sampler.state_dict() == {"epoch": 0, "position": 8}
-
-
-def test_a_group_that_cannot_be_scored_ends_dynamic_sampling_with_the_error(tmp_path):
-    """The reward pool past its restarts: the step stops with its error instead of waiting for that group."""
-    from grpo_dist.faults import RunFailed
-    from grpo_dist.metrics import StepTimer
-    from grpo_dist.pipeline import collect_rollout
-
-    def generate(prompts, group_size, seeds, on_group, while_waiting, more):  # every group at once, then `more`
-        for index in range(len(prompts)):
-            on_group([Completion(index, [1], [2], "2", [-0.5], "stop", 0) for _ in range(group_size)])
-        for _ in range(200):
-            if more() is None:
-                return []
-            time.sleep(0.01)
-        raise AssertionError("still waiting for a group that will never be scored")
-
-    def score(requests):
-        raise RunFailed("reward worker lost; already restarted 3 times (faults.max_reward_worker_restarts)")
-
-    cfg = validate_config(small_config(tmp_path, algorithm={"dynamic_sampling": True}))
-    cluster = SimpleNamespace(generators=SimpleNamespace(generate=generate), score=score)
-    sampler = PromptSampler([PromptRecord(str(i), [1], {}) for i in range(40)], 4, seed=0)
-    with pytest.raises(RunFailed, match="already restarted"):
-        collect_rollout(cfg, cluster, sampler, StepTimer(), step=1)
 
 
 def test_off_policy_correction_is_on_by_default_once_samples_can_be_stale(tmp_path):
@@ -220,7 +58,8 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
 def train_rows(cfg) -> tuple[Path, list[dict]]:
     """Train `cfg` on its own cluster to the end; the run directory and its metrics rows, one per step."""
     from grpo_dist.cluster import Cluster
-    from grpo_dist.driver import prepare, train
+    from grpo_dist.driver import train
+    from grpo_dist.inputs import prepare
 
     cluster = Cluster.start(cfg, prepare(cfg).model_path)
     try:
@@ -371,14 +210,14 @@ def test_a_generator_counts_as_hung_only_after_a_bound_without_answers():
 
 @pytest.mark.slow
 def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
-    """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates: it keeps only the requests
-    it was handed first, generator 0 takes every other prompt, and the batch comes back whole, in prompt order."""
+    """Generator 1 is frozen (SIGSTOP, shorter than its bound) while a batch generates, and let go only once
+    generator 0 has finished every other prompt: it keeps only the requests it was handed first, generator 0 takes
+    all the rest, and the batch comes back whole, in prompt order."""
     import os
-    import threading
 
-    from grpo_dist.driver import prepare
     from grpo_dist.faults import FaultLog
     from grpo_dist.generator_pool import GeneratorPool, requests_per_generator
+    from grpo_dist.inputs import prepare
     from grpo_dist.placement import place
 
     cfg = validate_config(small_config(tmp_path, rollout={"num_generators": 2}, faults={"generate_timeout_s": 60}))
@@ -389,25 +228,32 @@ def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
         pool.pool.wait_ready()
         frozen = ray_cluster.get(pool.actors[1].__ray_call__.remote(lambda self: os.getpid()))
         prompts = inputs.train[:16]
+        first = requests_per_generator(16, 2)  # 4: half of an even share
         os.kill(frozen, signal.SIGSTOP)
-        threading.Timer(5.0, os.kill, (frozen, signal.SIGCONT)).start()
-        completions = pool.generate(prompts, group_size=2, seeds=list(range(len(prompts))))
+        try:
+            generation = pool.start(prompts, group_size=2, seeds=list(range(len(prompts))))
+            while len(generation.done) < 16 - first:  # bounded: generator 0 passing its 60 s bound fails the test
+                assert not generation.advance().replaced
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        while not generation.finished:
+            assert not generation.advance().replaced
     finally:
         pool.shutdown()
         placement.remove()
+    completions = generation.completions()
     assert [c.prompt_index for c in completions] == [index for index in range(len(prompts)) for _ in range(2)]
-    first = requests_per_generator(16, 2)  # 4: half of an even share
     assert pool.completions == {0: (16 - first) * 2, 1: first * 2}  # 12 prompts x 2 samples, and 4
 
 
 @pytest.mark.slow
 def test_requests_cancelled_by_the_pool_are_aborted_in_the_engine(ray_cluster, tmp_path):
-    """Dynamic sampling's stop: once `more` answers None the pool cancels the requests under way, and the engine
+    """Dynamic sampling's stop: once the step has its groups the generation is cancelled, and the engine
     drops them (vLLM aborts a request whose call is cancelled). The engine is paused with its requests kept before
     the stop, so a request that was not aborted would stay in it rather than finish on its own."""
-    from grpo_dist.driver import prepare
     from grpo_dist.faults import FaultLog
     from grpo_dist.generator_pool import GeneratorPool
+    from grpo_dist.inputs import prepare
     from grpo_dist.placement import place
 
     cfg = validate_config(small_config(tmp_path, rollout={"max_new_tokens": 200, "max_model_len": 256}))
@@ -419,25 +265,24 @@ def test_requests_cancelled_by_the_pool_are_aborted_in_the_engine(ray_cluster, t
     def in_engine() -> int:
         return ray_cluster.get(engine.__ray_call__.remote(lambda self: self.engine.get_num_unfinished_requests()))
 
-    seen: list[int] = []
-
-    def more():  # nothing more to send; once the engine holds requests, freeze them there and stop
-        seen.append(in_engine())
-        if seen[-1]:
-            ray_cluster.get(engine._pause.remote())
-        return None if seen[-1] or len(seen) > 200 else []
-
     try:
         pool.pool.wait_ready()
         prompts = inputs.train[:8]
-        completions = pool.generate(prompts, group_size=4, seeds=list(range(len(prompts))), more=more)
+        generation = pool.start(prompts, group_size=4, seeds=list(range(len(prompts))))
+        for _ in range(200):  # once the engine holds requests, freeze them there and stop
+            generation.advance(poll=True)
+            if held := in_engine():
+                ray_cluster.get(engine._pause.remote())
+                break
+        generation.cancel()
+        completions = generation.completions()
         deadline = time.monotonic() + 30
         while (left := in_engine()) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         pool.shutdown()
         placement.remove()
-    assert seen[-1] > 0, "the engine never held the requests, so there was nothing to cancel"
+    assert held > 0, "the engine never held the requests, so there was nothing to cancel"
     assert left == 0, f"{left} cancelled requests still in the (paused) engine after 30 s"
     assert len(completions) < len(prompts) * 4  # the requests were stopped, not generated to the end
 

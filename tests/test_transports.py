@@ -64,7 +64,7 @@ def test_every_generator_holds_the_learners_weights_after_each_transport(ray_clu
     raw["rollout"]["num_generators"] = 2
     cfg = validate_config(raw)
     assert wire_backend(cfg) == "gloo"
-    learner = LearnerGroup.start(cfg, model_dir, timeout_s=300)
+    learner = LearnerGroup.start(cfg, model_dir)
     generators = [
         ray_cluster.remote(Generator).options(num_cpus=1).remote(model_dir, cfg.rollout, index, "gloo")
         for index in range(2)
@@ -93,7 +93,7 @@ def test_every_generator_holds_the_learners_weights_after_each_transport(ray_clu
             ray_cluster.kill(generator)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(4)  # 2 learner ranks and an engine of 2 tensor-parallel workers, a GPU each
 @pytest.mark.slow
 def test_nccl_broadcast_reaches_both_workers_of_a_tensor_parallel_engine(ray_cluster, tmp_path):
     """On GPUs: 2 learner ranks under ZeRO-3 and one engine of tensor_parallel_size 2 (vLLM's Ray executor, a
@@ -113,7 +113,7 @@ def test_nccl_broadcast_reaches_both_workers_of_a_tensor_parallel_engine(ray_clu
     cluster = Cluster.start(cfg, model_dir)
     try:
         assert cluster.transport.name == "broadcast"
-        cluster.train(sample_batch())
+        cluster.learner.train(sample_batch())
         cluster.sync_weights()
         sequence = [10, 11, 12, 7, 8, 9, 2]
         expected = torch.tensor(cluster.learner.sequence_logprobs(sequence))

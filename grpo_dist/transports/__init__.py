@@ -18,6 +18,7 @@ from typing import Protocol
 import ray
 
 from grpo_dist.config import Config
+from grpo_dist.faults import Bound, gather
 
 
 class WeightTransport(Protocol):
@@ -63,19 +64,14 @@ def make_transport(cfg: Config, learner, generators: list[ray.actor.ActorHandle]
     return ObjectStoreTransport(cfg, learner, generators)
 
 
-def wait_all(refs: list[ray.ObjectRef], actors: list[str], call: str, timeout_s: float, transport: str) -> list:
-    """Results of one call per actor; fails naming the first actor that failed or did not answer in time."""
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    for ref, actor in zip(refs, actors, strict=True):
-        if ref in pending:
-            continue
-        try:
-            ray.get(ref)
-        except ray.exceptions.RayError as err:
-            raise WeightSyncError(f"{transport} weight sync: {actor}: {call} failed: {err}") from err
-    if pending:
-        hung = [actor for ref, actor in zip(refs, actors, strict=True) if ref in pending]
-        raise WeightSyncError(
-            f"{transport} weight sync: {', '.join(hung)}: {call} did not return within {timeout_s:.0f} s"
-        )
-    return ray.get(refs)
+def wait_all(refs: list[ray.ObjectRef], actors: list[str], call: str, bound: Bound, transport: str) -> list:
+    """Results of one call per actor; fails naming the first actor that failed or did not answer within `bound`."""
+    outcomes = gather(refs, bound)
+    for outcome, actor in zip(outcomes, actors, strict=True):
+        if not outcome.ok and not outcome.pending:
+            failed = f"{transport} weight sync: {actor}: {call} failed: {outcome.error}"
+            raise WeightSyncError(failed) from outcome.error
+    hung = [actor for outcome, actor in zip(outcomes, actors, strict=True) if outcome.pending]
+    if hung:
+        raise WeightSyncError(f"{transport} weight sync: {', '.join(hung)}: {call} did not return within {bound}")
+    return [outcome.value for outcome in outcomes]

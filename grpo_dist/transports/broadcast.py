@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from grpo_dist.config import Config
+from grpo_dist.faults import Bound
 from grpo_dist.transports import wait_all, wire_backend
 
 
@@ -66,7 +67,8 @@ class GeneratorClient:
     Each generator's workers get their own ranks in the group: generator g starts at 1 + g * tensor_parallel_size."""
 
     def __init__(self, generators: list[ray.actor.ActorHandle], tensor_parallel_size: int, timeout_s: float) -> None:
-        self.generators, self.tp, self.timeout_s = generators, tensor_parallel_size, timeout_s
+        self.generators, self.tp = generators, tensor_parallel_size
+        self.bound = Bound("sync", timeout_s, "sync.timeout_s")
         self.weight_version = 0  # set before each sync; the generators tag their completions with it
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -90,7 +92,7 @@ class GeneratorClient:
             for index, generator in enumerate(self.generators)
         ]
         names = [f"generator {index}" for index in range(len(self.generators))]
-        wait_all(calls, names, method, self.timeout_s, "broadcast")
+        wait_all(calls, names, method, self.bound, "broadcast")
 
 
 class WeightSender:

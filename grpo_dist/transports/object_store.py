@@ -9,6 +9,7 @@ from __future__ import annotations
 import ray
 
 from grpo_dist.config import Config
+from grpo_dist.faults import Bounds
 from grpo_dist.transports import wait_all
 
 
@@ -17,7 +18,7 @@ class ObjectStoreTransport:
 
     def __init__(self, cfg: Config, learner, generators: list[ray.actor.ActorHandle]) -> None:
         self.learner, self.generators = learner, generators
-        self.timeout_s = cfg.sync.timeout_s
+        self.bound = Bounds.of(cfg).sync
 
     def connect(self) -> None:
         pass
@@ -25,7 +26,7 @@ class ObjectStoreTransport:
     def sync(self, weight_version: int) -> None:
         weights = self.learner.state_dict()
         calls = [generator.load_weights.remote(weights, weight_version) for generator in self.generators]
-        wait_all(calls, _names(self.generators), "load_weights", self.timeout_s, self.name)
+        wait_all(calls, _names(self.generators), "load_weights", self.bound, self.name)
 
     def close(self) -> None:
         pass

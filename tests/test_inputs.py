@@ -1,17 +1,20 @@
-"""What the driver checks before any actor starts, and how it keeps earlier runs."""
+"""What a run checks before any actor starts (`grpo_dist.inputs`, shared by `train`, `sft` and `check`), and how it
+keeps earlier runs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import yaml
-from conftest import small_config
+from conftest import TESTS_DIR, small_config
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.data import DatasetError
-from grpo_dist.driver import prepare, start_run_dir
+from grpo_dist.inputs import prepare
+from grpo_dist.run_dir import start_run_dir
 
 
 @pytest.fixture
@@ -39,12 +42,30 @@ def test_malformed_row_is_reported_with_file_and_line_before_ray_starts(tmp_path
     assert not started
 
 
-def test_cli_exits_with_the_dataset_error(tmp_path, bad_dataset):
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_cli_exits_with_the_dataset_error(tmp_path, bad_dataset, command):
+    """`check` reads the data as `train` does: a config it passes does not fail later on its rows."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(config_with_dataset(tmp_path, bad_dataset)))
-    result = subprocess.run([sys.executable, "-m", "grpo_dist", "train", str(config)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "grpo_dist", command, str(config)], capture_output=True, text=True)
     assert result.returncode == 2
     assert f"{bad_dataset}:2:" in result.stderr
+
+
+def test_check_catches_what_train_would_fail_on_and_writes_nothing(tmp_path):
+    """A misspelt reward fails `check` as it would fail `train`; a good config passes with its inputs counted, the
+    tiny model and the task data built in a scratch directory, not at model.path or in the run directory."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path, reward={"functions": [{"name": "math_anwser"}]})))
+    check = [sys.executable, "-m", "grpo_dist", "check", str(config)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(check, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2 and "Did you mean 'math_answer'?" in result.stderr
+    config.write_text(yaml.safe_dump(small_config(tmp_path)))
+    result = subprocess.run(check, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "inputs: 64 training prompts, 8 held-out" in result.stdout
+    assert not (tmp_path / "model").exists() and not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.parametrize(

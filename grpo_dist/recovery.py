@@ -1,0 +1,97 @@
+"""Resuming and restarting: a run resumed from a checkpoint (`--resume`), the learner group restarted from the
+latest one after a rank was lost, and what a run keeps when it stops early (a checkpoint of its last finished step,
+the current policy in `interrupted/`).
+
+The state a run carries from step to step (`run_state`) is the prompt sampler, the batch drawn ahead with the
+sampler from before it, the driver's random generators and the W&B run id; with the learner's DeepSpeed state it
+is all a resumed run needs to match the uninterrupted one step for step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from grpo_dist import checkpoints
+from grpo_dist.cluster import Cluster
+from grpo_dist.config import Config
+from grpo_dist.faults import RunFailed
+from grpo_dist.learner_group import LearnerLost
+from grpo_dist.metrics import MetricsSink
+from grpo_dist.rollouts import RolloutQueue
+
+log = logging.getLogger("grpo_dist")
+
+
+def find_checkpoint(cfg: Config, resume: str | bool) -> Path | None:
+    """The checkpoint a resumed run starts from, after checking the config against it (None: a new run)."""
+    if not resume:
+        return None
+    checkpoint = checkpoints.find(cfg, resume if isinstance(resume, str) else None)
+    for change in checkpoints.check_config(cfg, checkpoint):
+        print(f"resuming with a changed setting: {change}")
+    return checkpoint
+
+
+def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Path) -> tuple[int, str | None]:
+    """Load a checkpoint into the learner group, the generators, the sampler (and the batch drawn ahead) and the
+    driver's random generators; returns the last step it holds and its W&B run id."""
+    state = checkpoints.load_state(checkpoint)
+    cluster.learner.load_checkpoint(str(checkpoint / "learner"), version=state["step"])
+    cluster.sync_weights()
+    rollouts.load_state_dict(state, state["step"])
+    checkpoints.restore_random_state(state["random"])
+    print(f"resumed from {checkpoint} after step {state['step']}")
+    return state["step"], state["wandb_id"]
+
+
+def run_state(rollouts: RolloutQueue, sink: MetricsSink) -> dict:
+    """What the driver carries from step to step, for a checkpoint (the sampler, and the batch drawn ahead)."""
+    return {**rollouts.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
+
+
+def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, lost: LearnerLost) -> int:
+    """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler (and the batch
+    drawn ahead), random state and metrics back to its step (the steps since are done again). Returns that step."""
+    restarts = cluster.faults.counts["learner_restarts"]
+    if restarts >= cfg.faults.max_learner_restarts:
+        raise RunFailed(
+            f"{lost}; the learner group was already restarted {restarts} times (faults.max_learner_restarts)"
+        )
+    if not (cfg.checkpoint_dir / checkpoints.LATEST).is_file():
+        raise RunFailed(f"{lost}; no checkpoint to restart the learner group from yet (checkpoint.every_steps)")
+    started = time.monotonic()
+    cluster.restart_learner()
+    step, _ = resume_from(cluster, rollouts, checkpoints.find(cfg, None))
+    sink.rewind(step)
+    cluster.faults.record(
+        "learner_restarts",
+        f"{lost}; restarted the learner group from step {step} in {time.monotonic() - started:.1f} s",
+    )
+    return step
+
+
+def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, version: int) -> None:
+    """On Ctrl-C or SIGTERM, a checkpoint of the last finished step `step`, from the run's state taken when the next
+    step began (with the learner at `version`); none when the learner has updated since (its weights belong to no
+    finished step)."""
+    if not cfg.checkpoint.every_steps or (cfg.checkpoint_dir / f"step-{step:06d}").is_dir():
+        return
+    if cluster.learner.version != version or cluster.learner.busy:
+        print(f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
+              "from the latest checkpoint")  # fmt: skip
+        return
+    try:
+        print(f"checkpoint of step {step} written to {checkpoints.save(cfg, cluster, step, state)}")
+    except Exception as err:  # the stop is what propagates; this failure is only reported
+        log.error("could not write a checkpoint of step %d (%s: %s)", step, type(err).__name__, err)
+
+
+def save_interrupted(cluster: Cluster, out_dir: Path) -> None:
+    """Save the current policy when a run stops early; a learner that is itself gone is reported, not raised."""
+    log.error("training stopped early; saving the current policy to %s", out_dir)
+    try:
+        cluster.save(str(out_dir))
+    except Exception as err:  # the original failure is what propagates; this one is only reported
+        log.error("could not save the policy (%s: %s)", type(err).__name__, err)
