@@ -1,10 +1,13 @@
 """Faults a run survives: every remote call bounded, each actor's health as explicit state, replacements counted.
 
-A fault is detected in one place, `gather`: a call whose actor died (`RayActorError`) or that did not answer within
-its bound is a fault; an exception raised by the actor's own code is not (it is a bug, and is raised as such). The
-pools (`grpo_dist.generator_pool`, `grpo_dist.reward_pool`) keep their actors in an `ActorPool`: a faulty actor is
-killed and a new one started in its place (same placement bundle), printed once and counted in `FaultLog`, whose
-totals go to the metrics as `faults/*`.
+Every wait on actors, anywhere in the run, is `gather(refs, bound)`: a `Bound` names the phase it bounds and the
+config key that sets it (`Bounds.of(cfg)` holds one per phase), and the outcome of each call says whether it
+returned, its actor died (`RayActorError`), it gave no answer within the bound, or the actor's own code raised. The
+first two are faults; the last is a bug, which the caller raises as such. Each caller decides what a fault means
+for its role (a learner rank lost, a generator replaced, a weight sync failed). The pools
+(`grpo_dist.generator_pool`, `grpo_dist.reward_pool`) keep their actors in an `ActorPool`: a faulty actor is killed
+and a new one started in its place (same placement bundle), printed once and counted in `FaultLog`, whose totals go
+to the metrics as `faults/*`.
 """
 
 from __future__ import annotations

@@ -140,6 +140,9 @@ class GeneratorPool:
             self.completions[request.slot] += len(group)
             self.tokens[request.slot] += sum(len(c.token_ids) for c in group)
 
+    def _busy(self, slot: int, seconds: float) -> None:
+        self.busy_s[slot] += seconds
+
     def _replace_lost(self, lost: list[tuple[Request, str]]) -> bool:
         """Replace the generators of lost requests, unless one was replaced already (after an earlier loss);
         returns whether any was replaced now."""
@@ -337,4 +340,4 @@ class Generation:
         for slot in busy - self.busy_since.keys():
             self.busy_since[slot] = now
         for slot in set(self.busy_since) - busy:
-            self.pool.busy_s[slot] += now - self.busy_since.pop(slot)
+            self.pool._busy(slot, now - self.busy_since.pop(slot))

@@ -53,12 +53,13 @@ def small_config(tmp_path: Path, **sections) -> dict:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped where no CUDA GPU is present."""
+    """Tests marked `gpu(n)` (n CUDA GPUs, 1 when not given) are skipped where fewer are present."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        needed = marker.args[0] if marker is not None and marker.args else 1
+        if marker is not None and present < needed:
+            gpus = f"{needed} CUDA GPU{'s' if needed > 1 else ''}"
+            item.add_marker(pytest.mark.skip(reason=f"needs {gpus}, {present} present"))

@@ -6,6 +6,7 @@ import string
 import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 NOT_CALLABLE = 3
@@ -55,3 +56,14 @@ def half_informative_reward(prompt: str, completion: str, **_: Any) -> float:
     if zlib.crc32(prompt.encode()) % 2 == 0 or not completion:
         return 0.0
     return (ord(completion[0]) % 10) / 10
+
+
+def slow_once_asked(prompt: str, completion: str, signal_dir: str, delay_s: float = 0.5, **_: Any) -> float:
+    """0.0 (give it weight 0 and the rewards are unchanged). Returns at once until the file `<signal_dir>/slow`
+    exists; from then on it creates `<signal_dir>/scoring` and takes `delay_s` per completion, so that a test can
+    act while a step's completions are being scored."""
+    folder = Path(signal_dir)
+    if (folder / "slow").exists():
+        (folder / "scoring").touch()
+        time.sleep(delay_s)
+    return 0.0

@@ -128,7 +128,7 @@ def test_sequence_ratio_differs_from_token_ratio() -> None:
     # sequence level (GSPO): ratio = exp((0.2 + 0) / 2) = e^0.1 = 1.105171 inside the range: loss -1.105171
     # and d/dlogp_t of -exp(mean log-ratio) = -e^0.1 / 2 = -0.552585 for both tokens
     logprobs, old = _logprobs([[0.2, 0.0]])
-    token_loss, _ = policy_loss(logprobs, old, _advantages([1.0]), _full_mask(logprobs))
+    token_loss, token_metrics = policy_loss(logprobs, old, _advantages([1.0]), _full_mask(logprobs))
     sequence_loss, metrics = policy_loss(
         logprobs, old, _advantages([1.0]), _full_mask(logprobs), ratio_level="sequence"
     )
@@ -137,6 +137,9 @@ def test_sequence_ratio_differs_from_token_ratio() -> None:
     assert sequence_loss.item() == pytest.approx(-math.exp(0.1))
     torch.testing.assert_close(logprobs.grad, torch.full((1, 2), -math.exp(0.1) / 2, dtype=torch.float64))
     assert metrics["ratio/mean"] == pytest.approx(math.exp(0.1))
+    # ratio/sequence_spread: the ratio's max - min within a sequence, e^0.2 - e^0 = 0.2214 per token, 0 per sequence
+    assert token_metrics["ratio/sequence_spread"] == pytest.approx(math.exp(0.2) - 1.0)
+    assert metrics["ratio/sequence_spread"] == 0.0
 
 
 def test_sequence_ratio_clips_whole_sequence_and_ignores_masked_tokens() -> None:

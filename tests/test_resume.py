@@ -109,27 +109,41 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
     assert checkpoints.check_config(validate_config(raw), checkpoint) == ["learner.lr: 0.01 -> 0.005"]
 
 
-def test_sigterm_stops_cleanly_with_the_policy_and_a_checkpoint_saved(tmp_path):
-    """Preemption or `ray job stop`: SIGTERM mid-run writes interrupted/ and a checkpoint of the last finished step,
-    and exits 130 with no traceback."""
+def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_path):
+    """Preemption or `ray job stop`: SIGTERM mid-run writes interrupted/ and exits 130 with no traceback. The signal
+    lands while a step's completions are being scored, which at rollout.max_staleness 0 comes before the learner's
+    update of that step, so the run also writes a checkpoint of the last finished step and points `latest` at it."""
     raw = small_config(tmp_path, run={"name": "stopped", "steps": 50}, checkpoint={"every_steps": 1000})
+    # Weight 0, the rewards unchanged: instant until `slow` exists, then it creates `scoring` and takes 0.5 s per
+    # completion, so the step being scored when the signal comes is still being scored when the signal lands.
+    gate = {"name": "reward_fixtures.slow_once_asked", "weight": 0.0, "kwargs": {"signal_dir": str(tmp_path)}}
+    raw["reward"]["functions"].append(gate)
     path = tmp_path / "stopped.yaml"
     path.write_text(yaml.safe_dump(raw))
-    run = grpo_dist("train", str(path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "outputs" / "stopped"
-    deadline = time.monotonic() + 600
-    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
-        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its second step"
-        time.sleep(0.2)
-    run.send_signal(signal.SIGTERM)
-    out, err = run.communicate(timeout=300)
+    with (tmp_path / "out.log").open("w") as out_log, (tmp_path / "err.log").open("w") as err_log:
+        run = grpo_dist("train", str(path), stdout=out_log, stderr=err_log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
+                assert run.poll() is None and time.monotonic() < deadline, "the run ended before its second step"
+                time.sleep(0.2)
+            (tmp_path / "slow").touch()
+            while not (tmp_path / "scoring").exists():
+                assert run.poll() is None and time.monotonic() < deadline, "no step was scored after the second"
+                time.sleep(0.05)
+            run.send_signal(signal.SIGTERM)
+            run.wait(timeout=300)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+    out, err = (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
     assert run.returncode == 130, err[-3000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err, err[-3000:]
     assert "--resume" in err
     assert (run_dir / "interrupted" / "model.safetensors").is_file()
-    finished = rows(run_dir)[-1]["step"]
-    if "no checkpoint of it" in out:  # the signal came after the learner's update of the step under way
-        assert not (run_dir / "checkpoints").exists()
-    else:  # it came before: the checkpoint is of the last finished step (none is periodic in 1000 steps)
-        assert f"checkpoint of step {finished} written" in out
-        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{finished:06d}"
+    finished = rows(run_dir)[-1]["step"]  # the last step the learner updated on: the signal came in the next one
+    assert finished >= 2
+    assert f"checkpoint of step {finished} written" in out, out[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{finished:06d}"
+    assert (run_dir / "checkpoints" / f"step-{finished:06d}").is_dir()

@@ -71,8 +71,9 @@ def policy_loss(
     """Scalar loss to minimize and float metrics for one batch of B sequences of T tokens.
 
     logprobs, old_logprobs, mask, ref_logprobs, sampling_logprobs, entropy: [B, T]; advantages: [B].
-    Metrics: loss/policy, clip_fraction/low, clip_fraction/high, clip_fraction, ratio/mean, ratio/max, and when
-    their inputs are given dual_clip_fraction, is_weight/mean, is_weight/capped, kl, entropy.
+    Metrics: loss/policy, clip_fraction/low, clip_fraction/high, clip_fraction, ratio/mean, ratio/max,
+    ratio/sequence_spread, and when their inputs are given dual_clip_fraction, is_weight/mean, is_weight/capped, kl,
+    entropy.
     """
     _check_options(clip_low, clip_high, dual_clip, ratio_level, aggregation, max_length, kl_estimator, is_cap)
     _check_coefficients(kl_coef, ref_logprobs, entropy_coef, entropy)
@@ -232,15 +233,20 @@ def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
 def _ratio_stats(
     ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
 ) -> dict[str, Tensor]:
-    """Clip fractions (where the clipped branch is active) and ratio mean / max over masked tokens."""
+    """Clip fractions (where the clipped branch is active), ratio mean / max over masked tokens, and the largest
+    spread (max - min) of the ratio within one sequence: 0 exactly when the ratio is per sequence."""
     clipped_low = (ratio < 1 - clip_low) & (advantages < 0)  # [B, T]
     clipped_high = (ratio > 1 + clip_high) & (advantages > 0)  # [B, T]
+    highest = torch.where(mask, ratio, -torch.inf).amax(-1)  # [B]
+    lowest = torch.where(mask, ratio, torch.inf).amin(-1)  # [B]
+    spread = torch.where(mask.any(-1), highest - lowest, 0.0)  # [B]; 0 for a sequence with no masked token
     return {
         "clip_fraction/low": _token_mean(clipped_low, mask),
         "clip_fraction/high": _token_mean(clipped_high, mask),
         "clip_fraction": _token_mean(clipped_low | clipped_high, mask),
         "ratio/mean": _token_mean(ratio, mask),
         "ratio/max": torch.where(mask, ratio, 0.0).max(),
+        "ratio/sequence_spread": spread.max(),
     }
 
 

@@ -1,0 +1,355 @@
+"""The sections of a grpo-dist config (`grpo_dist.config.Config` holds one of each): every key typed, with its
+default, its constraints and a docstring (the README's config reference is made from them). Pydantic only: no torch,
+no ray."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class RunConfig(_Section):
+    name: str = "grpo"
+    """Run name: the W&B run name and the sub-directory of `output_dir` this run writes to."""
+    output_dir: str = "outputs"
+    """Directory under which `<name>/` holds metrics.jsonl, the final policy and the W&B files."""
+    steps: int = Field(100, ge=1)
+    """Number of training steps (one rollout batch, one optimizer update and one weight sync each)."""
+    seed: int = 0
+    """Seed for prompt order, model initialisation and sampling."""
+    save_final: bool = True
+    """Save the final policy in Hugging Face format to `<output_dir>/<name>/final`."""
+
+
+class TinyModelConfig(_Section):
+    hidden_size: int = Field(128, ge=64)
+    """Hidden width; `hidden_size / num_heads` must be 64 (vLLM's CPU attention rejects smaller heads)."""
+    num_layers: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    num_heads: int = Field(2, ge=1)
+    """Attention heads per block."""
+    intermediate_size: int = Field(256, ge=1)
+    """MLP width."""
+    characters: str | None = None
+    """The tokenizer's characters, one token each; null means all of printable ASCII."""
+
+    @model_validator(mode="after")
+    def _head_dim_is_64(self) -> TinyModelConfig:
+        if self.hidden_size != 64 * self.num_heads:
+            raise ValueError(
+                f"hidden_size / num_heads must be 64 (got {self.hidden_size} / {self.num_heads}); "
+                f"set hidden_size to {64 * self.num_heads}"
+            )
+        return self
+
+
+class ModelConfig(_Section):
+    path: str
+    """Local directory of a Hugging Face causal LM (config, weights, tokenizer): the initial policy."""
+    tiny: TinyModelConfig | None = None
+    """Build a random-init tiny model with a character tokenizer at `path` (at `sft.base` when the config has a
+    warm-up) when it does not exist yet."""
+
+
+class TaskConfig(_Section):
+    name: Literal["last_digit", "add", "add_multi"] = "last_digit"
+    """Bundled synthetic task: `last_digit` (answer the prompt's last digit), `add` (single-digit sums) or
+    `add_multi` (sums of two numbers below 100)."""
+    num_train: int = Field(2000, ge=1)
+    """Training prompts to generate."""
+    num_eval: int = Field(200, ge=1)
+    """Held-out prompts to generate."""
+
+
+class DataConfig(_Section):
+    train_path: str | None = None
+    """JSONL or Parquet file of training prompts (a `prompt` field plus fields passed to the rewards)."""
+    eval_path: str | None = None
+    """Held-out prompts in the same format; accuracy on them is printed before and after training."""
+    task: TaskConfig | None = None
+    """Generate a bundled synthetic task into the run directory instead of reading `train_path`/`eval_path`."""
+    prompt_field: str = "prompt"
+    """Name of the field holding the prompt text."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Prompts longer than this (after the chat template) are skipped and counted."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts per rollout batch; each yields `rollout.group_size` completions."""
+
+    @model_validator(mode="after")
+    def _has_a_source(self) -> DataConfig:
+        if self.task is None and self.train_path is None:
+            raise ValueError("set either data.train_path (a JSONL/Parquet file) or data.task (a bundled task)")
+        if self.task is not None and self.train_path is not None:
+            raise ValueError("set only one of data.train_path and data.task")
+        return self
+
+
+class RolloutConfig(_Section):
+    num_generators: int = Field(1, ge=1)
+    """Generator actors, each running one vLLM engine; prompts of a batch are split between them."""
+    group_size: int = Field(8, ge=2)
+    """G: completions sampled per prompt; advantages are computed within each group."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest completion, in tokens."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (the learner scores tokens at the same temperature)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_model_len: int = Field(512, ge=8)
+    """vLLM context length: prompt plus completion."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Engine dtype. float32 on CPU keeps generator and learner logprobs equal to float tolerance."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of each GPU vLLM may take (ignored on CPU)."""
+    cpu_kv_cache_gib: float = Field(0.25, gt=0)
+    """KV-cache size per engine on the CPU backend, in GiB (on a GPU `gpu_memory_utilization` sizes it)."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved per generator actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per generator actor (0 on a CPU machine); with `tensor_parallel_size` > 1, per engine worker (1)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine spans with tensor parallelism (vLLM's Ray executor, all on one node). Needs GPUs: vLLM's
+    CPU backend here runs one worker per engine."""
+    max_staleness: int = Field(0, ge=0)
+    """k: every completion trained on was sampled by weights at most k updates older than the learner's. 0 is
+    on-policy (generate, score, train, sync in turn); with k >= 1 the next batch is generated and scored while the
+    learner trains, and weights are synced only as often as the bound needs."""
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_gpus(self) -> RolloutConfig:
+        if self.tensor_parallel_size > 1 and self.num_gpus != 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={self.tensor_parallel_size} needs rollout.num_gpus=1 (one GPU per "
+                f"engine worker; got {self.num_gpus}); on a CPU machine keep tensor_parallel_size at 1 and add "
+                "generators with rollout.num_generators instead"
+            )
+        return self
+
+
+class RewardFunctionConfig(_Section):
+    name: str
+    """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`, `regex_format`) or the
+    dotted path of a user function `(prompt, completion, **fields) -> float`."""
+    weight: float = 1.0
+    """Weight of this function in the combined reward."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed on every call."""
+
+
+class RewardConfig(_Section):
+    functions: list[RewardFunctionConfig] = Field(min_length=1)
+    """Reward functions, combined by weighted sum."""
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Weighted-sum the rewards then compute advantages, or compute each function's advantages then weighted-sum
+    them (one reward's scale cannot drown another's)."""
+    num_workers: int = Field(2, ge=1)
+    """Reward worker actors scoring completions in parallel."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A call running longer leaves its completion unscored (excluded from its group's statistics)."""
+    num_cpus: float = Field(0.25, gt=0)
+    """CPUs reserved per reward worker."""
+    max_unscored_fraction: float = Field(0.9, gt=0, le=1)
+    """A run stops, printing each failing function's first error, when more than this fraction of a step's
+    completions is unscored for `max_unscored_steps` steps in a row (training on nothing is not training)."""
+    max_unscored_steps: int = Field(3, ge=1)
+    """Consecutive steps over `max_unscored_fraction` that stop a run."""
+
+
+class AlgorithmConfig(_Section):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "batch_std", "reinforce_pp"] = "grpo"
+    """Advantage estimator (see `grpo_dist.algo.group_advantages`)."""
+    std: Literal["sample", "population"] = "sample"
+    """Group std used by `grpo`: unbiased sample std (DeepSeekMath, TRL) or population std."""
+    eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range of the ratio: 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """Upper clip range of the ratio: 1 + clip_high (DAPO's clip-higher sets it above clip_low)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens; null disables it."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token (PPO, GRPO) or per sequence (GSPO)."""
+    aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """How per-token losses become one number (GRPO, DAPO, Dr. GRPO)."""
+    kl_coef: float = Field(0.04, ge=0)
+    """beta: weight of the KL penalty to the frozen reference; 0 never loads the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator; k3 = exp(ref - lp) - (ref - lp) - 1 as in DeepSeekMath."""
+    old_logprobs: Literal["auto", "learner", "sampler"] = "auto"
+    """The policy the ratio is taken against, whose neighbourhood the clip keeps each step in: `learner`, the
+    learner's weights before the step; `sampler`, the weights that sampled each token (the generators' sampling
+    logprobs), so the ratio is itself the importance weight of an older sample. auto: `sampler` with
+    `rollout.max_staleness` >= 1, `rollout.top_p` 1 and no number for `is_cap`, `learner` otherwise."""
+    is_cap: float | Literal["auto"] | None = "auto"
+    """With `old_logprobs: learner`, truncated importance sampling between sampling and learner logprobs, capped
+    here; null disables it; auto is 2 with `rollout.max_staleness` >= 1 and `old_logprobs: learner`, off
+    otherwise (`sampler` needs none)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (the token entropy is logged every step either way)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts until the batch holds
+    `data.prompts_per_step` groups."""
+    max_sampling_rounds: int = Field(4, ge=1)
+    """Cap on the prompts a step sends with dynamic sampling, in batches of `data.prompts_per_step`; past it the step
+    trains on the groups it has."""
+    overlong: Literal["none", "mask", "soft_penalty"] = "none"
+    """Completions cut at `rollout.max_new_tokens`: kept as they are, masked out of the loss, or given DAPO's soft
+    overlong penalty."""
+    overlong_buffer: int = Field(0, ge=0)
+    """Soft penalty: the last this-many tokens before `rollout.max_new_tokens` are penalised linearly."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Soft penalty: reward subtracted at (and beyond) `rollout.max_new_tokens`."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer updates per pass: the rollout batch is cut into this many mini-batches."""
+
+    @model_validator(mode="after")
+    def _is_cap_positive(self) -> AlgorithmConfig:
+        if isinstance(self.is_cap, float) and not self.is_cap > 0:
+            raise ValueError(f"is_cap must be > 0, auto or null (got {self.is_cap})")
+        return self
+
+
+class LearnerConfig(_Section):
+    num_ranks: int = Field(1, ge=1)
+    """Data-parallel learner ranks (one Ray actor each, one GPU or one CPU slot each) forming one DeepSpeed
+    engine; the batch is split across them by token count."""
+    placement: Literal["pack", "spread"] = "pack"
+    """Learner ranks packed onto as few nodes as possible, or spread one per node where they can be."""
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradients are clipped to this global norm."""
+    micro_batch_size: int = Field(32, ge=1)
+    """Sequences per forward/backward pass; the batch is accumulated over micro-batches."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage: 1 shards the optimizer state over the ranks, 2 also the gradients, 3 also the
+    parameters (and the reference model)."""
+    offload: Literal["none", "optimizer", "optimizer_and_params"] = "none"
+    """DeepSpeed CPU offload: the optimizer state (ZeRO >= 1), or it and the parameters (ZeRO-3)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, about a third more compute)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training precision: auto is bf16 (fp32 master weights) with a GPU and fp32 without."""
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto picks nccl with a GPU and gloo without."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved per learner rank."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per learner rank (1 on a GPU cluster, 0 on a CPU machine)."""
+    threads: int | None = Field(None, ge=1)
+    """torch threads per learner rank. null: with a GPU, `num_cpus`; without, the node's cores shared among the
+    learner ranks on it (training and generation take turns, so training may use the whole machine)."""
+
+    @model_validator(mode="after")
+    def _offload_fits_the_stage(self) -> LearnerConfig:
+        needed = {"none": 0, "optimizer": 1, "optimizer_and_params": 3}[self.offload]
+        if self.zero_stage < needed:
+            raise ValueError(
+                f"learner.offload={self.offload} needs learner.zero_stage >= {needed} (got {self.zero_stage})"
+            )
+        return self
+
+
+class SyncConfig(_Section):
+    transport: Literal["auto", "broadcast", "object_store"] = "auto"
+    """How new weights reach the generators: `broadcast` streams them in buckets from learner rank 0 over one
+    process group with every engine worker (NCCL on GPUs, gloo on CPUs); `object_store` ships the full state dict
+    through Ray's object store; `auto` picks broadcast where the installed vLLM has weight transfer."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Broadcast bucket size in MiB; the learner holds at most two buckets at a time for a sync."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
+    mode: Literal["between_batches", "in_flight"] = "between_batches"
+    """When the generators take new weights, with `rollout.max_staleness` >= 1: `between_batches` once the batch
+    being generated is done; `in_flight` as soon as the learner's step ends, mid-batch (each engine pauses with its
+    requests kept, loads the weights and resumes; a completion may then span versions, and its oldest counts)."""
+
+
+class FaultsConfig(_Section):
+    start_timeout_s: float = Field(600.0, gt=0)
+    """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
+    this many seconds stops the run, naming it."""
+    generate_timeout_s: float = Field(600.0, gt=0)
+    """A generator that answers none of its requests (one prompt's group each) for this long while it has some
+    under way is treated as hung: killed, replaced and its prompts generated again. A long queue in a working
+    engine does not count, as long as it keeps finishing requests."""
+    score_timeout_s: float = Field(120.0, gt=0)
+    """A reward worker whose share of a step's scoring takes longer is treated as hung: killed, replaced and its
+    completions scored again."""
+    max_generator_restarts: int = Field(10, ge=0)
+    """Generator replacements a run may make before it stops."""
+    max_reward_worker_restarts: int = Field(20, ge=0)
+    """Reward worker replacements a run may make before it stops."""
+    max_learner_restarts: int = Field(3, ge=0)
+    """Times the learner group may be restarted from the latest checkpoint after losing a rank."""
+    rescore_attempts: int = Field(1, ge=0)
+    """Times completions whose reward worker died or hung are scored again (on a new worker) before they are left
+    unscored."""
+
+
+class SftConfig(_Section):
+    base: str
+    """The model `grpo-dist sft` warms up (a local Hugging Face directory); the result goes to `model.path`."""
+    steps: int = Field(500, ge=1)
+    """Optimizer steps of the warm-up."""
+    batch_size: int = Field(64, ge=1)
+    """Solved training rows per step."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of the warm-up (betas and gradient clipping as in `learner`)."""
+    answer_field: str = "answer"
+    """Field of each training row holding its solved completion."""
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(50, ge=0)
+    """Write a checkpoint every this many steps (and at the last step); 0 writes none."""
+    keep: int = Field(3, ge=1)
+    """How many of the newest checkpoints to keep."""
+    dir: str | None = None
+    """Where checkpoints go; null means `<run dir>/checkpoints`. With learner ranks on several nodes it must be
+    a filesystem every node shares."""
+    save_hf: bool = False
+    """Also write a Hugging Face copy of the policy into each checkpoint (`hf/`)."""
+
+
+class EvalConfig(_Section):
+    reward: str = "math_answer"
+    """Reward function whose value 1.0 counts as a correct answer when measuring held-out accuracy."""
+    max_prompts: int = Field(200, ge=1)
+    """Held-out prompts scored (greedy decoding) before and after training."""
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    """Ray cluster to join (`auto` or `host:port`; one that does not answer fails at once, naming it); null starts
+    a local cluster for this run, even where another Ray cluster runs on the machine."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of the local cluster; null means at least what the actors ask for."""
+    placement_timeout_s: float = Field(60.0, gt=0)
+    """A run whose actors cannot all be placed within this many seconds fails, listing what it asked for and what
+    the cluster has."""
+
+
+class WandbConfig(_Section):
+    enabled: bool = True
+    """Log to Weights & Biases (offline, to the run directory, when no API key is set)."""
+    project: str = "grpo-dist"
+    """W&B project."""
+    run_name: str | None = None
+    """W&B run name; defaults to `run.name`."""
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """`auto` is online when WANDB_API_KEY is set and offline otherwise."""
