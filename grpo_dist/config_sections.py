@@ -106,6 +106,9 @@ class RolloutConfig(_Section):
     """Engine dtype. float32 on CPU keeps generator and learner logprobs equal to float tolerance."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of each GPU vLLM may take (ignored on CPU)."""
+    enforce_eager: bool | None = None
+    """Run the engine eagerly (no CUDA graphs). null: eager on CPU, CUDA graphs on a GPU; true trades speed for
+    start-up time and memory."""
     cpu_kv_cache_gib: float = Field(0.25, gt=0)
     """KV-cache size per engine on the CPU backend, in GiB (on a GPU `gpu_memory_utilization` sizes it)."""
     num_cpus: float = Field(1.0, gt=0)

@@ -122,3 +122,15 @@ def test_cli_reports_a_typo_before_starting_anything(tmp_path):
     assert result.returncode == 2
     assert "learner.lrr: unknown key (did you mean learner.lr?)" in result.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "on_gpu", "expected"),
+    [(None, False, True), (None, True, False), (True, True, True), (False, False, False)],
+    ids=["auto-cpu", "auto-gpu-cuda-graphs", "asked-eager", "asked-graphs"],
+)
+def test_engines_use_cuda_graphs_on_a_gpu_unless_asked_to_run_eagerly(tmp_path, setting, on_gpu, expected):
+    from grpo_dist.actors.generator import eager
+
+    rollout = validate_config(small_config(tmp_path, rollout={"enforce_eager": setting})).rollout
+    assert eager(rollout, on_gpu) is expected

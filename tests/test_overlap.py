@@ -304,6 +304,10 @@ def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, t
     weights = {name: tensor * 1.5 for name, tensor in load_file(str(model_dir / "model.safetensors")).items()}
     try:
         ray_cluster.get(generator.start.remote(), timeout=300)
+        in_engine = ray_cluster.get(
+            generator.__ray_call__.remote(lambda self: self.engine.vllm_config.model_config.enforce_eager)
+        )
+        assert in_engine is True  # rollout.enforce_eager null on a CPU: eager (CUDA graphs are for GPUs)
         for version in range(1, 4):
             calls = [generator.generate.remote([1 + index, 2], 16, False, index, index) for index in range(8)]
             time.sleep(0.2)  # let sampling begin

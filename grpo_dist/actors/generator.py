@@ -24,6 +24,11 @@ ENGINE_MARK = "GRPO_DIST_ENGINE"
 (`grpo_dist.actors.engine_plugin`)."""
 
 
+def eager(rollout: RolloutConfig, on_gpu: bool) -> bool:
+    """Whether the engine runs eagerly: `rollout.enforce_eager` when set; else on CPU only (CUDA graphs on a GPU)."""
+    return rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu
+
+
 def engine_environment() -> dict[str, str]:
     """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
     process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
@@ -68,7 +73,7 @@ class Generator:
                 # On the CPU backend a seeded request whose prompt is cut between engine steps stops the engine
                 # (its random generator cannot step back), so a prompt is always prefilled whole there.
                 enable_chunked_prefill=None if on_gpu else False,
-                enforce_eager=True,
+                enforce_eager=eager(rollout, on_gpu),
                 seed=seed,
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
