@@ -11,15 +11,17 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
 from grpo_dist.config import Config
-from grpo_dist.faults import FaultLog
+from grpo_dist.faults import Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
+from grpo_dist.run_dir import check_visible
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
 
 
@@ -84,12 +86,15 @@ class Cluster:
     faults: FaultLog
 
     @classmethod
-    def start(cls, cfg: Config, model_path: str) -> Cluster:
-        """Reserve the placement groups, create the actors in them, wait until every engine is up and connect the
-        weight transport (errors surface here, with the actor named). On any failure nothing is left running."""
+    def start(cls, cfg: Config, model_path: str, probe: Path | None = None) -> Cluster:
+        """Reserve the placement groups, check that every learner rank's node sees `probe` (a file in the run
+        directory, when given), create the actors, wait until every engine is up and connect the weight transport
+        (errors surface here, with the actor named). On any failure nothing is left running."""
         placement, faults = place(cfg), FaultLog()
         started: list = []
         try:
+            if probe is not None:
+                check_visible(probe, placement.learner_strategies(), Bounds.of(cfg).start)
             learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies())
             started.append(learner)
             generators = GeneratorPool(cfg, model_path, placement, faults)

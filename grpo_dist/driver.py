@@ -26,13 +26,14 @@ from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
 from grpo_dist.recovery import checkpoint_at_stop, restart_learner, resume_from, run_state, save_interrupted
 from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
-from grpo_dist.run_dir import discard_run_dir, start_run_dir
+from grpo_dist.run_dir import discard_run_dir, resolve_paths, start_run_dir, write_probe
 
 
 def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = False) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, checkpoints/, final/). Starts Ray and the
     actors unless a running `cluster` is given. `resume`: continue from the run's latest checkpoint (True) or
     from the checkpoint at a path."""
+    resolve_paths(cfg)
     checkpoint = recovery.find_checkpoint(cfg, resume)
     earlier = None if checkpoint else start_run_dir(cfg)
     try:
@@ -87,12 +88,12 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
 
 def start_cluster(cfg: Config, model_path: str) -> Cluster:
     """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
-    aborts; the command line's stops cleanly)."""
+    aborts; the command line's stops cleanly); every learner node must see the run directory."""
     on_sigterm = signal.getsignal(signal.SIGTERM)
     start_ray(cfg)
     if callable(on_sigterm):
         signal.signal(signal.SIGTERM, on_sigterm)
-    return Cluster.start(cfg, model_path)
+    return Cluster.start(cfg, model_path, probe=write_probe(cfg))
 
 
 def train_step(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_id: int, step: int) -> dict[str, float]:

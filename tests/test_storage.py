@@ -1,0 +1,154 @@
+"""One place for a run's files on a cluster whose nodes have disks of their own: a real two-node Ray cluster on this
+machine, its worker node started in a mount namespace of its own with a tmpfs over part of the filesystem, so a path
+there is a different directory on each node (as a node-local disk is). All the run's actors land on that node (the
+head has no CPUs). A run whose `run.output_dir` the learner's node cannot see stops before any engine starts,
+naming the node and the path; one on a directory both nodes see completes, and `--resume` continues from its
+checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import REPO, TESTS_DIR, small_config
+
+pytestmark = pytest.mark.slow
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # the cluster runs with token auth, every node and the driver
+
+
+def node_env() -> dict[str, str]:
+    """The environment of the test's Ray nodes and drivers: token auth, and tests/ importable (reward fixtures)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def private_mounts_work(path: Path) -> bool:
+    """Whether this machine lets a process mount a tmpfs in a mount namespace of its own (root, `unshare`)."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {path}"], capture_output=True)
+    return probe.returncode == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_cpus(address: str) -> float:
+    status = subprocess.run([RAY, "status", f"--address={address}"], capture_output=True, text=True, timeout=60,
+                            env=node_env())  # fmt: skip
+    for line in status.stdout.splitlines():
+        if line.strip().endswith(" CPU") and "/" in line:
+            return float(line.split("/")[1].split()[0])
+    return 0.0
+
+
+def stop_processes_under(root: Path) -> None:
+    """Kill every process of the test's own Ray nodes, never another's: those whose command line names its temp dirs
+    or whose environment holds its token, and their children (Ray's agents rename themselves)."""
+    found: set[psutil.Process] = set()
+    for process in psutil.process_iter(["cmdline", "environ"]):
+        command, env = " ".join(process.info["cmdline"] or []), process.info["environ"] or {}
+        if str(root) in command or env.get("RAY_AUTH_TOKEN") == TOKEN:
+            try:
+                found.update([process, *process.children(recursive=True)])
+            except psutil.Error:
+                found.add(process)
+    for process in found:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(found), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def private_disk_cluster(tmp_path_factory):
+    """(address, a directory private to the worker node, a directory both nodes see)."""
+    root = tmp_path_factory.mktemp("nodes")
+    private, shared = root / "private", root / "shared"
+    private.mkdir()
+    shared.mkdir()
+    if not private_mounts_work(private):
+        pytest.skip("this machine does not let a process mount a tmpfs in its own mount namespace (needs root)")
+    env = node_env()
+    address = f"127.0.0.1:{free_port()}"
+    head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=0", f"--temp-dir={root / 'head'}",
+            "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+    worker = (f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={address} --num-cpus=4 "
+              f"--temp-dir={root / 'worker'} --disable-usage-stats --block")  # fmt: skip
+    try:
+        subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+        node = subprocess.Popen(["unshare", "-m", "sh", "-c", worker], env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while cluster_cpus(address) < 4:
+            assert node.poll() is None and time.monotonic() < deadline, "the worker node did not join"
+            time.sleep(1)
+        yield address, private, shared
+    finally:
+        stop_processes_under(root)
+
+
+def train(tmp_path: Path, address: str, output_dir: Path, *args: str, steps: int = 2) -> subprocess.CompletedProcess:
+    raw = small_config(tmp_path, run={"output_dir": str(output_dir), "steps": steps}, ray={"address": address},
+                       checkpoint={"every_steps": 2})  # fmt: skip
+    raw["model"]["path"] = str(output_dir.parent / "model")  # built by the driver, read by the actors: shared
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    command = [sys.executable, "-m", "grpo_dist", "train", str(config), *args]
+    run = subprocess.Popen(command, cwd=REPO, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
+    try:
+        out, err = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+def test_an_output_dir_the_learners_node_cannot_see_stops_the_run_naming_node_and_path(private_disk_cluster, tmp_path):
+    address, private, _ = private_disk_cluster
+    result = train(tmp_path, address, private / "outputs")
+    assert result.returncode == 2, result.stderr[-3000:]
+    probe = private / "outputs" / "test" / ".grpo-dist-probe"
+    assert re.search(rf"learner rank 0's node \(\S+\) cannot see {re.escape(str(probe))}", result.stderr), result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Generator" not in result.stdout + result.stderr  # stopped before any engine started
+
+
+def test_a_shared_output_dir_holds_the_whole_checkpoint_and_resume_continues(private_disk_cluster, tmp_path):
+    address, _, shared = private_disk_cluster
+    outputs = shared / "outputs"
+    first = train(tmp_path, address, outputs)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = outputs / "test"
+    checkpoint = run_dir / "checkpoints" / "step-000002"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    shards = sorted(path.name for path in (checkpoint / "learner" / "state").iterdir())
+    assert any(name.endswith("model_states.pt") for name in shards), shards  # written by the rank on the worker
+    assert any("optim_states" in name for name in shards), shards
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    resumed = train(tmp_path, address, outputs, "--resume", steps=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint} after step 2" in resumed.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2, 3]  # step 3 trained on the restored weights
