@@ -46,6 +46,25 @@ def main(argv: list[str] | None = None) -> int:
         help="also connect to the running Ray cluster at ADDRESS (host:port or auto) and print where each placement "
         "group would go; exit 1 when the run does not fit, 2 when the cluster cannot be reached",
     )
+    address = {
+        "default": os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS", "").startswith("http") else None,
+        "help": "the Ray job server, http://HEAD:8265 (default: RAY_ADDRESS when it is such a URL)",
+    }
+    submit = commands.add_parser("submit", help="run CONFIG on a Ray cluster as a Ray job and follow its logs")
+    submit.add_argument("config", help="YAML config file, inside the working directory")
+    submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_generators=8")
+    submit.add_argument("--address", **address)
+    submit.add_argument("--env", action="append", default=[], metavar="NAME",
+                        help="forward this environment variable into the job (WANDB_API_KEY, HF_TOKEN and HF_HOME "
+                        "are forwarded when set); values are never printed")  # fmt: skip
+    submit.add_argument("--working-dir", default=".", help="the files the job gets (default: here, without .venv, "
+                        "outputs and caches)")  # fmt: skip
+    submit.add_argument("--no-follow", action="store_true", help="return once submitted")
+    job = commands.add_parser("job", help="a submitted run: grpo-dist job status|logs|stop ID --address URL")
+    job.add_argument("action", choices=["status", "logs", "stop"])
+    job.add_argument("job_id")
+    job.add_argument("--address", **address)
+    job.add_argument("--follow", action="store_true", help="with logs: print them as they grow until the job ends")
     scale = commands.add_parser("scale", help="add or remove generators of a running run: grpo-dist scale RUN_DIR "
                                 "generators=N")  # fmt: skip
     scale.add_argument("run_dir", help="the run's directory (run.output_dir/run.name)")
@@ -91,6 +110,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "scale":
         return _scale(args.run_dir, args.setting)
+    if args.command in ("submit", "job"):
+        return _submit_or_job(args)
     if args.command == "tiny-model":
         from grpo_dist.models import build_tiny_model
 
@@ -156,6 +177,20 @@ def _scale(run_dir: str, setting: str) -> int:
         return 2
     print(f"asked the run to go to {value} generators ({request}); it does so between two steps and prints it")
     return 0
+
+
+def _submit_or_job(args: argparse.Namespace) -> int:
+    from grpo_dist.submit import SubmitError, job, submit
+
+    if not args.address:
+        raise ConfigError("--address: the Ray job server's URL (http://HEAD:8265) is needed, or RAY_ADDRESS set to it")
+    try:
+        if args.command == "job":
+            return job(args.action, args.job_id, args.address, follow=args.follow)
+        return submit(args.config, args.overrides, args.address, args.env, args.working_dir, not args.no_follow)
+    except SubmitError as err:
+        print(f"grpo-dist {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 def _stop(signum, frame) -> None:

@@ -67,3 +67,13 @@ def slow_once_asked(prompt: str, completion: str, signal_dir: str, delay_s: floa
         (folder / "scoring").touch()
         time.sleep(delay_s)
     return 0.0
+
+
+def env_reward(prompt: str, completion: str, name: str, sha256: str, **_: Any) -> float:
+    """1.0 when the environment variable `name` holds a value whose SHA-256 is `sha256` (the value itself never
+    appears in a config), else 0.0: shows that a variable reached the reward workers."""
+    import hashlib
+    import os
+
+    value = os.environ.get(name)
+    return float(value is not None and hashlib.sha256(value.encode()).hexdigest() == sha256)

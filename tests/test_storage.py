@@ -11,72 +11,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config
+from conftest import REPO, small_config
+from ray_nodes import RAY, cluster_cpus, free_port, node_env, own_ports, private_mounts_work, stop_processes_under
 
 pytestmark = pytest.mark.slow
-
-RAY = str(Path(sys.executable).parent / "ray")
-
-
-TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # the cluster runs with token auth, every node and the driver
-
-
-def node_env() -> dict[str, str]:
-    """The environment of the test's Ray nodes and drivers: token auth, and tests/ importable (reward fixtures)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def private_mounts_work(path: Path) -> bool:
-    """Whether this machine lets a process mount a tmpfs in a mount namespace of its own (root, `unshare`)."""
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {path}"], capture_output=True)
-    return probe.returncode == 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cluster_cpus(address: str) -> float:
-    status = subprocess.run([RAY, "status", f"--address={address}"], capture_output=True, text=True, timeout=60,
-                            env=node_env())  # fmt: skip
-    for line in status.stdout.splitlines():
-        if line.strip().endswith(" CPU") and "/" in line:
-            return float(line.split("/")[1].split()[0])
-    return 0.0
-
-
-def stop_processes_under(root: Path) -> None:
-    """Kill every process of the test's own Ray nodes, never another's: those whose command line names its temp dirs
-    or whose environment holds its token, and their children (Ray's agents rename themselves)."""
-    found: set[psutil.Process] = set()
-    for process in psutil.process_iter(["cmdline", "environ"]):
-        command, env = " ".join(process.info["cmdline"] or []), process.info["environ"] or {}
-        if str(root) in command or env.get("RAY_AUTH_TOKEN") == TOKEN:
-            try:
-                found.update([process, *process.children(recursive=True)])
-            except psutil.Error:
-                found.add(process)
-    for process in found:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(list(found), timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +36,9 @@ def private_disk_cluster(tmp_path_factory):
     env = node_env()
     address = f"127.0.0.1:{free_port()}"
     head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=0", f"--temp-dir={root / 'head'}",
-            "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+            "--include-dashboard=false", "--disable-usage-stats", *own_ports()]  # fmt: skip
     worker = (f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={address} --num-cpus=4 "
-              f"--temp-dir={root / 'worker'} --disable-usage-stats --block")  # fmt: skip
+              f"--temp-dir={root / 'worker'} --disable-usage-stats --block {' '.join(own_ports())}")  # fmt: skip
     try:
         subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
         node = subprocess.Popen(["unshare", "-m", "sh", "-c", worker], env=env, start_new_session=True,

@@ -1,0 +1,153 @@
+"""Submitting a run to a Ray cluster as a Ray job (Ray's Job Submission SDK), and following, inspecting or stopping
+it: `grpo-dist submit CONFIG --address URL`, `grpo-dist job status|logs|stop ID`.
+
+The config is validated here before anything is sent. The job's files are the working directory (`--working-dir`,
+the current one by default) without local environments, runs and caches; grpo-dist itself comes from the cluster's
+image. Named environment variables are forwarded into the job (W&B key, HF token and cache by default, when set);
+their values are never printed. A submitted run needs an absolute `run.output_dir` on storage every node mounts: a
+relative one would land in the job's temporary working directory. With token authentication (Ray 2.60 starts the
+job server with it when `RAY_AUTH_MODE=token`), the token is read from `RAY_AUTH_TOKEN` or `~/.ray/auth_token`; a
+missing or wrong one is a one-line error saying what to set.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from grpo_dist.config import ConfigError, load_config
+
+FORWARDED = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
+"""Environment variables forwarded into every job when they are set here."""
+EXCLUDES = [".venv", "outputs", "wandb", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
+            "*.egg-info", ".cache"]  # fmt: skip
+"""What never goes up with the working directory."""
+POLL_S = 1.0
+STOP_WAIT_S = 600
+"""How long Ray waits, after `grpo-dist job stop` sent SIGTERM, before it kills the run (3 s by default)."""
+DONE = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class SubmitError(RuntimeError):
+    """The cluster could not be reached or refused the request; the message says what to do."""
+
+
+def client(address: str) -> Any:
+    """A Job Submission client for the job server at `address`; a clear error where it cannot be used."""
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except AuthenticationError as err:
+        raise SubmitError(auth_problem(address, err)) from None
+    except ConnectionError as err:
+        raise SubmitError(f"cannot reach the Ray job server at {address}: {str(err).splitlines()[0]} (the head's "
+                          "dashboard address, http://HEAD:8265 by default)") from None  # fmt: skip
+
+
+def auth_problem(address: str, err: BaseException) -> str:
+    told = "wrong" if "invalid" in str(err).lower() else "missing"
+    return (f"the Ray job server at {address} uses token authentication and the token is {told}: set RAY_AUTH_TOKEN "
+            "(or write ~/.ray/auth_token) to the cluster's token, the one its head was started with")  # fmt: skip
+
+
+def call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    """`method` of a client for `address`, with authentication and connection failures made one-line errors."""
+    from ray.exceptions import AuthenticationError
+
+    jobs = client(address)
+    try:
+        return getattr(jobs, method)(*args, **kwargs)
+    except AuthenticationError as err:
+        raise SubmitError(auth_problem(address, err)) from None
+
+
+def submit(config: str, overrides: list[str], address: str, env: list[str], working_dir: str, follow: bool) -> int:
+    """Validate the config, submit `grpo-dist train` as a job and (with `follow`) print its logs until it ends.
+    Returns the exit status: 0 when the job succeeded (or was submitted, not followed), 1 otherwise."""
+    cfg = load_config(config, overrides)
+    if not Path(cfg.run.output_dir).is_absolute():
+        raise ConfigError(
+            f"run.output_dir: {cfg.run.output_dir!r} is relative; a submitted run needs an absolute path that every "
+            "node mounts (NFS, Lustre, a PVC): a relative one would land in the job's temporary working directory"
+        )
+    root = Path(working_dir).resolve()
+    try:
+        config_in_job = Path(config).resolve().relative_to(root)
+    except ValueError:
+        raise ConfigError(f"{config} is not inside the working directory {root}, which is what the job gets") from None
+    names = list(dict.fromkeys([*FORWARDED, *env]))
+    missing = [name for name in env if name not in os.environ]
+    if missing:
+        raise ConfigError(f"--env {' '.join(missing)}: not set here, so there is nothing to forward")
+    env_vars = {name: os.environ[name] for name in names if name in os.environ}
+    # `grpo-dist job stop` is SIGTERM to the run, which then writes a checkpoint; Ray kills it after this wait.
+    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(STOP_WAIT_S))
+    entrypoint = shlex.join(["python", "-m", "grpo_dist", "train", str(config_in_job), "ray.address=auto", *overrides])
+    runtime_env = {"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars}
+    job_id = submit_job(address, entrypoint, runtime_env)
+    print(f"submitted {job_id} to {address}: {entrypoint}")
+    forwarded = sorted(name for name in env_vars if name != "RAY_JOB_STOP_WAIT_TIME_S")
+    print(f"forwarded: {', '.join(forwarded) or 'no environment variables'} (values not shown)")
+    if not follow:
+        print(f"follow it with `grpo-dist job logs {job_id} --address {address} --follow`")
+        return 0
+    return follow_job(address, job_id)
+
+
+AGENT_WAIT_S = 60.0  # a head just started takes seconds before its job agent takes submissions
+
+
+def submit_job(address: str, entrypoint: str, runtime_env: dict) -> str:
+    """Submit, waiting (at most AGENT_WAIT_S) for a head whose job agent is not up yet; the job's id."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return call(address, "submit_job", entrypoint=entrypoint, runtime_env=runtime_env)
+        except SubmitError:
+            raise
+        except RuntimeError as err:
+            if "No available agent" not in str(err) or time.monotonic() > deadline:
+                raise SubmitError(f"the Ray job server at {address} did not take the job: {err}") from None
+            time.sleep(2.0)
+
+
+def follow_job(address: str, job_id: str) -> int:
+    """Print the job's logs as they grow until it ends; its exit status (0: succeeded). Ctrl-C stops following,
+    not the job."""
+    printed = 0
+    try:
+        while True:
+            status = str(call(address, "get_job_status", job_id).value)
+            logs = call(address, "get_job_logs", job_id)
+            sys.stdout.write(logs[printed:])
+            sys.stdout.flush()
+            printed = len(logs)
+            if status in DONE:
+                print(f"job {job_id}: {status}")
+                return 0 if status == "SUCCEEDED" else 1
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} goes on (`grpo-dist job stop {job_id} --address {address}`)")
+        return 130
+
+
+def job(action: str, job_id: str, address: str, follow: bool = False) -> int:
+    """`grpo-dist job status|logs|stop ID`."""
+    if action == "status":
+        info = call(address, "get_job_info", job_id)
+        print(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
+        return 0
+    if action == "logs":
+        if follow:
+            return follow_job(address, job_id)
+        print(call(address, "get_job_logs", job_id), end="")
+        return 0
+    stopped = call(address, "stop_job", job_id)
+    print(f"{job_id}: " + ("asked to stop (it writes a checkpoint and exits)" if stopped else "already ended"))
+    return 0

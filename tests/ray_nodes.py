@@ -1,0 +1,74 @@
+"""Ray nodes of a test's own, started with `ray start` (token auth, tests/ importable), and stopped without touching
+any other Ray cluster on the machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+from conftest import TESTS_DIR
+
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # the cluster runs with token auth, every node and the driver
+
+
+def node_env() -> dict[str, str]:
+    """The environment of the test's Ray nodes and drivers: token auth, and tests/ importable (reward fixtures)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # `python`: this one
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def private_mounts_work(path: Path) -> bool:
+    """Whether this machine lets a process mount a tmpfs in a mount namespace of its own (root, `unshare`)."""
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {path}"], capture_output=True)
+    return probe.returncode == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_cpus(address: str) -> float:
+    status = subprocess.run([RAY, "status", f"--address={address}"], capture_output=True, text=True, timeout=60,
+                            env=node_env())  # fmt: skip
+    for line in status.stdout.splitlines():
+        if line.strip().endswith(" CPU") and "/" in line:
+            return float(line.split("/")[1].split()[0])
+    return 0.0
+
+
+def stop_processes_under(root: Path) -> None:
+    """Kill every process of the test's own Ray nodes, never another's: those whose command line names its temp dirs
+    or whose environment holds its token, and their children (Ray's agents rename themselves)."""
+    found: set[psutil.Process] = set()
+    for process in psutil.process_iter(["cmdline", "environ"]):
+        command, env = " ".join(process.info["cmdline"] or []), process.info["environ"] or {}
+        if str(root) in command or env.get("RAY_AUTH_TOKEN") == TOKEN:
+            try:
+                found.update([process, *process.children(recursive=True)])
+            except psutil.Error:
+                found.add(process)
+    for process in found:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(found), timeout=30)
+
+
+def own_ports() -> list[str]:
+    """`ray start` flags giving a node free ports for the services whose defaults are fixed (the dashboard agent's
+    52365, the client server's 10001): another Ray cluster on the machine holding those would disable them here."""
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}"]
