@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from grpo_dist import checkpoints, control, recovery
+from grpo_dist import checkpoints, control
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config
@@ -24,7 +24,14 @@ from grpo_dist.evaluation import report_accuracy
 from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
-from grpo_dist.recovery import checkpoint_at_stop, restart_learner, resume_from, run_state, save_interrupted
+from grpo_dist.recovery import (
+    checkpoint_at_stop,
+    find_checkpoint,
+    restart_learner,
+    resume_from,
+    run_state,
+    save_interrupted,
+)
 from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
 from grpo_dist.run_dir import discard_run_dir, resolve_paths, start_run_dir, write_probe
 
@@ -34,7 +41,7 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
     actors unless a running `cluster` is given. `resume`: continue from the run's latest checkpoint (True) or
     from the checkpoint at a path."""
     resolve_paths(cfg)
-    checkpoint = recovery.find_checkpoint(cfg, resume)
+    checkpoint = find_checkpoint(cfg, resume)
     earlier = None if checkpoint else start_run_dir(cfg)
     try:
         inputs = prepare(cfg)

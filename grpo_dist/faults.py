@@ -48,9 +48,9 @@ class RunFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Bound:
-    """The longest one phase of the run waits on actors, and the config key that sets it (named in every error)."""
+    """The longest a wait on actors lasts, and the config key that sets it (named in every error). Each phase of a
+    run has its own, a field of `Bounds`."""
 
-    phase: str  # what it bounds: "start", "generate", "score", "train", "sync", "probe", "placement", "poll"
     seconds: float
     setting: str = ""  # the config key; empty for a fixed bound
 
@@ -58,7 +58,7 @@ class Bound:
         return f"{self.seconds:g} s" + (f" ({self.setting})" if self.setting else "")
 
 
-POLL = Bound("poll", 0.0)
+POLL = Bound(0.0)
 """No wait: what has finished by now."""
 PROBE_TIMEOUT_S = 30.0  # an idle actor answers a probe at once
 
@@ -73,18 +73,18 @@ class Bounds:
     train: Bound  # a learner call (a training step, a checkpoint, a collective)
     sync: Bound  # a weight sync's calls on the generators
     placement: Bound  # the run's placement groups
-    probe: Bound = Bound("probe", PROBE_TIMEOUT_S)  # an idle actor asked whether it is alive
+    probe: Bound = Bound(PROBE_TIMEOUT_S)  # an idle actor asked whether it is alive
 
     @classmethod
     def of(cls, cfg) -> Bounds:
         faults = cfg.faults
         return cls(
-            start=Bound("start", faults.start_timeout_s, "faults.start_timeout_s"),
-            generate=Bound("generate", faults.generate_timeout_s, "faults.generate_timeout_s"),
-            score=Bound("score", faults.score_timeout_s, "faults.score_timeout_s"),
-            train=Bound("train", cfg.sync.timeout_s, "sync.timeout_s"),
-            sync=Bound("sync", cfg.sync.timeout_s, "sync.timeout_s"),
-            placement=Bound("placement", cfg.ray.placement_timeout_s, "ray.placement_timeout_s"),
+            start=Bound(faults.start_timeout_s, "faults.start_timeout_s"),
+            generate=Bound(faults.generate_timeout_s, "faults.generate_timeout_s"),
+            score=Bound(faults.score_timeout_s, "faults.score_timeout_s"),
+            train=Bound(cfg.sync.timeout_s, "sync.timeout_s"),
+            sync=Bound(cfg.sync.timeout_s, "sync.timeout_s"),
+            placement=Bound(cfg.ray.placement_timeout_s, "ray.placement_timeout_s"),
         )
 
 
@@ -112,9 +112,12 @@ def gather(refs: list[ray.ObjectRef], bound: Bound, count: int | None = None, fe
     order, for every call finished by then (a call still pending is `pending`, with its fault named by the bound).
     Nothing is raised: the caller decides. `fetch=False` leaves a finished value where it is (a reference passed
     on to other actors)."""
-    if refs and bound.seconds > 0:
-        ray.wait(refs, num_returns=min(count or len(refs), len(refs)), timeout=bound.seconds, fetch_local=fetch)
-    done = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch)[0]) if refs else set()
+    done: set[ray.ObjectRef] = set()
+    if refs:
+        wanted = len(refs) if count is None else min(count, len(refs))
+        done = set(ray.wait(refs, num_returns=wanted, timeout=bound.seconds, fetch_local=fetch)[0])
+        if len(done) < len(refs) and wanted < len(refs):  # the first `count` came: take the others finished by now
+            done = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch)[0])
     outcomes = []
     for ref in refs:
         if ref not in done:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 
@@ -306,7 +306,7 @@ class Generation:
         bound = self.pool.bounds.generate
         deadline = min(self.pool._progress(self.running).values()) + bound.seconds
         timeout = max(0.0, deadline - time.monotonic())
-        wait = Bound(bound.phase, min(timeout, POLL_S) if poll else timeout, bound.setting)
+        wait = replace(bound, seconds=min(timeout, POLL_S) if poll else timeout)
         return gather(list(self.running), wait, count=1)
 
     def _collect(self, outcomes: list) -> tuple[list[list[Completion]], list[tuple[Request, str]]]:

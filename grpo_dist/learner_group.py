@@ -18,8 +18,7 @@ import ray
 from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config
-from grpo_dist.faults import POLL as POLL_BOUND
-from grpo_dist.faults import Bound, Bounds, gather
+from grpo_dist.faults import POLL, Bound, Bounds, gather
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
 FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy")
@@ -108,7 +107,7 @@ class LearnerGroup:
     def poll(self) -> bool:
         """Whether no training step is under way any more, without waiting (one that has just ended is taken in:
         `version` moves on, its metrics are kept for `finish_train`)."""
-        if self.training is not None and not any(outcome.pending for outcome in gather(self.training, POLL_BOUND)):
+        if self.training is not None and not any(outcome.pending for outcome in gather(self.training, POLL)):
             self.wait_idle()
         return self.training is None
 

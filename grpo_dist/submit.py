@@ -12,6 +12,7 @@ missing or wrong one is a one-line error saying what to set.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import sys
@@ -36,35 +37,36 @@ class SubmitError(RuntimeError):
     """The cluster could not be reached or refused the request; the message says what to do."""
 
 
-def client(address: str) -> Any:
-    """A Job Submission client for the job server at `address`; a clear error where it cannot be used."""
-    from ray.exceptions import AuthenticationError
-    from ray.job_submission import JobSubmissionClient
+class JobServer:
+    """Ray's job server at `address`, through one Job Submission client; authentication and connection failures
+    become one-line `SubmitError`s."""
 
-    try:
-        return JobSubmissionClient(address)
-    except AuthenticationError as err:
-        raise SubmitError(auth_problem(address, err)) from None
-    except ConnectionError as err:
-        raise SubmitError(f"cannot reach the Ray job server at {address}: {str(err).splitlines()[0]} (the head's "
-                          "dashboard address, http://HEAD:8265 by default)") from None  # fmt: skip
+    def __init__(self, address: str) -> None:
+        from ray.exceptions import AuthenticationError
+        from ray.job_submission import JobSubmissionClient
 
+        self.address = address
+        try:
+            self.client = JobSubmissionClient(address)
+        except AuthenticationError as err:
+            raise SubmitError(self.auth_problem(err)) from None
+        except ConnectionError as err:
+            raise SubmitError(f"cannot reach the Ray job server at {address}: {str(err).splitlines()[0]} (the "
+                              "head's dashboard address, http://HEAD:8265 by default)") from None  # fmt: skip
 
-def auth_problem(address: str, err: BaseException) -> str:
-    told = "wrong" if "invalid" in str(err).lower() else "missing"
-    return (f"the Ray job server at {address} uses token authentication and the token is {told}: set RAY_AUTH_TOKEN "
-            "(or write ~/.ray/auth_token) to the cluster's token, the one its head was started with")  # fmt: skip
+    def auth_problem(self, err: BaseException) -> str:
+        told = "wrong" if "invalid" in str(err).lower() else "missing"
+        return (f"the Ray job server at {self.address} uses token authentication and the token is {told}: set "
+                "RAY_AUTH_TOKEN (or write ~/.ray/auth_token) to the cluster's token, the one its head was started "
+                "with")  # fmt: skip
 
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from ray.exceptions import AuthenticationError
 
-def call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    """`method` of a client for `address`, with authentication and connection failures made one-line errors."""
-    from ray.exceptions import AuthenticationError
-
-    jobs = client(address)
-    try:
-        return getattr(jobs, method)(*args, **kwargs)
-    except AuthenticationError as err:
-        raise SubmitError(auth_problem(address, err)) from None
+        try:
+            return getattr(self.client, method)(*args, **kwargs)
+        except AuthenticationError as err:
+            raise SubmitError(self.auth_problem(err)) from None
 
 
 def submit(config: str, overrides: list[str], address: str, env: list[str], working_dir: str, follow: bool) -> int:
@@ -85,69 +87,70 @@ def submit(config: str, overrides: list[str], address: str, env: list[str], work
     missing = [name for name in env if name not in os.environ]
     if missing:
         raise ConfigError(f"--env {' '.join(missing)}: not set here, so there is nothing to forward")
-    env_vars = {name: os.environ[name] for name in names if name in os.environ}
+    forwarded = {name: os.environ[name] for name in names if name in os.environ}
     # `grpo-dist job stop` is SIGTERM to the run, which then writes a checkpoint; Ray kills it after this wait.
-    env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(STOP_WAIT_S))
+    env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **forwarded}
     entrypoint = shlex.join(["python", "-m", "grpo_dist", "train", str(config_in_job), "ray.address=auto", *overrides])
     runtime_env = {"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars}
-    job_id = submit_job(address, entrypoint, runtime_env)
+    server = JobServer(address)
+    job_id = submit_job(server, entrypoint, runtime_env)
     print(f"submitted {job_id} to {address}: {entrypoint}")
-    forwarded = sorted(name for name in env_vars if name != "RAY_JOB_STOP_WAIT_TIME_S")
-    print(f"forwarded: {', '.join(forwarded) or 'no environment variables'} (values not shown)")
+    print(f"forwarded: {', '.join(sorted(forwarded)) or 'no environment variables'} (values not shown)")
     if not follow:
         print(f"follow it with `grpo-dist job logs {job_id} --address {address} --follow`")
         return 0
-    return follow_job(address, job_id)
+    return follow_job(server, job_id)
 
 
 AGENT_WAIT_S = 60.0  # a head just started takes seconds before its job agent takes submissions
 
 
-def submit_job(address: str, entrypoint: str, runtime_env: dict) -> str:
+def submit_job(server: JobServer, entrypoint: str, runtime_env: dict) -> str:
     """Submit, waiting (at most AGENT_WAIT_S) for a head whose job agent is not up yet; the job's id."""
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
-            return call(address, "submit_job", entrypoint=entrypoint, runtime_env=runtime_env)
+            return server.call("submit_job", entrypoint=entrypoint, runtime_env=runtime_env)
         except SubmitError:
             raise
         except RuntimeError as err:
             if "No available agent" not in str(err) or time.monotonic() > deadline:
-                raise SubmitError(f"the Ray job server at {address} did not take the job: {err}") from None
+                raise SubmitError(f"the Ray job server at {server.address} did not take the job: {err}") from None
             time.sleep(2.0)
 
 
-def follow_job(address: str, job_id: str) -> int:
-    """Print the job's logs as they grow until it ends; its exit status (0: succeeded). Ctrl-C stops following,
-    not the job."""
-    printed = 0
-    try:
-        while True:
-            status = str(call(address, "get_job_status", job_id).value)
-            logs = call(address, "get_job_logs", job_id)
-            sys.stdout.write(logs[printed:])
+def follow_job(server: JobServer, job_id: str) -> int:
+    """Print the job's logs as they come (the job server streams them) until it ends; its exit status (0:
+    succeeded). Ctrl-C stops following, not the job."""
+
+    async def stream() -> None:
+        async for lines in server.client.tail_job_logs(job_id):
+            sys.stdout.write(lines)
             sys.stdout.flush()
-            printed = len(logs)
-            if status in DONE:
-                print(f"job {job_id}: {status}")
-                return 0 if status == "SUCCEEDED" else 1
-            time.sleep(POLL_S)
+
+    try:
+        asyncio.run(stream())
+        while (status := str(server.call("get_job_status", job_id).value)) not in DONE:
+            time.sleep(POLL_S)  # the stream ended before the job's status did
     except KeyboardInterrupt:
-        print(f"\nstopped following; job {job_id} goes on (`grpo-dist job stop {job_id} --address {address}`)")
+        print(f"\nstopped following; job {job_id} goes on (`grpo-dist job stop {job_id} --address {server.address}`)")
         return 130
+    print(f"job {job_id}: {status}")
+    return 0 if status == "SUCCEEDED" else 1
 
 
 def job(action: str, job_id: str, address: str, follow: bool = False) -> int:
     """`grpo-dist job status|logs|stop ID`."""
+    server = JobServer(address)
     if action == "status":
-        info = call(address, "get_job_info", job_id)
+        info = server.call("get_job_info", job_id)
         print(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
         return 0
     if action == "logs":
         if follow:
-            return follow_job(address, job_id)
-        print(call(address, "get_job_logs", job_id), end="")
+            return follow_job(server, job_id)
+        print(server.call("get_job_logs", job_id), end="")
         return 0
-    stopped = call(address, "stop_job", job_id)
+    stopped = server.call("stop_job", job_id)
     print(f"{job_id}: " + ("asked to stop (it writes a checkpoint and exits)" if stopped else "already ended"))
     return 0

@@ -133,3 +133,16 @@ def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
     cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
     with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):
         start_ray(cfg)
+
+
+def test_a_relative_output_dir_is_made_absolute_once_against_the_drivers_directory(tmp_path, monkeypatch):
+    from grpo_dist.run_dir import resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    cfg = validate_config(small_config(tmp_path, run={"output_dir": "outputs"}, checkpoint={"dir": "ckpt"}))
+    resolve_paths(cfg)
+    assert cfg.run_dir == tmp_path.resolve() / "outputs" / "test"  # what every actor then writes under
+    assert cfg.checkpoint_dir == tmp_path.resolve() / "ckpt"
+    monkeypatch.chdir(tmp_path / "..")
+    resolve_paths(cfg)  # already absolute: unchanged wherever it is called from
+    assert cfg.run_dir == tmp_path.resolve() / "outputs" / "test"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from grpo_dist.config import Config
-from grpo_dist.faults import Bound
+from grpo_dist.faults import Bound, Bounds
 from grpo_dist.transports import wait_all, wire_backend
 
 
@@ -30,7 +30,7 @@ class SenderSpec:
     world_size: int  # 1 (learner rank 0) + every engine worker of every generator
     tensor_parallel_size: int  # engine workers per generator
     bucket_bytes: int
-    timeout_s: float
+    bound: Bound  # every call of the sync, and the process group's rendezvous
 
 
 class BroadcastTransport:
@@ -51,7 +51,7 @@ class BroadcastTransport:
             world_size=1 + len(self.generators) * tp,
             tensor_parallel_size=tp,
             bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20),
-            timeout_s=self.cfg.sync.timeout_s,
+            bound=Bounds.of(self.cfg).sync,
         )
         self.learner.call("connect_weights", spec, self.generators)
 
@@ -66,9 +66,8 @@ class GeneratorClient:
     """vLLM's weight-sync control plane (`VLLMWeightSyncClient`) over our generator actors, every call bounded.
     Each generator's workers get their own ranks in the group: generator g starts at 1 + g * tensor_parallel_size."""
 
-    def __init__(self, generators: list[ray.actor.ActorHandle], tensor_parallel_size: int, timeout_s: float) -> None:
-        self.generators, self.tp = generators, tensor_parallel_size
-        self.bound = Bound("sync", timeout_s, "sync.timeout_s")
+    def __init__(self, generators: list[ray.actor.ActorHandle], tensor_parallel_size: int, bound: Bound) -> None:
+        self.generators, self.tp, self.bound = generators, tensor_parallel_size, bound
         self.weight_version = 0  # set before each sync; the generators tag their completions with it
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -101,7 +100,7 @@ class WeightSender:
     def __init__(self, spec: SenderSpec, rank: int, module, zero3: bool, generators: list) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        self.client = GeneratorClient(generators, spec.tensor_parallel_size, spec.timeout_s)
+        self.client = GeneratorClient(generators, spec.tensor_parallel_size, spec.bound)
         self.engine = WeightTransferTrainerFactory.trainer_init(
             _init_info(spec, rank), client=self.client, source=model_source(module, zero3)
         )
@@ -131,7 +130,7 @@ def _init_info(spec: SenderSpec, rank: int):
         master_port=spec.master_port,
         world_size=spec.world_size,
         bucket_bytes=spec.bucket_bytes,
-        timeout_s=spec.timeout_s,
+        timeout_s=spec.bound.seconds,
         rank=rank,
     )
 
