@@ -5,6 +5,10 @@ scheduler, written by the ranks themselves), `run_state.pt` (the step, the promp
 generators, the W&B run id), `config.yaml` (the config it was written under) and, with `checkpoint.save_hf`, `hf/`.
 It is written as `.step-000050.tmp/`, renamed when complete, and only then named in `latest`; a directory without
 `run_state.pt`, or a `.tmp` one, is never resumed from. The frozen reference is not saved: it is `model.path`.
+
+With an object-store `run.output_dir` (`grpo_dist.storage`) the checkpoint is staged on each node's disk, uploaded
+by the nodes that wrote it (the run state last, so a checkpoint without it is incomplete), and only then named in
+`latest`; a resume downloads it, the learner's shards to each learner node.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import torch
 import yaml
 
 from grpo_dist.config import Config, ConfigError
+from grpo_dist.storage import ObjectStore, upload_run_files
 
 LATEST = "latest"
 STATE = "run_state.pt"
@@ -30,18 +36,19 @@ FIXED_KEYS = (
 )  # fmt: skip
 
 
-def save(cfg: Config, cluster, step: int, run_state: dict[str, Any]) -> Path:
+def save(cfg: Config, cluster, step: int, run_state: dict[str, Any]) -> str:
     """Write the checkpoint of `step` (collective on the learner ranks), then point `latest` at it and keep the
-    newest `checkpoint.keep`."""
-    root = cfg.checkpoint_dir
-    final, partial = root / f"step-{step:06d}", root / f".step-{step:06d}.tmp"
+    newest `checkpoint.keep`. Returns where it is."""
+    root, name = cfg.checkpoint_dir, f"step-{step:06d}"
+    final, partial = root / name, root / f".{name}.tmp"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     cluster.learner.save_checkpoint(str(partial / "learner"))
     if cfg.checkpoint.save_hf:
         cluster.save(str(partial / "hf"))
-    torch.save({**run_state, "step": step}, partial / STATE)
-    (partial / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    if cfg.object_store:
+        return _upload(cfg, cluster, partial, name, {**run_state, "step": step})
+    _write_driver_files(cfg, partial, {**run_state, "step": step})
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     pointer = root / f".{LATEST}.tmp"
@@ -49,11 +56,69 @@ def save(cfg: Config, cluster, step: int, run_state: dict[str, Any]) -> Path:
     os.replace(pointer, root / LATEST)
     for old in sorted(root.glob("step-*"))[: -cfg.checkpoint.keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
+    return str(final)
 
 
-def find(cfg: Config, path: str | None) -> Path:
+def _write_driver_files(cfg: Config, directory: Path, state: dict[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    torch.save(state, directory / STATE)
+
+
+def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any]) -> str:
+    """Upload a checkpoint staged in `partial` on each node: the learner nodes their own files first, then the
+    driver its config and, last, the run state that marks it complete; then `latest`, pruning and the run's files."""
+    store, prefix = ObjectStore(cfg.object_store), checkpoints_key(cfg)
+    key = f"{prefix}/{name}"
+    store.delete(key)  # what an upload cut short left
+    cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key)
+    _write_driver_files(cfg, partial, state)
+    store.upload(partial / "config.yaml", f"{key}/config.yaml")
+    store.upload(partial / STATE, f"{key}/{STATE}")
+    shutil.rmtree(partial, ignore_errors=True)
+    store.write_text(f"{prefix}/{LATEST}", name + "\n")
+    for old in [child for child in store.children(prefix) if child.startswith("step-")][: -cfg.checkpoint.keep]:
+        store.delete(f"{prefix}/{old}")
+    upload_run_files(cfg.object_store, cfg.run_dir, cfg.run.name)
+    return store.name(key)
+
+
+def checkpoints_key(cfg: Config) -> str:
+    """Where the run's checkpoints are in its object store."""
+    return f"{cfg.run.name}/checkpoints"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint to resume from. `path` holds its run state and config on this machine, and its learner shards
+    unless they are in an object store (`store`, at `key`), from where each learner node downloads them."""
+
+    path: Path
+    store: str | None = None
+    key: str = ""
+
+    def __str__(self) -> str:
+        return ObjectStore(self.store).name(self.key) if self.store else str(self.path)
+
+
+def has_latest(cfg: Config) -> bool:
+    """Whether the run has a checkpoint to resume from."""
+    if cfg.object_store:
+        return ObjectStore(cfg.object_store).read_text(f"{checkpoints_key(cfg)}/{LATEST}") is not None
+    return (cfg.checkpoint_dir / LATEST).is_file()
+
+
+def written(cfg: Config, step: int) -> bool:
+    """Whether the checkpoint of `step` is there already."""
+    if cfg.object_store:
+        return ObjectStore(cfg.object_store).exists(f"{checkpoints_key(cfg)}/step-{step:06d}/{STATE}")
+    return (cfg.checkpoint_dir / f"step-{step:06d}").is_dir()
+
+
+def find(cfg: Config, path: str | None) -> Checkpoint:
     """The checkpoint to resume from: `path`, or the latest complete one of the run; a clear error otherwise."""
+    if cfg.object_store or (path and "://" in path):
+        return _find_in_store(cfg, path)
     if path:
         checkpoint = Path(path)
     else:
@@ -63,12 +128,32 @@ def find(cfg: Config, path: str | None) -> Path:
         checkpoint = cfg.checkpoint_dir / pointer.read_text().strip()
     if not (checkpoint / STATE).is_file() or not (checkpoint / "learner").is_dir():
         raise ConfigError(f"--resume: {checkpoint} is not a complete checkpoint (no {STATE} or learner/)")
-    return checkpoint
+    return Checkpoint(checkpoint)
 
 
-def check_config(cfg: Config, checkpoint: Path) -> list[str]:
+def _find_in_store(cfg: Config, path: str | None) -> Checkpoint:
+    """A checkpoint in an object store (`path`, a URI, or the run's latest), its run state and config downloaded to
+    this machine; the learner shards stay there for each learner node to download."""
+    if path and "://" in path:
+        store, key = ObjectStore(path), ""
+    else:
+        store = ObjectStore(cfg.object_store)
+        prefix = checkpoints_key(cfg)
+        name = path or (store.read_text(f"{prefix}/{LATEST}") or "").strip()
+        if not name:
+            raise ConfigError(f"--resume: no checkpoint in {store.name(prefix)} (no `{LATEST}` object)")
+        key = f"{prefix}/{Path(name).name}"
+    if not store.exists(f"{key}/{STATE}") or not store.exists(f"{key}/learner"):
+        raise ConfigError(f"--resume: {store.name(key)} is not a complete checkpoint (no {STATE} or learner/)")
+    local = cfg.checkpoint_dir / (Path(key).name or "resumed")
+    for name in ("config.yaml", STATE):
+        store.download(f"{key}/{name}", local / name)
+    return Checkpoint(local, store.uri, key)
+
+
+def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:
     """Refuse a resume whose config changes what the checkpoint means; return the other changes, to report."""
-    saved = _flat(yaml.safe_load((checkpoint / "config.yaml").read_text()))
+    saved = _flat(yaml.safe_load((checkpoint.path / "config.yaml").read_text()))
     current = _flat(cfg.model_dump(mode="json"))
     changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
     fixed = [key for key in changed if any(key == f or key.startswith(f + ".") for f in FIXED_KEYS)]
@@ -78,8 +163,8 @@ def check_config(cfg: Config, checkpoint: Path) -> list[str]:
     return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in changed]
 
 
-def load_state(checkpoint: Path) -> dict[str, Any]:
-    return torch.load(checkpoint / STATE, weights_only=False)
+def load_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    return torch.load(checkpoint.path / STATE, weights_only=False)
 
 
 def random_state() -> dict[str, Any]:

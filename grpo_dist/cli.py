@@ -139,24 +139,29 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from grpo_dist.driver import train
     from grpo_dist.faults import RunFailed
+    from grpo_dist.storage import StoreError
 
     signal.signal(signal.SIGTERM, _stop)  # preemption, `ray job stop`: the same clean stop as Ctrl-C
     try:
-        print(f"run directory: {train(cfg, resume=args.resume)}")
+        train(cfg, resume=args.resume)
+        print(f"run directory: {cfg.shown()}")
     except KeyboardInterrupt:
         print(
-            f"grpo-dist: stopped; the policy is in {cfg.run_dir / 'interrupted'}, and `grpo-dist train "
-            f"{args.config} --resume` continues from the latest checkpoint in {cfg.checkpoint_dir}",
+            f"grpo-dist: stopped; the policy is in {cfg.shown('interrupted')}, and `grpo-dist train "
+            f"{args.config} --resume` continues from the latest checkpoint in {cfg.checkpoints_shown}",
             file=sys.stderr,
         )
         return 130
     except (DatasetError, ConnectionError) as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
+    except StoreError as err:  # the object store holding the run stopped answering
+        print(f"grpo-dist: the run stopped: {err}", file=sys.stderr)
+        return 1
     except RunFailed as err:  # a fault the run could not survive; the message says which and why
         print(
-            f"grpo-dist: the run stopped: {err}\nThe policy is in {cfg.run_dir / 'interrupted'}; `grpo-dist train "
-            f"{args.config} --resume` continues from the latest checkpoint in {cfg.checkpoint_dir}",
+            f"grpo-dist: the run stopped: {err}\nThe policy is in {cfg.shown('interrupted')}; `grpo-dist train "
+            f"{args.config} --resume` continues from the latest checkpoint in {cfg.checkpoints_shown}",
             file=sys.stderr,
         )
         return 1

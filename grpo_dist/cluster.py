@@ -11,7 +11,6 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 
@@ -21,7 +20,7 @@ from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
-from grpo_dist.run_dir import check_visible
+from grpo_dist.run_dir import Probe, check_visible
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
 
 
@@ -86,7 +85,7 @@ class Cluster:
     faults: FaultLog
 
     @classmethod
-    def start(cls, cfg: Config, model_path: str, probe: Path | None = None) -> Cluster:
+    def start(cls, cfg: Config, model_path: str, probe: Probe | None = None) -> Cluster:
         """Reserve the placement groups, check that every learner rank's node sees `probe` (a file in the run
         directory, when given), create the actors, wait until every engine is up and connect the weight transport
         (errors surface here, with the actor named). On any failure nothing is left running."""

@@ -106,10 +106,41 @@ class Config(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _one_object_store(self) -> Config:
+        if self.checkpoint.dir and "://" in self.checkpoint.dir:
+            raise ValueError(
+                f"checkpoint.dir={self.checkpoint.dir!r}: an object store is set as run.output_dir (checkpoints go "
+                "under it); checkpoint.dir takes a path"
+            )
+        if self.object_store and self.checkpoint.dir:
+            raise ValueError(
+                f"checkpoint.dir must be null with an object-store run.output_dir ({self.run.output_dir}): the "
+                "checkpoints go there, under <name>/checkpoints"
+            )
+        return self
+
+    @property
+    def object_store(self) -> str | None:
+        """The object-store URI the run's files go to (`run.output_dir`), or None when it is a path."""
+        return self.run.output_dir if "://" in self.run.output_dir else None
+
     @property
     def run_dir(self) -> Path:
-        """Where this run writes its outputs."""
-        return Path(self.run.output_dir) / self.run.name
+        """Where this run writes its outputs (with an object store: the staging directory on this node)."""
+        return Path(self.run.staging_dir if self.object_store else self.run.output_dir) / self.run.name
+
+    def shown(self, *parts: str) -> str:
+        """Where a file of the run is, as its user finds it: under `run.output_dir` (a path, or a URI)."""
+        if not self.object_store:
+            return str(self.run_dir.joinpath(*parts))
+        base, sep, query = self.run.output_dir.partition("?")
+        return "/".join([base.rstrip("/"), self.run.name, *parts]) + sep + query
+
+    @property
+    def checkpoints_shown(self) -> str:
+        """Where the run's checkpoints are, as its user finds them."""
+        return self.shown("checkpoints") if self.object_store else str(self.checkpoint_dir)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -17,7 +17,12 @@ class RunConfig(_Section):
     name: str = "grpo"
     """Run name: the W&B run name and the sub-directory of `output_dir` this run writes to."""
     output_dir: str = "outputs"
-    """Directory under which `<name>/` holds metrics.jsonl, the final policy and the W&B files."""
+    """Directory under which `<name>/` holds every file of the run: metrics.jsonl, checkpoints, the final policy
+    and the W&B files. A path (with learner ranks on several nodes, one every node mounts at the same path) or an
+    object-store URI (`s3://bucket/runs`, `gs://...`: files are written under `staging_dir` and uploaded)."""
+    staging_dir: str = "/tmp/grpo-dist-staging"
+    """With an object-store `output_dir`: the directory on each node's own disk (the same path on every node) where
+    files are written before they are uploaded and a checkpoint is downloaded to resume from."""
     steps: int = Field(100, ge=1)
     """Number of training steps (one rollout batch, one optimizer update and one weight sync each)."""
     seed: int = 0
@@ -324,7 +329,7 @@ class CheckpointConfig(_Section):
     """How many of the newest checkpoints to keep."""
     dir: str | None = None
     """Where checkpoints go; null means `<run dir>/checkpoints`. With learner ranks on several nodes it must be
-    a filesystem every node shares."""
+    a filesystem every node shares. With an object-store `run.output_dir` leave it null: checkpoints go there."""
     save_hf: bool = False
     """Also write a Hugging Face copy of the policy into each checkpoint (`hf/`)."""
 

@@ -31,9 +31,10 @@ from grpo_dist.recovery import (
     resume_from,
     run_state,
     save_interrupted,
+    save_policy,
 )
 from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
-from grpo_dist.run_dir import discard_run_dir, resolve_paths, start_run_dir, write_probe
+from grpo_dist.run_dir import discard_run_dir, publish_run_dir, resolve_paths, start_run_dir, write_probe
 
 
 def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = False) -> Path:
@@ -79,15 +80,16 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
             cluster.sync_weights()  # the held-out evaluation samples the final policy
         report_accuracy(cfg, cluster, inputs.held_out, "after training")
         if cfg.run.save_final:
-            print(f"final policy saved to {cluster.save(str(cfg.run_dir / 'final'))}")
+            print(f"final policy saved to {save_policy(cfg, cluster, 'final')}")
     except BaseException as stop:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
         if isinstance(stop, KeyboardInterrupt) and step > 0:
             checkpoint_at_stop(cfg, cluster, step, *at_step_start)
-        save_interrupted(cluster, cfg.run_dir / "interrupted")
+        save_interrupted(cfg, cluster)
         raise
     finally:
         sink.close()
         progress.close()
+        publish_run_dir(cfg)
         if own_cluster:
             cluster.shutdown()
     return cfg.run_dir

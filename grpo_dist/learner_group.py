@@ -19,6 +19,7 @@ from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config
 from grpo_dist.faults import POLL, Bound, Bounds, gather
+from grpo_dist.storage import ObjectStore
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
 FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy")
@@ -49,6 +50,7 @@ class LearnerGroup:
         self.version = 0  # updates in the ranks' weights: the step they finished (0: the initial model)
         self.training: list[ray.ObjectRef] | None = None  # the training step under way (`start_train`)
         self.trained: dict[str, float] | None = None  # its metrics, once taken in before `finish_train`
+        self.node_ids: list[str] = []  # each rank's Ray node
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, strategies: Sequence[Any] | None = None) -> LearnerGroup:
@@ -71,7 +73,7 @@ class LearnerGroup:
         start = self.bounds.start  # placement and engine build, not a training call
         nodes = self._wait([rank.node.remote() for rank in self.ranks], "node", bound=start)
         master = (nodes[0][1], self._wait([self.ranks[0].free_port.remote()], "free_port")[0])
-        node_ids = [node_id for node_id, _ in nodes]
+        node_ids = self.node_ids = [node_id for node_id, _ in nodes]
         calls = [
             rank.setup.remote(
                 index,
@@ -130,14 +132,26 @@ class LearnerGroup:
     def state_dict(self) -> ray.ObjectRef:
         """A reference to the full weights (rank 0 returns them; the others only take part in gathering)."""
         refs = [rank.state_dict.remote() for rank in self.ranks]
-        self._wait(refs[1:], "state_dict", first_rank=1)
+        self._wait(refs[1:], "state_dict", ranks=range(1, len(refs)))
         return self._wait(refs[:1], "state_dict", fetch=False)[0]
 
-    def save(self, out_dir: str) -> str:
-        return self._call("save", out_dir)[0]
+    def save(self, out_dir: str, store: str | None = None, key: str = "") -> str:
+        """The policy in Hugging Face format, written by rank 0 to `out_dir` on its node; with an object `store`
+        uploaded from there to `key` (the local copy then removed). Returns where it is."""
+        self._call("save", out_dir)
+        if store is None:
+            return out_dir
+        self._wait([self.ranks[0].upload.remote(out_dir, store, key)], "upload")
+        return ObjectStore(store).name(key)
 
     def save_checkpoint(self, path: str) -> None:
         self._call("save_checkpoint", path)
+
+    def on_each_node(self, method: str, *args: Any) -> None:
+        """Run a method on the first rank of each node, at once: the calls that move a node's own files (`upload`,
+        `download`, `discard`)."""
+        firsts = [self.node_ids.index(node) for node in dict.fromkeys(self.node_ids)]
+        self._wait([getattr(self.ranks[index], method).remote(*args) for index in firsts], method, ranks=firsts)
 
     def load_checkpoint(self, path: str, version: int) -> None:
         """Load a checkpoint written after step `version` into every rank."""
@@ -159,17 +173,24 @@ class LearnerGroup:
         return self._wait([getattr(rank, method).remote(*args) for rank in self.ranks], method)
 
     def _wait(
-        self, refs: list[ray.ObjectRef], method: str, first_rank: int = 0, bound: Bound | None = None, fetch=True
+        self,
+        refs: list[ray.ObjectRef],
+        method: str,
+        ranks: Sequence[int] | None = None,
+        bound: Bound | None = None,
+        fetch=True,
     ) -> list[Any]:
-        """Results of one call per rank, in rank order; fails naming the first rank that failed or hung."""
+        """Results of one call per rank (of `ranks`, all by default), in that order; fails naming the first rank that
+        failed or hung."""
         bound = bound or self.bounds.train
         outcomes = gather(refs, bound, fetch=fetch)
-        for rank, outcome in enumerate(outcomes, start=first_rank):
+        ranks = list(ranks if ranks is not None else range(len(refs)))
+        for rank, outcome in zip(ranks, outcomes, strict=True):
             if outcome.fault and not outcome.pending:
                 raise LearnerLost(f"learner rank {rank} {outcome.fault} during {method}") from outcome.error
             if outcome.raised:
                 raise LearnerGroupError(f"learner rank {rank}: {method} failed: {outcome.error}") from outcome.error
-        hung = [rank for rank, outcome in enumerate(outcomes, start=first_rank) if outcome.pending]
+        hung = [rank for rank, outcome in zip(ranks, outcomes, strict=True) if outcome.pending]
         if hung:
             raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {bound}")
         return [outcome.value for outcome in outcomes]

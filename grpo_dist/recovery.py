@@ -11,34 +11,43 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 from grpo_dist import checkpoints
+from grpo_dist.checkpoints import Checkpoint
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
 from grpo_dist.faults import RunFailed
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink
 from grpo_dist.rollouts import RolloutQueue
+from grpo_dist.storage import download_run_files
 
 log = logging.getLogger("grpo_dist")
 
 
-def find_checkpoint(cfg: Config, resume: str | bool) -> Path | None:
-    """The checkpoint a resumed run starts from, after checking the config against it (None: a new run)."""
+def find_checkpoint(cfg: Config, resume: str | bool) -> Checkpoint | None:
+    """The checkpoint a resumed run starts from, after checking the config against it (None: a new run). With an
+    object-store run directory, the run's own files (metrics so far) are downloaded to go on from."""
     if not resume:
         return None
     checkpoint = checkpoints.find(cfg, resume if isinstance(resume, str) else None)
     for change in checkpoints.check_config(cfg, checkpoint):
         print(f"resuming with a changed setting: {change}")
+    if cfg.object_store:
+        download_run_files(cfg.object_store, cfg.run.name, cfg.run_dir)
     return checkpoint
 
 
-def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Path) -> tuple[int, str | None]:
+def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint) -> tuple[int, str | None]:
     """Load a checkpoint into the learner group, the generators, the sampler (and the batch drawn ahead) and the
     driver's random generators; returns the last step it holds and its W&B run id."""
     state = checkpoints.load_state(checkpoint)
-    cluster.learner.load_checkpoint(str(checkpoint / "learner"), version=state["step"])
+    shards = str(checkpoint.path / "learner")
+    if checkpoint.store:
+        cluster.learner.on_each_node("download", checkpoint.store, f"{checkpoint.key}/learner", shards)
+    cluster.learner.load_checkpoint(shards, version=state["step"])
+    if checkpoint.store:
+        cluster.learner.on_each_node("discard", str(checkpoint.path))
     cluster.sync_weights()
     rollouts.load_state_dict(state, state["step"])
     checkpoints.restore_random_state(state["random"])
@@ -59,7 +68,7 @@ def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink:
         raise RunFailed(
             f"{lost}; the learner group was already restarted {restarts} times (faults.max_learner_restarts)"
         )
-    if not (cfg.checkpoint_dir / checkpoints.LATEST).is_file():
+    if not checkpoints.has_latest(cfg):
         raise RunFailed(f"{lost}; no checkpoint to restart the learner group from yet (checkpoint.every_steps)")
     started = time.monotonic()
     cluster.restart_learner()
@@ -76,7 +85,7 @@ def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, ve
     """On Ctrl-C or SIGTERM, a checkpoint of the last finished step `step`, from the run's state taken when the next
     step began (with the learner at `version`); none when the learner has updated since (its weights belong to no
     finished step)."""
-    if not cfg.checkpoint.every_steps or (cfg.checkpoint_dir / f"step-{step:06d}").is_dir():
+    if not cfg.checkpoint.every_steps or checkpoints.written(cfg, step):
         return
     if cluster.learner.version != version or cluster.learner.busy:
         print(f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
@@ -88,10 +97,17 @@ def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, ve
         log.error("could not write a checkpoint of step %d (%s: %s)", step, type(err).__name__, err)
 
 
-def save_interrupted(cluster: Cluster, out_dir: Path) -> None:
+def save_policy(cfg: Config, cluster: Cluster, name: str) -> str:
+    """The current policy in Hugging Face format as `name` (final, interrupted) in the run directory, or in its
+    object store; returns where it is."""
+    key = f"{cfg.run.name}/{name}" if cfg.object_store else ""
+    return cluster.learner.save(str(cfg.run_dir / name), cfg.object_store, key)
+
+
+def save_interrupted(cfg: Config, cluster: Cluster) -> None:
     """Save the current policy when a run stops early; a learner that is itself gone is reported, not raised."""
-    log.error("training stopped early; saving the current policy to %s", out_dir)
+    log.error("training stopped early; saving the current policy as `interrupted` in the run directory")
     try:
-        cluster.save(str(out_dir))
+        save_policy(cfg, cluster, "interrupted")
     except Exception as err:  # the original failure is what propagates; this one is only reported
         log.error("could not save the policy (%s: %s)", type(err).__name__, err)

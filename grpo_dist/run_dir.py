@@ -1,13 +1,16 @@
 """The run directory (`run.output_dir`/`run.name`), one place for every file of a run: resolved to an absolute path
-once, before any actor starts; created for a new run with its resolved config recorded (an earlier run found there
-is moved aside, never overwritten, and put back if the new run fails its pre-flight); and proved visible from every
-node that will write to it (`check_visible`) before any engine starts there."""
+(or checked to be a reachable object store) once, before any actor starts; created for a new run with its resolved
+config recorded (an earlier run found there is moved aside, never overwritten, and put back if the new run fails its
+pre-flight; in an object store it is refused); and proved reachable from every node that will write to it
+(`check_visible`) before any engine starts there."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -15,6 +18,9 @@ import yaml
 
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.faults import Bound, gather
+from grpo_dist.storage import ObjectStore, StoreError, upload_run_files
+
+log = logging.getLogger("grpo_dist")
 
 
 def start_run_dir(cfg: Config) -> Path | None:
@@ -22,6 +28,14 @@ def start_run_dir(cfg: Config) -> Path | None:
     Returns where the earlier run went (None if there was none)."""
     run_dir = cfg.run_dir
     kept = None
+    if cfg.object_store:
+        if set(ObjectStore(cfg.object_store).children(cfg.run.name)) - {PROBE}:  # a probe alone: a failed start
+            where = ObjectStore(cfg.object_store).name(cfg.run.name)
+            raise ConfigError(
+                f"{where} holds an earlier run: continue it with --resume, or set another run.name (a run in an "
+                "object store is never moved or overwritten)"
+            )
+        shutil.rmtree(run_dir, ignore_errors=True)  # staging: what an earlier run left on this node's disk
     if run_dir.exists() and any(run_dir.iterdir()):
         kept = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(kept)
@@ -38,6 +52,17 @@ def discard_run_dir(cfg: Config, earlier: Path | None) -> None:
         earlier.rename(cfg.run_dir)
 
 
+def publish_run_dir(cfg: Config) -> None:
+    """With an object-store run directory: upload the driver's files of the run (metrics, samples, W&B files), at
+    the end of a run however it ends; a failure is reported, never raised over the run's own outcome."""
+    if not cfg.object_store:
+        return
+    try:
+        upload_run_files(cfg.object_store, cfg.run_dir, cfg.run.name)
+    except StoreError as err:
+        log.error("could not upload the run's files from %s: %s", cfg.run_dir, err)
+
+
 PROBE = ".grpo-dist-probe"
 
 
@@ -47,43 +72,73 @@ class StorageError(ConfigError):
 
 def resolve_paths(cfg: Config) -> None:
     """Make `run.output_dir` (and `checkpoint.dir`, when set) absolute, once, before any actor starts: every file a
-    run writes then lands in one place, whatever the working directory of the process that writes it."""
+    run writes then lands in one place, whatever the working directory of the process that writes it. An object
+    store is opened and listed here, so a wrong URI or missing credentials stop the run before anything starts."""
+    if cfg.object_store:
+        try:
+            ObjectStore(cfg.object_store).check()
+        except StoreError as err:
+            raise StorageError(f"run.output_dir: {err}") from None
+        cfg.run.staging_dir = str(Path(cfg.run.staging_dir).expanduser().resolve())
+        return
     cfg.run.output_dir = str(Path(cfg.run.output_dir).expanduser().resolve())
     if cfg.checkpoint.dir:
         cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().resolve())
 
 
-def write_probe(cfg: Config) -> Path:
+@dataclass(frozen=True)
+class Probe:
+    """A file of the run holding a token of this run: a path, or a key in the object store `store`."""
+
+    store: str | None
+    where: str
+    token: str
+
+    def shown(self) -> str:
+        return ObjectStore(self.store).name(self.where) if self.store else self.where
+
+
+def write_probe(cfg: Config) -> Probe:
     """A file in the run directory holding a token of this run, for the nodes that will write to find."""
-    probe = cfg.run_dir / PROBE
-    probe.write_text(uuid.uuid4().hex)
-    return probe
+    token = uuid.uuid4().hex
+    if cfg.object_store:
+        probe = Probe(cfg.object_store, f"{cfg.run.name}/{PROBE}", token)
+        ObjectStore(probe.store).write_text(probe.where, token)
+        return probe
+    (cfg.run_dir / PROBE).write_text(token)
+    return Probe(None, str(cfg.run_dir / PROBE), token)
 
 
-def check_visible(probe: Path, strategies: list, bound: Bound) -> None:
+def check_visible(probe: Probe, strategies: list, bound: Bound) -> None:
     """Run a task in each given placement (a learner rank's bundle: the nodes that write checkpoints and the final
-    policy) that reads `probe`; raise `StorageError` naming the first node that cannot see it, before any engine
+    policy) that reads `probe`; raise `StorageError` naming the first node that cannot read it, before any engine
     starts there."""
-    token = probe.read_text()
-    refs = [_sees.options(scheduling_strategy=strategy).remote(str(probe), token) for strategy in strategies]
+    refs = [_sees.options(scheduling_strategy=strategy).remote(probe) for strategy in strategies]
     for rank, outcome in enumerate(gather(refs, bound)):
         if not outcome.ok:
             why = outcome.fault or outcome.error
-            raise StorageError(f"could not check that learner rank {rank}'s node sees {probe}: {why}")
-        node, seen = outcome.value
-        if not seen:
+            raise StorageError(f"could not check that learner rank {rank}'s node sees {probe.shown()}: {why}")
+        node, problem = outcome.value
+        if problem is None:
+            continue
+        if probe.store:
             raise StorageError(
-                f"run.output_dir: learner rank {rank}'s node ({node}) cannot see {probe}, which the driver wrote: the "
-                "learner ranks write their checkpoint shards and the final policy under run.output_dir, so it must be "
-                "a filesystem every node mounts at the same path (NFS, Lustre, a PVC)"
+                f"run.output_dir: learner rank {rank}'s node ({node}) cannot read {probe.shown()}, which the driver "
+                f"wrote ({problem}): every learner node uploads its checkpoint shards there, so it needs the same "
+                "credentials and endpoint (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, ... in its environment)"
             )
+        raise StorageError(
+            f"run.output_dir: learner rank {rank}'s node ({node}) cannot see {probe.shown()}, which the driver wrote: "
+            "the learner ranks write their checkpoint shards and the final policy under run.output_dir, so it must "
+            "be a filesystem every node mounts at the same path (NFS, Lustre, a PVC) or an object store (s3://...)"
+        )
 
 
 @ray.remote(num_cpus=0)
-def _sees(path: str, token: str) -> tuple[str, bool]:
-    """This node's address, and whether the file at `path` holds `token`."""
+def _sees(probe: Probe) -> tuple[str, str | None]:
+    """This node's address, and what keeps it from reading `probe`'s token (None: nothing)."""
     try:
-        seen = Path(path).read_text() == token
-    except OSError:
-        seen = False
-    return ray.util.get_node_ip_address(), seen
+        text = ObjectStore(probe.store).read_text(probe.where) if probe.store else Path(probe.where).read_text()
+    except (OSError, StoreError) as err:
+        return ray.util.get_node_ip_address(), str(err)
+    return ray.util.get_node_ip_address(), None if text == probe.token else "not there, or not this run's"

@@ -24,6 +24,9 @@ from grpo_dist.config import ConfigError, load_config
 
 FORWARDED = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
 """Environment variables forwarded into every job when they are set here."""
+STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                     "AWS_DEFAULT_REGION", "AWS_REGION")  # fmt: skip
+"""Forwarded too when they are set here and `run.output_dir` is an object store (every node uploads to it)."""
 EXCLUDES = [".venv", "outputs", "wandb", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
             "*.egg-info", ".cache"]  # fmt: skip
 """What never goes up with the working directory."""
@@ -73,7 +76,7 @@ def submit(config: str, overrides: list[str], address: str, env: list[str], work
     """Validate the config, submit `grpo-dist train` as a job and (with `follow`) print its logs until it ends.
     Returns the exit status: 0 when the job succeeded (or was submitted, not followed), 1 otherwise."""
     cfg = load_config(config, overrides)
-    if not Path(cfg.run.output_dir).is_absolute():
+    if not cfg.object_store and not Path(cfg.run.output_dir).is_absolute():
         raise ConfigError(
             f"run.output_dir: {cfg.run.output_dir!r} is relative; a submitted run needs an absolute path that every "
             "node mounts (NFS, Lustre, a PVC): a relative one would land in the job's temporary working directory"
@@ -83,7 +86,7 @@ def submit(config: str, overrides: list[str], address: str, env: list[str], work
         config_in_job = Path(config).resolve().relative_to(root)
     except ValueError:
         raise ConfigError(f"{config} is not inside the working directory {root}, which is what the job gets") from None
-    names = list(dict.fromkeys([*FORWARDED, *env]))
+    names = list(dict.fromkeys([*FORWARDED, *(STORE_CREDENTIALS if cfg.object_store else ()), *env]))
     missing = [name for name in env if name not in os.environ]
     if missing:
         raise ConfigError(f"--env {' '.join(missing)}: not set here, so there is nothing to forward")

@@ -169,7 +169,10 @@ def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 3
     """The first metrics row meeting `condition`, waiting for the run to log it."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert run.poll() is None, f"the run ended (exit {run.returncode}) before the awaited step"
+        if run.poll() is not None:
+            log = Path(run_dir).parents[1] / "run.log"  # where `training` writes the run's output
+            tail = log.read_text()[-4000:] if log.exists() else "(no run.log)"
+            raise AssertionError(f"the run ended (exit {run.returncode}) before the awaited step:\n{tail}")
         try:
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
         except FileNotFoundError:

@@ -3,7 +3,8 @@ machine, its worker node started in a mount namespace of its own with a tmpfs ov
 there is a different directory on each node (as a node-local disk is). All the run's actors land on that node (the
 head has no CPUs). A run whose `run.output_dir` the learner's node cannot see stops before any engine starts,
 naming the node and the path; one on a directory both nodes see completes, and `--resume` continues from its
-checkpoint."""
+checkpoint; one in an S3 object store (a moto server the test starts on this machine) is staged on each node's own
+disk, uploaded, and `--resume` downloads its checkpoint and continues."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 import yaml
 from conftest import REPO, small_config
@@ -25,8 +27,30 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def private_disk_cluster(tmp_path_factory):
-    """(address, a directory private to the worker node, a directory both nodes see)."""
+def s3_server():
+    """The environment that points the S3 client of every process at an S3 server on this machine, with its bucket
+    `runs`."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
+    bucket = pafs.S3FileSystem(endpoint_override=f"{host}:{port}", scheme="http", access_key="test", secret_key="test",
+                               region="us-east-1", allow_bucket_creation=True)  # fmt: skip
+    bucket.create_dir("runs")
+    with pytest.MonkeyPatch.context() as patch:  # this process's own reads of the store, and the nodes it starts
+        for name, value in env.items():
+            patch.setenv(name, value)
+        yield env
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def private_disk_cluster(tmp_path_factory, s3_server):
+    """(address, a directory private to the worker node, a directory both nodes see). Every node's environment
+    reaches the S3 server."""
     root = tmp_path_factory.mktemp("nodes")
     private, shared = root / "private", root / "shared"
     private.mkdir()
@@ -52,10 +76,11 @@ def private_disk_cluster(tmp_path_factory):
         stop_processes_under(root)
 
 
-def train(tmp_path: Path, address: str, output_dir: Path, *args: str, steps: int = 2) -> subprocess.CompletedProcess:
-    raw = small_config(tmp_path, run={"output_dir": str(output_dir), "steps": steps}, ray={"address": address},
+def train(tmp_path: Path, address: str, output_dir: Path | str, *args: str, steps: int = 2, model: Path | None = None,
+          **run) -> subprocess.CompletedProcess:  # fmt: skip
+    raw = small_config(tmp_path, run={"output_dir": str(output_dir), "steps": steps, **run}, ray={"address": address},
                        checkpoint={"every_steps": 2})  # fmt: skip
-    raw["model"]["path"] = str(output_dir.parent / "model")  # built by the driver, read by the actors: shared
+    raw["model"]["path"] = str(model or Path(output_dir).parent / "model")  # built by the driver, read by the actors
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     command = [sys.executable, "-m", "grpo_dist", "train", str(config), *args]
@@ -97,3 +122,29 @@ def test_a_shared_output_dir_holds_the_whole_checkpoint_and_resume_continues(pri
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2, 3]  # step 3 trained on the restored weights
+
+
+def test_an_object_store_holds_the_whole_checkpoint_and_resume_downloads_it(private_disk_cluster, tmp_path):
+    """Staged on a directory private to each node (the driver's and the learner's are different disks): every file
+    of the run reaches the store only by upload, and the resume only by download."""
+    from grpo_dist.storage import ObjectStore
+
+    address, private, shared = private_disk_cluster
+    staging, uri = private / "staging", "s3://runs/outputs"
+    first = train(tmp_path, address, uri, model=shared / "s3-model", staging_dir=str(staging))
+    assert first.returncode == 0, first.stderr[-3000:]
+    store = ObjectStore(uri)
+    assert store.read_text("test/checkpoints/latest").strip() == "step-000002"
+    shards = store.children("test/checkpoints/step-000002/learner/state")
+    assert any(name.endswith("model_states.pt") for name in shards), shards  # uploaded by the learner's node
+    assert any("optim_states" in name for name in shards), shards
+    assert "run_state.pt" in store.children("test/checkpoints/step-000002")  # uploaded by the driver
+    assert "model.safetensors" in store.children("test/final")
+    assert f"run directory: {uri}/test" in first.stdout
+    resumed = train(tmp_path, address, uri, "--resume", steps=4, model=shared / "s3-model", staging_dir=str(staging))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {uri}/test/checkpoints/step-000002 after step 2" in resumed.stdout
+    rows = [json.loads(line) for line in store.read_text("test/metrics.jsonl").splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the first run's rows downloaded and continued
+    assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2, 3]  # step 3 trained on the restored weights
+    assert store.read_text("test/checkpoints/latest").strip() == "step-000004"

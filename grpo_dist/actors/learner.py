@@ -15,6 +15,7 @@ ranks. The reference model is a full copy on each rank under ZeRO 0-2 and sharde
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -296,6 +297,25 @@ class Learner:
         if client_state is None:
             raise RuntimeError(f"learner rank {self.rank}: no DeepSpeed checkpoint in {path}")
         self.weight_version = client_state["weight_version"]
+
+    def upload(self, local: str, store: str, key: str) -> None:
+        """What this node holds at `local` (a checkpoint's shards, the final policy) to `key` in the object store
+        `store`; the local copy is then removed (the first rank of each node does this for its node)."""
+        from grpo_dist.storage import ObjectStore
+
+        if Path(local).exists():
+            ObjectStore(store).upload(Path(local), key)
+        self.discard(local)
+
+    def download(self, store: str, key: str, local: str) -> None:
+        """A checkpoint's shards from the object store to `local` on this node, to load."""
+        from grpo_dist.storage import ObjectStore
+
+        ObjectStore(store).download(key, Path(local))
+
+    def discard(self, local: str) -> None:
+        """Remove a staged copy from this node's disk."""
+        shutil.rmtree(local, ignore_errors=True)
 
     def connect_weights(self, spec, generators: list) -> None:
         """Open this rank's side of the broadcast weight transport (collective; rank 0 meets the generators)."""

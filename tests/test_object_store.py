@@ -1,0 +1,91 @@
+"""The object store a run's files can live in (`grpo_dist.storage`), against an S3 server on this machine (moto):
+trees up and down, a missing key, and what a run checks before it starts (the store answers; an earlier run there
+is never overwritten; checkpoint.dir stays a path)."""
+
+from __future__ import annotations
+
+import pyarrow.fs as pafs
+import pytest
+from conftest import small_config
+
+from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.run_dir import PROBE, StorageError, resolve_paths, start_run_dir
+from grpo_dist.storage import ObjectStore, StoreError
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The URI of a bucket on an S3 server on this machine, every S3 client of this process pointed at it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        for name, value in [("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")]:
+            patch.setenv(name, value)
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        endpoint = {"endpoint_override": f"{host}:{port}", "scheme": "http", "region": "us-east-1"}
+        pafs.S3FileSystem(allow_bucket_creation=True, **endpoint).create_dir("bucket")
+        yield "s3://bucket/runs"
+    server.stop()
+
+
+def test_a_tree_goes_up_and_comes_back_whole(s3, tmp_path):
+    tree = tmp_path / "up"
+    (tree / "learner" / "state").mkdir(parents=True)
+    (tree / "learner" / "state" / "shard.pt").write_bytes(b"\x00\x01" * 1000)
+    (tree / "run_state.pt").write_text("state")
+    store = ObjectStore(s3)
+    store.upload(tree, "run/checkpoints/step-000001")
+    assert store.children("run/checkpoints/step-000001") == ["learner", "run_state.pt"]
+    down = tmp_path / "down"
+    (down / "stale.txt").parent.mkdir()
+    (down / "stale.txt").write_text("from before")
+    store.download("run/checkpoints/step-000001", down)
+    assert (down / "learner" / "state" / "shard.pt").read_bytes() == b"\x00\x01" * 1000
+    assert sorted(path.name for path in down.iterdir()) == ["learner", "run_state.pt"]  # replaced, not merged
+    store.write_text("run/checkpoints/latest", "step-000001\n")
+    assert store.read_text("run/checkpoints/latest") == "step-000001\n"
+    assert store.read_text("run/nothing") is None and store.children("run/nothing") == []
+    with pytest.raises(StoreError, match="s3://bucket/runs/run/nothing: not there"):
+        store.download("run/nothing", tmp_path / "x")
+    store.delete("run/checkpoints/step-000001")
+    assert store.children("run/checkpoints") == ["latest"]
+
+
+def test_a_key_keeps_the_query_of_the_uri_it_is_under():
+    store = ObjectStore("s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http")
+    assert store.name("grpo/final") == "s3://bucket/runs/grpo/final?endpoint_override=127.0.0.1:1&scheme=http"
+
+
+def test_a_run_in_an_object_store_stages_locally_and_never_overwrites_an_earlier_run(s3, tmp_path):
+    cfg = validate_config(small_config(tmp_path, run={"output_dir": s3, "staging_dir": str(tmp_path / "staging")}))
+    resolve_paths(cfg)
+    assert cfg.object_store == s3 and cfg.run_dir == tmp_path / "staging" / "test"
+    assert cfg.shown("final") == f"{s3}/test/final" and cfg.checkpoints_shown == f"{s3}/test/checkpoints"
+    ObjectStore(s3).write_text(f"test/{PROBE}", "a start that failed")
+    start_run_dir(cfg)  # a probe alone is no earlier run
+    ObjectStore(s3).write_text("test/metrics.jsonl", "{}\n")
+    with pytest.raises(ConfigError, match=f"{s3}/test holds an earlier run: continue it with --resume"):
+        start_run_dir(cfg)
+    assert ObjectStore(s3).read_text("test/metrics.jsonl") == "{}\n"
+
+
+def test_a_store_that_does_not_answer_stops_the_run_before_it_starts(tmp_path):
+    unknown = validate_config(small_config(tmp_path, run={"output_dir": "nosuch://bucket/runs"}))
+    with pytest.raises(StorageError, match="run.output_dir: nosuch://bucket/runs: cannot open it as an object store"):
+        resolve_paths(unknown)
+    closed = validate_config(
+        small_config(tmp_path, run={"output_dir": "s3://bucket/runs?endpoint_override=127.0.0.1:9&scheme=http"})
+    )
+    with pytest.raises(StorageError, match="run.output_dir: s3://bucket/runs.*could not list it"):
+        resolve_paths(closed)
+
+
+def test_checkpoint_dir_stays_a_path_beside_an_object_store(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.dir must be null with an object-store run.output_dir"):
+        validate_config(small_config(tmp_path, run={"output_dir": "s3://b/r"}, checkpoint={"dir": str(tmp_path)}))
+    with pytest.raises(ConfigError, match="checkpoint.dir='s3://b/c': an object store is set as run.output_dir"):
+        validate_config(small_config(tmp_path, checkpoint={"dir": "s3://b/c"}))
