@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from grpo_dist.config import Config, ConfigError, field_docs, load_config
 
@@ -78,11 +79,25 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.command == "train":
+        _resume_or_override(args)
     try:
         return _run(args)
     except ConfigError as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `grpo-dist reference | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
+
+
+def _resume_or_override(args: argparse.Namespace) -> None:
+    """`--resume learner.lr=1e-6`: argparse reads the override as --resume's checkpoint; a value with `=` that is
+    no existing path is an override, and --resume means the latest checkpoint."""
+    resume = args.resume
+    if isinstance(resume, str) and "=" in resume and "://" not in resume and not Path(resume).exists():
+        args.overrides.append(resume)
+        args.resume = True
 
 
 def reference_text() -> str:
@@ -104,6 +119,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from grpo_dist.plot import plot_rewards, reward_summary, step_rewards
 
+        if not Path(args.metrics).is_file():
+            raise ConfigError(
+                f"{args.metrics}: no such metrics file (a run writes run.output_dir/run.name/metrics.jsonl)"
+            )
         steps, rewards = step_rewards(args.metrics)
         print(f"reward curve written to {plot_rewards(steps, rewards, args.out)}")
         print(reward_summary(rewards))

@@ -55,7 +55,11 @@ class TinyModelConfig(_Section):
 
 class ModelConfig(_Section):
     path: str
-    """Local directory of a Hugging Face causal LM (config, weights, tokenizer): the initial policy."""
+    """The initial policy, a Hugging Face causal LM (config, weights, tokenizer): a local directory, or a hub id
+    (`org/name`) resolved once by the driver to a snapshot in the Hugging Face cache (HF_HOME; on a cluster, one
+    every node mounts) that every rank and engine loads."""
+    revision: str | None = None
+    """With a hub id: the branch, tag or commit to load; null: main."""
     tiny: TinyModelConfig | None = None
     """Build a random-init tiny model with a character tokenizer at `path` (at `sft.base` when the config has a
     warm-up) when it does not exist yet."""

@@ -8,6 +8,7 @@ a bundled task's data) under `scratch` instead of the run's own paths, and leave
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,14 +79,60 @@ def read_prompts(cfg: Config, path: Path, tokenizer: Any) -> tuple[list[PromptRe
 
 
 def prepare_model(cfg: Config, scratch: Path | None = None) -> str:
-    """The policy's model directory (`model.path`), built first when `model.tiny` asks for one."""
-    path = Path(cfg.model.path)
+    """The policy's model directory (`model.path`), built first when `model.tiny` asks for one, downloaded (or found
+    in the Hugging Face cache) when it names a hub model."""
+    path = Path(cfg.model.path).expanduser()
     if cfg.sft is not None and not path.exists():
         raise ConfigError(
             f"model.path: {path} does not exist yet: this config starts from a warmed-up model, which "
             "`grpo-dist sft CONFIG` writes there (see its sft section)"
         )
+    if not path.exists() and cfg.model.tiny is None and HUB_ID.fullmatch(cfg.model.path):
+        return hub_snapshot(cfg.model.path, cfg.model.revision, "model.path")
+    if cfg.model.revision is not None:
+        raise ConfigError(f"model.revision applies to a hub id; model.path {cfg.model.path} is a directory")
     return model_directory(cfg, path, "model.path", scratch)
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""`org/name`: a model on the Hugging Face hub (a path that exists is always read as a path)."""
+NOT_LOADED = ["*.pth", "original/*", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
+"""Files of a hub model that neither transformers nor vLLM reads here: not downloaded."""
+
+
+def hub_snapshot(repo_id: str, revision: str | None, key: str) -> str:
+    """The local snapshot of hub model `repo_id` at `revision` (a branch, tag or commit; main when None): found in
+    the Hugging Face cache (HF_HOME), or downloaded there unless offline (HF_HUB_OFFLINE=1), with HF_TOKEN for
+    gated models. Its path names the commit, so every rank and engine that loads it loads the same weights."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    named = f"{repo_id}@{revision or 'main'}"
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision, ignore_patterns=NOT_LOADED)
+    except GatedRepoError:
+        raise ConfigError(f"{key}: {named} is gated: accept its terms on the hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"{key}: {repo_id} is neither a directory nor a model on the hub (a private one needs HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ConfigError(f"{key}: {repo_id} has no revision {revision!r} (model.revision)") from None
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"{key}: {named} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub cannot be "
+            "reached (HF_HUB_OFFLINE=1, or no network): download it where the hub can be reached "
+            f"(`hf download {repo_id}`) into an HF_HOME every node shares, or name a local directory"
+        ) from None
+    if not (Path(snapshot) / "config.json").is_file():
+        raise ConfigError(f"{key}: {named} ({snapshot}) is not a Hugging Face model (no config.json)")
+    print(f"{key}: {named} is {snapshot}")
+    return snapshot
 
 
 def model_directory(cfg: Config, path: Path, key: str, scratch: Path | None = None) -> str:

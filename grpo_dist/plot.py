@@ -5,9 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from grpo_dist.config import ConfigError
+
 
 def read_metrics(metrics_path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(Path(metrics_path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{metrics_path}:{number}: not a metrics row ({err.msg}); expected JSON Lines") from None
+    return rows
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,37 @@ def test_engines_use_cuda_graphs_on_a_gpu_unless_asked_to_run_eagerly(tmp_path, 
 
     rollout = validate_config(small_config(tmp_path, rollout={"enforce_eager": setting})).rollout
     assert eager(rollout, on_gpu) is expected
+
+
+def grpo_dist_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "grpo_dist", *args]
+    return subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
+
+
+def test_cli_errors_are_one_line_never_a_traceback(tmp_path):
+    missing = grpo_dist_cli("plot", str(tmp_path / "none.jsonl"), str(tmp_path / "c.png"))
+    assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
+    assert f"{tmp_path / 'none.jsonl'}: no such metrics file" in missing.stderr
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2,\n')
+    malformed = grpo_dist_cli("plot", str(tmp_path / "bad.jsonl"), str(tmp_path / "c.png"))
+    assert malformed.returncode == 2 and f"{tmp_path / 'bad.jsonl'}:2: not a metrics row" in malformed.stderr
+    assert "Traceback" not in missing.stderr + malformed.stderr
+    # A reader that has stopped reading (`| head -1`) has closed the pipe: the command ends quietly, exit 0.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        closed = grpo_dist_cli("reference", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert closed.returncode == 0 and closed.stderr == "", closed.stderr
+
+
+def test_resume_followed_by_an_override_is_an_override(monkeypatch, tmp_path):
+    from grpo_dist import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append((args.resume, args.overrides)) or 0)
+    cli.main(["train", "c.yaml", "--resume", "learner.lr=1e-6"])
+    cli.main(["train", "c.yaml", "run.steps=3", "--resume", str(tmp_path)])
+    cli.main(["train", "c.yaml", "--resume"])
+    assert seen == [(True, ["learner.lr=1e-6"]), (str(tmp_path), ["run.steps=3"]), (True, [])]

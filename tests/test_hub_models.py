@@ -1,0 +1,101 @@
+"""A model named by its hub id (`model.path: org/name`, `model.revision`), resolved once to a snapshot in the Hugging
+Face cache. No network here: each test fills a cache of its own the way the hub client does (blobs named by their
+hash, a snapshot per commit of links to them, refs naming commits) and resolves from it with HF_HUB_OFFLINE=1."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, TESTS_DIR, small_config
+
+from grpo_dist.models import build_tiny_model
+
+MAIN, V1 = "a" * 40, "b" * 40  # two commits of the repository: main and the tag v1
+
+
+def cache_model(hf_home: Path, repo_id: str, model_dir: Path, commit: str, refs: list[str]) -> Path:
+    """Put the files of `model_dir` into the hub cache under `hf_home` as commit `commit` of `repo_id`, named by
+    `refs` (branches, tags); returns the snapshot directory."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    for file in sorted(model_dir.iterdir()):
+        data = file.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    for ref in refs:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """An HF_HOME holding `acme/tiny` at two commits: main (seed 0) and v1 (seed 1)."""
+    root = tmp_path_factory.mktemp("hub")
+    hf_home = root / "hf"
+    for commit, refs, seed in [(MAIN, ["main"], 0), (V1, ["v1"], 1)]:
+        model = build_tiny_model(root / f"model-{seed}", seed=seed, hidden_size=128, num_heads=2, num_layers=1,
+                                 intermediate_size=256, characters="0123456789 :")  # fmt: skip
+        cache_model(hf_home, "acme/tiny", model, commit, refs)
+    return hf_home
+
+
+def check(tmp_path: Path, hf_home: Path, **model) -> subprocess.CompletedProcess:
+    """`grpo-dist check` of the test config with `model` as its model section, offline against `hf_home`."""
+    raw = small_config(tmp_path)
+    raw["model"] = model
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS_DIR)}
+    env.pop("HF_HUB_CACHE", None)
+    return subprocess.run([sys.executable, "-m", "grpo_dist", "check", str(config)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("revision", "commit"), [(None, MAIN), ("v1", V1), (MAIN, MAIN)], ids=["main", "tag", "commit"]
+)
+def test_a_hub_id_resolves_to_the_snapshot_of_its_revision(tmp_path, hub_cache, revision, commit):
+    result = check(tmp_path, hub_cache, path="acme/tiny", revision=revision)
+    assert result.returncode == 0, result.stderr
+    snapshot = hub_cache / "hub" / "models--acme--tiny" / "snapshots" / commit
+    assert f"model.path: acme/tiny@{revision or 'main'} is {snapshot}" in result.stdout
+
+
+def test_what_the_cache_lacks_offline_is_one_clear_line(tmp_path, hub_cache):
+    missing_revision = check(tmp_path, hub_cache, path="acme/tiny", revision="v2")
+    assert missing_revision.returncode == 2
+    assert "model.path: acme/tiny@v2 is not in the Hugging Face cache" in missing_revision.stderr
+    assert "HF_HUB_OFFLINE=1" in missing_revision.stderr
+    missing_model = check(tmp_path, hub_cache, path="acme/nothing")
+    assert missing_model.returncode == 2 and "model.path: acme/nothing@main is not in the" in missing_model.stderr
+    local = check(tmp_path, hub_cache, path=str(tmp_path), revision="v1")
+    assert local.returncode == 2 and "model.revision applies to a hub id" in local.stderr
+    assert "Traceback" not in missing_revision.stderr + missing_model.stderr + local.stderr
+
+
+def test_the_policy_loaded_is_the_revision_asked_for(hub_cache, monkeypatch):
+    """main and v1 hold different weights: the snapshot a revision resolves to is the model of that commit."""
+    import torch
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("HF_HOME", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = ("import sys; from grpo_dist.inputs import hub_snapshot; "
+            "print(hub_snapshot('acme/tiny', sys.argv[1] if sys.argv[1:] else None, 'model.path'))")  # fmt: skip
+    paths = {}
+    for revision in ("main", "v1"):
+        done = subprocess.run([sys.executable, "-c", code, revision], capture_output=True, text=True, check=True)
+        paths[revision] = Path(done.stdout.strip().splitlines()[-1])
+    main, v1 = (load_file(paths[name] / "model.safetensors") for name in ("main", "v1"))
+    assert main.keys() == v1.keys()
+    assert any(not torch.equal(main[key], v1[key]) for key in main)
