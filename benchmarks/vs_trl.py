@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from learning import grpo_dist  # noqa: E402
 
 from grpo_dist.config import Config, load_config  # noqa: E402
-from grpo_dist.data.dataset import load_rows  # noqa: E402
+from grpo_dist.data.sources import read_source  # noqa: E402
 from grpo_dist.inputs import prepare_data  # noqa: E402
 from grpo_dist.rewards.registry import resolve_reward  # noqa: E402
 
@@ -141,11 +141,9 @@ def run_trl(cfg: Config, train_rows: list[dict], out_dir: Path) -> dict:
             self.step_s.append(time.perf_counter() - self.began)
 
     started = time.monotonic()
-    fields = [key for key in train_rows[0] if key != cfg.data.prompt_field]
+    fields = [key for key in train_rows[0] if key != "prompt"]
     rewards = [trl_reward(spec.name, spec.kwargs, fields) for spec in cfg.reward.functions]
-    dataset = Dataset.from_list(
-        [{"prompt": row[cfg.data.prompt_field], **{f: row[f] for f in fields}} for row in train_rows]
-    )
+    dataset = Dataset.from_list([{"prompt": row["prompt"], **{f: row[f] for f in fields}} for row in train_rows])
     clock = StepClock()
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(cfg.model.path),
@@ -175,7 +173,7 @@ def held_out_accuracy(model_dir: Path, rows: list[dict], cfg: Config) -> float:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompts = [row[cfg.data.prompt_field] for row in rows]
+    prompts = [row["prompt"] for row in rows]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         output = model.generate(
@@ -183,7 +181,7 @@ def held_out_accuracy(model_dir: Path, rows: list[dict], cfg: Config) -> float:
         )
     completions = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     judge = resolve_reward(cfg.eval.reward)
-    fields = [key for key in rows[0] if key != cfg.data.prompt_field]
+    fields = [key for key in rows[0] if key != "prompt"]
     scores = [
         judge(prompt, completion, **{f: row[f] for f in fields})
         for prompt, completion, row in zip(prompts, completions, rows, strict=True)
@@ -243,8 +241,11 @@ def main() -> None:
         trl_settings(cfg)  # refuse what TRL cannot match before anything runs
         ours = run_grpo_dist(args.config, overrides, cfg.run_dir, seed)
         train_path, eval_path = prepare_data(cfg)  # the files grpo-dist drew for this seed
-        held_out = load_rows(eval_path, cfg.data.prompt_field)[: cfg.eval.max_prompts]
-        theirs = run_trl(cfg, load_rows(train_path, cfg.data.prompt_field), out_dir / f"trl-{seed}")
+        data = cfg.data
+        held_out = read_source(eval_path, data.eval_split, data.subset, data.fields, "data.eval_path")
+        held_out = held_out[: cfg.eval.max_prompts]
+        train_rows = read_source(train_path, data.split, data.subset, data.fields, "data.path")
+        theirs = run_trl(cfg, train_rows, out_dir / f"trl-{seed}")
         ours_line = report("grpo-dist", seed, ours, held_out_accuracy(ours["final"], held_out, cfg))
         trl_line = report("trl", seed, theirs, held_out_accuracy(theirs["final"], held_out, cfg))
         compared.append(ratios(seed, ours_line, trl_line))

@@ -31,7 +31,8 @@ STATE = "run_state.pt"
 
 # Keys whose change would alter what a checkpoint means; a resume with any of them changed is refused.
 FIXED_KEYS = (
-    "model", "data.task", "data.train_path", "data.prompt_field", "data.max_prompt_tokens", "rollout.group_size",
+    "model", "data.task", "data.path", "data.split", "data.subset", "data.fields", "data.system_prompt",
+    "data.chat_template", "data.max_prompt_tokens", "rollout.group_size",
     "rollout.max_new_tokens", "learner.num_ranks", "learner.zero_stage", "run.seed", "algorithm.aggregation",
 )  # fmt: skip
 

@@ -75,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
     plot.add_argument("metrics", help="path to metrics.jsonl")
     plot.add_argument("out", help="PNG to write")
+    prepare = commands.add_parser("prepare", help="GSM8K or MATH as prompt/answer rows with the final answer: "
+                                  "grpo-dist prepare gsm8k|math SOURCE OUT.jsonl")  # fmt: skip
+    prepare.add_argument("layout", choices=["gsm8k", "math"])
+    prepare.add_argument("source", help="a data file, a save_to_disk directory or a hub dataset id")
+    prepare.add_argument("out", help="JSON Lines file to write")
+    prepare.add_argument("--split", default="train")
+    prepare.add_argument("--subset", default=None, help="a hub dataset's subset (openai/gsm8k: main)")
     tiny = commands.add_parser("tiny-model", help="write a random-init tiny Qwen2 model with a character tokenizer")
     tiny.add_argument("out_dir")
     tiny.add_argument("--seed", type=int, default=0)
@@ -131,6 +138,16 @@ def _run(args: argparse.Namespace) -> int:
         return _scale(args.run_dir, args.setting)
     if args.command in ("submit", "job"):
         return _submit_or_job(args)
+    if args.command == "prepare":
+        from grpo_dist.data import DatasetError
+        from grpo_dist.data.prepare import prepare
+
+        try:
+            out = prepare(args.layout, args.source, args.out, args.split, args.subset)
+        except DatasetError as err:
+            raise ConfigError(str(err)) from None
+        print(f"{sum(1 for _ in out.open())} rows written to {out} (prompt, answer, solution)")
+        return 0
     if args.command == "tiny-model":
         from grpo_dist.models import build_tiny_model
 

@@ -50,6 +50,9 @@ class TinyModelConfig(_Section):
                 f"hidden_size / num_heads must be 64 (got {self.hidden_size} / {self.num_heads}); "
                 f"set hidden_size to {64 * self.num_heads}"
             )
+        twice = sorted({c for c in self.characters or "" if self.characters.count(c) > 1})
+        if twice or self.characters == "":
+            raise ValueError(f"characters must be distinct (given more than once: {twice}) and not empty")
         return self
 
 
@@ -75,15 +78,36 @@ class TaskConfig(_Section):
     """Held-out prompts to generate."""
 
 
+class FieldsConfig(_Section):
+    prompt: str = "prompt"
+    """Column holding the prompt text."""
+    answer: str | None = "answer"
+    """Column holding the reference answer, passed to the rewards as `answer`; null when the rewards need none."""
+    messages: str | None = None
+    """Column holding the prompt as chat turns (`[{role, content}, ...]`), used instead of `prompt`."""
+
+
 class DataConfig(_Section):
-    train_path: str | None = None
-    """JSONL or Parquet file of training prompts (a `prompt` field plus fields passed to the rewards)."""
+    path: str | None = None
+    """Training prompts: a JSONL, Parquet or CSV file, a `datasets` `save_to_disk` directory, or a hub dataset id
+    (`org/name`, read through `datasets` from the Hugging Face cache or the hub)."""
+    split: str = "train"
+    """The split of `path` to train on (a `save_to_disk` directory of several splits, or a hub dataset)."""
+    subset: str | None = None
+    """The subset (configuration) of a hub dataset, e.g. `main` for openai/gsm8k."""
     eval_path: str | None = None
-    """Held-out prompts in the same format; accuracy on them is printed before and after training."""
+    """Held-out prompts, in any layout `path` takes; accuracy on them is printed before and after training."""
+    eval_split: str = "test"
+    """The split of `eval_path` (a `save_to_disk` directory of several splits, or a hub dataset)."""
     task: TaskConfig | None = None
-    """Generate a bundled synthetic task into the run directory instead of reading `train_path`/`eval_path`."""
-    prompt_field: str = "prompt"
-    """Name of the field holding the prompt text."""
+    """Generate a bundled synthetic task into the run directory instead of reading `path`/`eval_path`."""
+    fields: FieldsConfig = Field(default_factory=FieldsConfig)
+    """Which columns hold the prompt (or its chat turns) and the answer; the other columns reach the rewards too."""
+    system_prompt: str | None = None
+    """A system turn put before every prompt (as the chat template renders it; a paragraph of its own in raw text)."""
+    chat_template: bool | None = None
+    """true: render prompts with the tokenizer's chat template (it must have one); false: raw text; null: the
+    template when the tokenizer has one."""
     max_prompt_tokens: int = Field(256, ge=1)
     """Prompts longer than this (after the chat template) are skipped and counted."""
     prompts_per_step: int = Field(16, ge=1)
@@ -91,10 +115,15 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _has_a_source(self) -> DataConfig:
-        if self.task is None and self.train_path is None:
-            raise ValueError("set either data.train_path (a JSONL/Parquet file) or data.task (a bundled task)")
-        if self.task is not None and self.train_path is not None:
-            raise ValueError("set only one of data.train_path and data.task")
+        if self.task is None and self.path is None:
+            raise ValueError("set either data.path (a file, a directory, a hub dataset) or data.task (a bundled task)")
+        if self.task is not None and self.path is not None:
+            raise ValueError("set only one of data.path and data.task")
+        if self.fields.messages is not None and self.chat_template is False:
+            raise ValueError(
+                "data.fields.messages holds chat turns, which only a chat template renders: set data.chat_template to "
+                "true or null, or map a text column with data.fields.prompt"
+            )
         return self
 
 

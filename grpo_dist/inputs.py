@@ -8,14 +8,16 @@ a bundled task's data) under `scratch` instead of the run's own paths, and leave
 
 from __future__ import annotations
 
-import re
+import concurrent.futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_dist.config import Config, ConfigError
-from grpo_dist.data import PromptRecord, encode_prompts, load_rows, split_task
-from grpo_dist.rewards import resolve_reward
+from grpo_dist.data import PromptRecord, encode_prompts, split_task
+from grpo_dist.data.sources import read_source
+from grpo_dist.hub import HUB_ID, snapshot
+from grpo_dist.rewards import resolve_reward, score_one
 
 
 @dataclass
@@ -44,7 +46,11 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
         )
     if skipped:
         print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    held_out = read_prompts(cfg, eval_path, tokenizer)[0] if eval_path is not None else []
+    held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
+    print(f"first prompt, as the model reads it: {train[0].text!r}")
+    check_answer(cfg, train[0], "data.path")
+    if held_out:
+        check_answer(cfg, held_out[0], "data.eval_path")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Inputs(model_path, pad, train, held_out)
 
@@ -56,6 +62,30 @@ def check_rewards(cfg: Config) -> None:
             resolve_reward(name)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+
+
+def check_answer(cfg: Config, record: PromptRecord, key: str) -> None:
+    """The reference answer of a dataset's first row, given as the completion, must score 1.0 with `eval.reward`:
+    otherwise the answer column or the reward's parser is wrong, and every step would learn from noise."""
+    if "answer" not in record.fields:
+        return
+    answer, name = record.fields["answer"], cfg.eval.reward
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:  # bounded by reward.timeout_s; a call that runs past it is left behind, not waited for
+        score, _, errors = score_one([resolve_reward(name)], [1.0], [{}], record.text, str(answer), record.fields,
+                                     cfg.reward.timeout_s, pool)  # fmt: skip
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if errors[0] is not None:
+        raise ConfigError(f"eval.reward={name} failed on the first row of {key}: {errors[0]}")
+    if score != 1.0:
+        raise ConfigError(
+            f"{key}: the first row's answer {str(answer)[:100]!r}, given as the completion, scores {score} with "
+            f"eval.reward={name}, not 1.0: the reward cannot read the column mapped to the answer (data.fields.answer="
+            f"{cfg.data.fields.answer}) as an answer. Map the column that holds the final answer (`grpo-dist prepare "
+            "gsm8k|math` extracts it from a worked solution), or judge with a reward that reads this one (eval.reward, "
+            "e.g. exact_answer for text)"
+        )
 
 
 def check_lengths(cfg: Config) -> None:
@@ -72,10 +102,13 @@ def load_tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def read_prompts(cfg: Config, path: Path, tokenizer: Any) -> tuple[list[PromptRecord], int]:
-    """Rows of a dataset file, tokenised; returns the records and how many were over the length limit."""
-    field = cfg.data.prompt_field
-    return encode_prompts(load_rows(path, field), tokenizer, cfg.data.max_prompt_tokens, prompt_field=field)
+def read_prompts(cfg: Config, location: str, tokenizer: Any, held_out: bool = False) -> tuple[list[PromptRecord], int]:
+    """The training (or held-out) prompts at `location`, mapped and rendered as the model reads them, tokenised;
+    returns the records and how many were over the length limit."""
+    data = cfg.data
+    split, key = (data.eval_split, "data.eval_path") if held_out else (data.split, "data.path")
+    rows = read_source(location, split, data.subset, data.fields, key)
+    return encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template)
 
 
 def prepare_model(cfg: Config, scratch: Path | None = None) -> str:
@@ -88,51 +121,10 @@ def prepare_model(cfg: Config, scratch: Path | None = None) -> str:
             "`grpo-dist sft CONFIG` writes there (see its sft section)"
         )
     if not path.exists() and cfg.model.tiny is None and HUB_ID.fullmatch(cfg.model.path):
-        return hub_snapshot(cfg.model.path, cfg.model.revision, "model.path")
+        return model_directory(cfg, Path(snapshot(cfg.model.path, cfg.model.revision, "model.path")), "model.path")
     if cfg.model.revision is not None:
         raise ConfigError(f"model.revision applies to a hub id; model.path {cfg.model.path} is a directory")
     return model_directory(cfg, path, "model.path", scratch)
-
-
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""`org/name`: a model on the Hugging Face hub (a path that exists is always read as a path)."""
-NOT_LOADED = ["*.pth", "original/*", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
-"""Files of a hub model that neither transformers nor vLLM reads here: not downloaded."""
-
-
-def hub_snapshot(repo_id: str, revision: str | None, key: str) -> str:
-    """The local snapshot of hub model `repo_id` at `revision` (a branch, tag or commit; main when None): found in
-    the Hugging Face cache (HF_HOME), or downloaded there unless offline (HF_HUB_OFFLINE=1), with HF_TOKEN for
-    gated models. Its path names the commit, so every rank and engine that loads it loads the same weights."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    named = f"{repo_id}@{revision or 'main'}"
-    try:
-        snapshot = snapshot_download(repo_id, revision=revision, ignore_patterns=NOT_LOADED)
-    except GatedRepoError:
-        raise ConfigError(f"{key}: {named} is gated: accept its terms on the hub and set HF_TOKEN") from None
-    except RepositoryNotFoundError:
-        raise ConfigError(
-            f"{key}: {repo_id} is neither a directory nor a model on the hub (a private one needs HF_TOKEN)"
-        ) from None
-    except RevisionNotFoundError:
-        raise ConfigError(f"{key}: {repo_id} has no revision {revision!r} (model.revision)") from None
-    except LocalEntryNotFoundError:
-        raise ConfigError(
-            f"{key}: {named} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub cannot be "
-            "reached (HF_HUB_OFFLINE=1, or no network): download it where the hub can be reached "
-            f"(`hf download {repo_id}`) into an HF_HOME every node shares, or name a local directory"
-        ) from None
-    if not (Path(snapshot) / "config.json").is_file():
-        raise ConfigError(f"{key}: {named} ({snapshot}) is not a Hugging Face model (no config.json)")
-    print(f"{key}: {named} is {snapshot}")
-    return snapshot
 
 
 def model_directory(cfg: Config, path: Path, key: str, scratch: Path | None = None) -> str:
@@ -149,11 +141,13 @@ def model_directory(cfg: Config, path: Path, key: str, scratch: Path | None = No
     return str(path.resolve())
 
 
-def prepare_data(cfg: Config, scratch: Path | None = None) -> tuple[Path, Path | None]:
-    """The training and held-out data files: the configured ones, or a bundled task's, written into the run
+def prepare_data(cfg: Config, scratch: Path | None = None) -> tuple[str, str | None]:
+    """The training and held-out data: the configured ones, or a bundled task's files, written into the run
     directory (under `scratch` when given)."""
     data = cfg.data
     if data.task is None:
-        return Path(data.train_path), Path(data.eval_path) if data.eval_path else None
+        return data.path, data.eval_path
     task = data.task
-    return split_task(task.name, (scratch or cfg.run_dir) / "data", task.num_train, task.num_eval, cfg.run.seed)
+    train, held_out = split_task(task.name, (scratch or cfg.run_dir) / "data", task.num_train, task.num_eval,
+                                 cfg.run.seed)  # fmt: skip
+    return str(train), str(held_out)

@@ -24,7 +24,8 @@ import torch
 from tqdm import tqdm
 
 from grpo_dist.config import Config, ConfigError
-from grpo_dist.data import DatasetError, PromptRecord, encode_prompts, load_rows
+from grpo_dist.data import DatasetError, PromptRecord, encode_prompts
+from grpo_dist.data.sources import read_source
 from grpo_dist.evaluation import judge_accuracy
 from grpo_dist.inputs import load_tokenizer, model_directory, prepare_data, read_prompts
 from grpo_dist.types import ScoreRequest
@@ -80,14 +81,15 @@ def _check_output(cfg: Config, overwrite: bool) -> Path:
     return out_dir
 
 
-def _examples(cfg: Config, train_path: Path, tokenizer: Any) -> list[Example]:
+def _examples(cfg: Config, train_path: str, tokenizer: Any) -> list[Example]:
     """Each training row's prompt and solved completion; a row without the answer field is named and refused."""
-    field = cfg.sft.answer_field
-    rows = load_rows(train_path, cfg.data.prompt_field)
-    for line, row in enumerate(rows, start=1):
+    data = cfg.data
+    field = "answer" if cfg.sft.answer_field == data.fields.answer else cfg.sft.answer_field  # mapped to `answer`
+    rows = read_source(train_path, data.split, data.subset, data.fields, "data.path")
+    for number, row in enumerate(rows, start=1):
         if not isinstance(row.get(field), str | int | float):
-            raise DatasetError(f"{train_path}:{line}: no {field!r} field to learn from (sft.answer_field)")
-    records, _ = encode_prompts(rows, tokenizer, cfg.data.max_prompt_tokens, prompt_field=cfg.data.prompt_field)
+            raise DatasetError(f"{train_path}: row {number}: no {field!r} field to learn from (sft.answer_field)")
+    records, _ = encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template)
     eos = [tokenizer.eos_token_id]
     return [
         Example(

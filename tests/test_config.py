@@ -69,10 +69,10 @@ def test_every_problem_is_reported_at_once(tmp_path):
     "raw, message",
     [
         pytest.param({"model": {"path": "m"}, "reward": {"functions": [{"name": "math_answer"}]}, "data": {}},
-                     "set either data.train_path", id="no-data-source"),
-        pytest.param({"model": {"path": "m"}, "data": {"train_path": "x.jsonl"}}, "reward: required key is missing",
+                     "set either data.path", id="no-data-source"),
+        pytest.param({"model": {"path": "m"}, "data": {"path": "x.jsonl"}}, "reward: required key is missing",
                      id="missing-section"),
-        pytest.param({"model": {"path": "m"}, "data": {"train_path": "x.jsonl"}, "reward": {"functions": []}},
+        pytest.param({"model": {"path": "m"}, "data": {"path": "x.jsonl"}, "reward": {"functions": []}},
                      "reward.functions: List should have at least 1 item", id="no-reward-function"),
     ],
 )  # fmt: skip

@@ -90,8 +90,7 @@ def test_the_policy_loaded_is_the_revision_asked_for(hub_cache, monkeypatch):
 
     monkeypatch.setenv("HF_HOME", str(hub_cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code = ("import sys; from grpo_dist.inputs import hub_snapshot; "
-            "print(hub_snapshot('acme/tiny', sys.argv[1] if sys.argv[1:] else None, 'model.path'))")  # fmt: skip
+    code = "import sys; from grpo_dist.hub import snapshot; print(snapshot('acme/tiny', sys.argv[1], 'model.path'))"
     paths = {}
     for revision in ("main", "v1"):
         done = subprocess.run([sys.executable, "-c", code, revision], capture_output=True, text=True, check=True)

@@ -26,7 +26,7 @@ def bad_dataset(tmp_path):
 
 def config_with_dataset(tmp_path, path):
     raw = small_config(tmp_path)
-    raw["data"] = {"train_path": str(path), "max_prompt_tokens": 16, "prompts_per_step": 4}
+    raw["data"] = {"path": str(path), "max_prompt_tokens": 16, "prompts_per_step": 4}
     raw["reward"] = {"functions": [{"name": "math_answer"}]}
     return raw
 
@@ -90,7 +90,7 @@ def test_a_renamed_prompt_field_is_read(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text('{"question": "1 2:", "answer": "2"}\n')
     raw = config_with_dataset(tmp_path, path)
-    raw["data"].update(prompt_field="question", prompts_per_step=1)
+    raw["data"].update(fields={"prompt": "question"}, prompts_per_step=1)
     inputs = prepare(validate_config(raw))
     assert [(r.text, r.fields) for r in inputs.train] == [("1 2:", {"answer": "2"})]
 

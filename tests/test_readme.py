@@ -3,8 +3,14 @@ target, config and file it names must be real (parsed by the real command line, 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -88,3 +94,27 @@ def test_each_file_the_readme_names_exists(path):
 @pytest.mark.parametrize("path", NAMED_CONFIGS)
 def test_each_config_the_readme_names_loads(path):
     assert load_config(REPO / path).run.steps >= 1
+
+
+@pytest.mark.slow
+def test_training_your_own_model_runs_as_written(tmp_path):
+    """The README's walkthrough, step by step in a directory of its own: the Python that saves the dataset, then each
+    command of the block after it, as they are written there."""
+    section = README.split("## Training your own model", 1)[1].split("\n## ", 1)[0]
+    python, commands_block = FENCED.findall(section)[:2]
+    (tmp_path / "configs").mkdir()
+    shutil.copy(REPO / "configs" / "own_data.yaml", tmp_path / "configs")
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([sys.executable, "-c", python], cwd=tmp_path, env=env, check=True, timeout=300)
+    lines = [line for line in commands_block.splitlines() if line.strip()]
+    assert [shlex.split(line, comments=True)[:2] for line in lines] == [["grpo-dist", "check"], ["grpo-dist", "train"]]
+    outputs = []
+    for line in lines:
+        done = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"`{line}` failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        outputs.append(done.stdout)
+    assert "first prompt, as the model reads it: 'Add the numbers.\\n\\n" in outputs[0]
+    rows = [json.loads(line) for line in (tmp_path / "outputs" / "own-data" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 7))
+    assert (tmp_path / "outputs" / "own-data" / "final" / "model.safetensors").is_file()

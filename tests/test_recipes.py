@@ -150,7 +150,7 @@ def recipe_rows(ray_cluster, tiny_inputs, tmp_path_factory) -> Callable[[str], l
     def run(name: str) -> list[Row]:
         if name not in done:
             output_dir = tmp_path_factory.mktemp(name)
-            paths = [f"model.path={model_path}", f"data.train_path={train_path}", f"run.output_dir={output_dir}"]
+            paths = [f"model.path={model_path}", f"data.path={train_path}", f"run.output_dir={output_dir}"]
             overrides = [*SHRINK, *EXTRA.get(name, []), *paths]
             cfg = load_config(REPO / "configs" / f"{name}.yaml", overrides)
             cluster = Cluster.start(cfg, model_path)

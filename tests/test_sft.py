@@ -81,7 +81,7 @@ def test_a_config_without_an_sft_section_is_refused(tmp_path, capsys):
 def test_a_row_without_an_answer_is_named_before_training(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"prompt": "1 2:", "answer": "2"}) + "\n" + json.dumps({"prompt": "3 4:"}) + "\n")
-    config = sft_config(tmp_path, data={"train_path": str(train), "task": None})
-    with pytest.raises(DatasetError, match=r"train.jsonl:2: no 'answer' field"):
+    config = sft_config(tmp_path, data={"path": str(train), "task": None})
+    with pytest.raises(DatasetError, match=r"train.jsonl: row 2: no answer column 'answer' \(data.fields.answer"):
         run_sft(load_config(config))
     assert not (tmp_path / "model").exists()

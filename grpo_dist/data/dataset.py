@@ -44,21 +44,39 @@ class PromptRecord:
     index: int = 0  # 0-based position of the row in the dataset file
 
 
-def _check_row(row: Any, prompt_field: str, where: str) -> dict[str, Any]:
+def check_row(row: Any, prompt_field: str, where: str, messages: bool = False) -> dict[str, Any]:
+    """`row` if it holds a prompt in `prompt_field` (a non-empty string, or with `messages` a non-empty list of
+    `{role, content}` turns); a `DatasetError` naming `where` otherwise."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}; write one object per line.")
+    key = "data.fields.messages" if messages else "data.fields.prompt"
     if prompt_field not in row:
         raise DatasetError(
             f"{where}: missing prompt field {prompt_field!r} (fields present: {sorted(row)}); "
-            f"add it or set the prompt field name to one of these."
+            f"add it or set {key} to the column that holds the prompt."
         )
     prompt = row[prompt_field]
+    if messages:
+        turns_ok = (
+            isinstance(prompt, list)
+            and prompt
+            and all(
+                isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
+                for turn in prompt
+            )
+        )
+        if not turns_ok:
+            raise DatasetError(
+                f"{where}: {key} column {prompt_field!r} must hold chat turns [{{role, content}}, ...], got "
+                f"{str(prompt)[:120]!r}."
+            )
+        return row
     if not isinstance(prompt, str) or not prompt.strip():
         raise DatasetError(f"{where}: prompt field {prompt_field!r} must be a non-empty string, got {prompt!r}.")
     return row
 
 
-def _read_jsonl(path: Path, prompt_field: str) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path, prompt_field: str, messages: bool) -> list[dict[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -76,22 +94,24 @@ def _read_jsonl(path: Path, prompt_field: str) -> list[dict[str, Any]]:
                 f"{where}: invalid JSON ({error.msg} at column {error.colno}); "
                 f"the file must be JSON Lines, one complete object per line."
             ) from error
-        rows.append(_check_row(row, prompt_field, where))
+        rows.append(check_row(row, prompt_field, where, messages))
     return rows
 
 
-def _read_parquet(path: Path, prompt_field: str) -> list[dict[str, Any]]:
+def _read_parquet(path: Path, prompt_field: str, messages: bool) -> list[dict[str, Any]]:
     import pyarrow.parquet as pq  # imported here: only Parquet datasets need pyarrow
 
     try:
         table = pq.read_table(path)
     except Exception as error:  # pyarrow raises several types for unreadable files; report which
         raise DatasetError(f"{path}: cannot read as Parquet ({type(error).__name__}: {error}).") from error
-    return [_check_row(row, prompt_field, f"{path}: row {number}") for number, row in enumerate(table.to_pylist(), 1)]
+    rows = table.to_pylist()
+    return [check_row(row, prompt_field, f"{path}: row {number}", messages) for number, row in enumerate(rows, 1)]
 
 
-def load_rows(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, Any]]:
-    """Read every row of a ``.jsonl``/``.json`` (JSON Lines) or ``.parquet`` file and check its prompt field.
+def load_rows(path: str | Path, prompt_field: str = "prompt", messages: bool = False) -> list[dict[str, Any]]:
+    """Read every row of a ``.jsonl``/``.json`` (JSON Lines) or ``.parquet`` file and check its prompt field (chat
+    turns with ``messages``).
 
     Raises :class:`DatasetError` for an unsupported suffix (naming the supported ones), a missing or empty file or the
     first malformed row (with its file and 1-based line or row number).
@@ -104,23 +124,40 @@ def load_rows(path: str | Path, prompt_field: str = "prompt") -> list[dict[str, 
         )
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found (resolved to {path.resolve()}); check the path.")
-    rows = _read_parquet(path, prompt_field) if suffix in PARQUET_SUFFIXES else _read_jsonl(path, prompt_field)
+    read = _read_parquet if suffix in PARQUET_SUFFIXES else _read_jsonl
+    rows = read(path, prompt_field, messages)
     if not rows:
         raise DatasetError(f"{path}: the dataset has no rows; it needs at least one {{{prompt_field!r}: ...}} row.")
     return rows
 
 
-def _prompt_text(prompt: str, tokenizer: PromptTokenizer) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        return prompt
-    conversation = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+def prompt_text(row: dict[str, Any], tokenizer: PromptTokenizer, system_prompt: str | None = None,
+                chat_template: bool | None = None) -> str:  # fmt: skip
+    """The prompt of a row (its `prompt` text or its `messages` turns) exactly as the model reads it: through the
+    tokenizer's chat template (`chat_template` true, or null and the tokenizer has one), else raw text; a system
+    turn `system_prompt` first when given."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template and not has_template:
+        raise DatasetError("data.chat_template is true, but the tokenizer of model.path has no chat template")
+    turns = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+    if system_prompt and turns[0]["role"] != "system":
+        turns = [{"role": "system", "content": system_prompt}, *turns]
+    if chat_template is False or not has_template:
+        if "messages" in row:
+            raise DatasetError("data.fields.messages: chat turns need a chat template, and the tokenizer has none")
+        return f"{system_prompt}\n\n{row['prompt']}" if system_prompt else row["prompt"]
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
 
 
 def encode_prompts(
-    rows: Sequence[dict[str, Any]], tokenizer: PromptTokenizer, max_prompt_tokens: int, prompt_field: str = "prompt"
+    rows: Sequence[dict[str, Any]],
+    tokenizer: PromptTokenizer,
+    max_prompt_tokens: int,
+    system_prompt: str | None = None,
+    chat_template: bool | None = None,
 ) -> tuple[list[PromptRecord], int]:
-    """Apply the chat template (when the tokenizer has one) and tokenise each row's prompt.
+    """Render each row's prompt (`prompt_text`) and tokenise it. Rows hold `prompt` (text) or `messages` (chat
+    turns); their other fields travel with the record to the rewards.
 
     Prompts longer than ``max_prompt_tokens`` are skipped. Returns ``(records, num_skipped)``; raises
     :class:`DatasetError` if every prompt was skipped.
@@ -129,12 +166,12 @@ def encode_prompts(
         raise ValueError(f"encode_prompts: max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
     records, num_skipped = [], 0
     for index, row in enumerate(rows):
-        text = _prompt_text(row[prompt_field], tokenizer)
+        text = prompt_text(row, tokenizer, system_prompt, chat_template)
         token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(token_ids) > max_prompt_tokens:
             num_skipped += 1
             continue
-        fields = {key: value for key, value in row.items() if key != prompt_field}
+        fields = {key: value for key, value in row.items() if key not in ("prompt", "messages")}
         records.append(PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index))
     if not records:
         raise DatasetError(

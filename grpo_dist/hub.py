@@ -1,0 +1,48 @@
+"""Models and datasets named by their Hugging Face hub id, resolved once to a local snapshot of one commit: found in
+the Hugging Face cache (HF_HOME; on a cluster, one every node mounts), or downloaded there unless offline
+(HF_HUB_OFFLINE=1), with HF_TOKEN for gated and private repositories. Every failure is one line naming the config key.
+"""
+
+from __future__ import annotations
+
+import re
+
+from grpo_dist.config import ConfigError
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""`org/name`: a repository on the Hugging Face hub (a path that exists is always read as a path)."""
+NOT_LOADED = ["*.pth", "original/*", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
+"""Files of a hub model that neither transformers nor vLLM reads here: not downloaded."""
+
+
+def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model") -> str:
+    """The local snapshot of `repo_id` (a `kind`: model or dataset) at `revision` (a branch, tag or commit; main when
+    None). Its path names the commit, so every process that reads it reads the same files."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    named = f"{repo_id}@{revision or 'main'}"
+    try:
+        path = snapshot_download(repo_id, repo_type=kind, revision=revision, ignore_patterns=NOT_LOADED)
+    except GatedRepoError:
+        raise ConfigError(f"{key}: {named} is gated: accept its terms on the hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"{key}: {repo_id} is neither a local path nor a {kind} on the hub (a private one needs HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise ConfigError(f"{key}: {repo_id} has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:
+        raise ConfigError(
+            f"{key}: {named} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub cannot be "
+            "reached (HF_HUB_OFFLINE=1, or no network): download it where the hub can be reached "
+            f"(`hf download {repo_id}{' --repo-type dataset' if kind == 'dataset' else ''}`) into an HF_HOME every "
+            "node shares, or name a local path"
+        ) from None
+    print(f"{key}: {named} is {path}")
+    return path
