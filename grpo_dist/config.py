@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections are part of the config's API)
     AlgorithmConfig,
     CheckpointConfig,
+    ClusterConfig,
     DataConfig,
     EvalConfig,
     FaultsConfig,
@@ -67,6 +68,8 @@ class Config(_Section):
     """Supervised warm-up on the task's solved rows (`grpo-dist sft CONFIG`) writing `model.path`; null: none."""
     ray: RayConfig = Field(default_factory=RayConfig)
     """Cluster to run on."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """The hardware the memory plan is checked against."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """Experiment tracking."""
 

@@ -374,6 +374,12 @@ class EvalConfig(_Section):
     """Held-out prompts scored (greedy decoding) before and after training."""
 
 
+class ClusterConfig(_Section):
+    gpu_memory_gb: float = Field(80.0, gt=0)
+    """Memory of each GPU the run uses, in GB (10^9 bytes): what `grpo-dist plan` and the pre-flight check the
+    learner ranks and engines against."""
+
+
 class RayConfig(_Section):
     address: str | None = None
     """Ray cluster to join (`auto` or `host:port`; one that does not answer fails at once, naming it); null starts

@@ -17,6 +17,7 @@ from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import PromptRecord, encode_prompts, split_task
 from grpo_dist.data.sources import read_source
 from grpo_dist.hub import HUB_ID, snapshot
+from grpo_dist.plan import check_plan
 from grpo_dist.rewards import resolve_reward, score_one
 
 
@@ -35,6 +36,8 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
     `scratch`: where to build what the config asks to be built, instead of its own paths (a dry run)."""
     check_rewards(cfg)
     model_path = prepare_model(cfg, scratch)
+    if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
+        check_plan(cfg, model_path)
     tokenizer = load_tokenizer(model_path)
     check_lengths(cfg)
     train_path, eval_path = prepare_data(cfg, scratch)

@@ -1,0 +1,113 @@
+"""The memory plan (`grpo_dist.plan`, `grpo-dist plan`, part of `check`): parameters counted from a config.json as
+the model has them, the README's sizing arithmetic, every shipped recipe fitting the GPUs it names, and configs that
+do not fit refused with their numbers. The recipes' models are hub ids; their config.json files (the shapes
+published with them, no weights) are put in a hub cache of the test's own and resolved offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, small_config
+from test_hub_models import cache_model
+
+from grpo_dist.config import load_config, validate_config
+from grpo_dist.plan import Shape, plan
+
+SHAPES = {  # config.json of each recipe's model: the fields a plan reads, as published
+    "deepseek-ai/deepseek-math-7b-instruct": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 30, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 102400},
+    "Qwen/Qwen2.5-Math-7B": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064},
+    "Qwen/Qwen3-8B": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "head_dim": 128,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936},
+    "Qwen/Qwen2.5-32B": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064},
+}  # fmt: skip
+RECIPES = ["grpo", "dr_grpo", "gspo", "dapo"]
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shapes")
+    for index, (repo_id, shape) in enumerate(SHAPES.items()):
+        files = root / f"files-{index}"
+        files.mkdir()
+        (files / "config.json").write_text(json.dumps({**shape, "tie_word_embeddings": False}))
+        cache_model(root / "hf", repo_id, files, f"{index:040x}", ["main"])
+    return root / "hf"
+
+
+def grpo_dist_plan(hf_home: Path, config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "grpo_dist", "plan", str(config), *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_parameters_are_counted_as_the_model_has_them(tmp_path):
+    import torch  # noqa: F401  (transformers needs it to build the model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_dist.models import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=128, num_heads=2, num_layers=3, intermediate_size=256)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    assert Shape.of(model_dir).params == sum(parameter.numel() for parameter in model.parameters())
+
+
+def test_the_readme_sizing_rows_come_out_of_the_plan(hf_home, monkeypatch, tmp_path):
+    """The 7B rows of the README's sizing table: 16 B per parameter over 4 ranks under ZeRO-3 plus the reference
+    (34.2 GB), and 2 + 14/8 B per parameter under ZeRO-2 over 8 ranks plus the reference (43.7 GB)."""
+    shape = Shape.of(cache_dir(hf_home, "Qwen/Qwen2.5-Math-7B"))
+    assert 7.55e9 < shape.params < 7.65e9  # the 7.6B of the table
+    raw = small_config(tmp_path, learner={"num_ranks": 4, "zero_stage": 3, "num_gpus": 1}, algorithm={"kl_coef": 0.04})
+    state = plan(validate_config(raw), shape).learner
+    assert sum(state[k] for k in ("weights", "gradients", "optimizer", "reference")) == pytest.approx(34.2, abs=0.2)
+    raw["learner"].update(num_ranks=8, zero_stage=2)
+    state = plan(validate_config(raw), shape).learner
+    assert sum(state[k] for k in ("weights", "gradients", "optimizer", "reference")) == pytest.approx(43.7, abs=0.2)
+
+
+def cache_dir(hf_home: Path, repo_id: str) -> Path:
+    (snapshot,) = (hf_home / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots").iterdir()
+    return snapshot
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_fits_the_gpus_it_names(hf_home, recipe):
+    config = REPO / "configs" / f"{recipe}.yaml"
+    assert load_config(config).model.path in SHAPES  # a hub id whose shape is known here
+    result = grpo_dist_plan(hf_home, config)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "learner rank:" in result.stdout and "engine:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        ("grpo", ["learner.num_ranks=1"], "a learner rank needs 1"),  # 16 B x 6.9e9 on one GPU: over 100 GB
+        ("dr_grpo", ["learner.micro_batch_size=32"], "a learner rank needs"),  # the activations of 128k tokens
+        ("dapo", ["rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.8"], "an engine needs"),  # 65 GB
+        ("gspo", ["cluster.gpu_memory_gb=24"], "more than the 24 GB of cluster.gpu_memory_gb"),
+    ],
+    ids=["7b-on-one-rank", "micro-batch-too-big", "32b-engine-without-tp", "small-gpus"],
+)
+def test_a_config_that_does_not_fit_is_refused_with_its_numbers(hf_home, recipe, overrides, message):
+    result = grpo_dist_plan(hf_home, REPO / "configs" / f"{recipe}.yaml", *overrides)
+    assert result.returncode == 2, result.stdout
+    assert message in result.stderr and "does not fit" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_a_cpu_run_has_nothing_to_plan(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path)))
+    result = subprocess.run([sys.executable, "-m", "grpo_dist", "plan", str(config)], cwd=REPO, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "learner ranks on CPUs" in result.stdout and "engines on CPUs" in result.stdout
