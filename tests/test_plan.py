@@ -111,3 +111,13 @@ def test_a_cpu_run_has_nothing_to_plan(tmp_path):
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "learner ranks on CPUs" in result.stdout and "engines on CPUs" in result.stdout
+
+
+def test_check_refuses_a_config_that_does_not_fit_before_reading_its_data(hf_home):
+    """`check` (and `train`) plan right after resolving the model: the recipe's data files are not even read."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "grpo_dist", "check", str(REPO / "configs" / "grpo.yaml"), "learner.num_ranks=1"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "the config does not fit its GPUs: a learner rank needs" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
