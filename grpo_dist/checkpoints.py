@@ -13,6 +13,7 @@ by the nodes that wrote it (the run state last, so a checkpoint without it is in
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import yaml
 
+from grpo_dist import manifest
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.storage import ObjectStore, upload_run_files
 
@@ -50,14 +52,52 @@ def save(cfg: Config, cluster, step: int, run_state: dict[str, Any]) -> str:
     if cfg.object_store:
         return _upload(cfg, cluster, partial, name, {**run_state, "step": step})
     _write_driver_files(cfg, partial, {**run_state, "step": step})
+    manifest.write(partial)  # every file synced, then the sizes and checksums that make it verifiable
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
+    manifest.sync_dir(root)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name + "\n")
+    with pointer.open("rb") as file:
+        os.fsync(file.fileno())
     os.replace(pointer, root / LATEST)
-    for old in sorted(root.glob("step-*"))[: -cfg.checkpoint.keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    manifest.sync_dir(root)
+    written_order = sorted((path for path in root.glob("step-*") if (path / STATE).is_file()),
+                           key=lambda path: (path / STATE).stat().st_mtime_ns)  # fmt: skip
+    for old in prunable([path.name for path in written_order], cfg.checkpoint.keep, name, _resumed_from(cfg)):
+        shutil.rmtree(root / old, ignore_errors=True)
+    for leftover in root.glob(".step-*.tmp"):  # what a write cut short left
+        shutil.rmtree(leftover, ignore_errors=True)
     return str(final)
+
+
+def prunable(written_order: list[str], keep: int, newest: str, resumed_from: str | None) -> list[str]:
+    """The checkpoints to delete, of those named oldest-written first: all but the newest `keep` written, never
+    the one just written (`newest`) nor the one the run resumed from (whatever their step numbers say)."""
+    kept = set(written_order[-keep:]) | {newest, resumed_from}
+    return [name for name in written_order if name not in kept]
+
+
+RESUMED_FROM = "resumed-from"
+"""The file (or object) beside `latest` naming the checkpoint the run last resumed from, which pruning keeps."""
+
+
+def _resumed_from(cfg: Config) -> str | None:
+    if cfg.object_store:
+        text = ObjectStore(cfg.object_store).read_text(f"{checkpoints_key(cfg)}/{RESUMED_FROM}")
+    else:
+        path = cfg.checkpoint_dir / RESUMED_FROM
+        text = path.read_text() if path.is_file() else None
+    return text.strip() if text else None
+
+
+def record_resume(cfg: Config, checkpoint: Checkpoint) -> None:
+    """Note the checkpoint a run resumes from, for pruning to keep; only a checkpoint of the run's own counts."""
+    name = Path(checkpoint.key).name if checkpoint.store else checkpoint.path.name
+    if cfg.object_store:
+        ObjectStore(cfg.object_store).write_text(f"{checkpoints_key(cfg)}/{RESUMED_FROM}", name + "\n")
+    elif checkpoint.path.parent == cfg.checkpoint_dir:
+        (cfg.checkpoint_dir / RESUMED_FROM).write_text(name + "\n")
 
 
 def _write_driver_files(cfg: Config, directory: Path, state: dict[str, Any]) -> None:
@@ -77,8 +117,11 @@ def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any
     store.upload(partial / "config.yaml", f"{key}/config.yaml")
     store.upload(partial / STATE, f"{key}/{STATE}")
     shutil.rmtree(partial, ignore_errors=True)
+    store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": store.sizes(key)}, sort_keys=True))
     store.write_text(f"{prefix}/{LATEST}", name + "\n")
-    for old in [child for child in store.children(prefix) if child.startswith("step-")][: -cfg.checkpoint.keep]:
+    steps = [child for child in store.children(prefix) if child.startswith("step-")]
+    written_order = sorted(steps, key=lambda child: store.mtime(f"{prefix}/{child}/{STATE}"))
+    for old in prunable(written_order, cfg.checkpoint.keep, name, _resumed_from(cfg)):
         store.delete(f"{prefix}/{old}")
     upload_run_files(cfg.object_store, cfg.run_dir, cfg.run.name)
     return store.name(key)
@@ -117,39 +160,80 @@ def written(cfg: Config, step: int) -> bool:
 
 
 def find(cfg: Config, path: str | None) -> Checkpoint:
-    """The checkpoint to resume from: `path`, or the latest complete one of the run; a clear error otherwise."""
+    """The checkpoint to resume from: `path`, verified; or the latest of the run that verifies, falling back (with a
+    warning) to the newest earlier one that does when the latest is damaged. A clear error when there is none."""
     if cfg.object_store or (path and "://" in path):
         return _find_in_store(cfg, path)
     if path:
         checkpoint = Path(path)
-    else:
-        pointer = cfg.checkpoint_dir / LATEST
-        if not pointer.is_file():
-            raise ConfigError(f"--resume: no checkpoint in {cfg.checkpoint_dir} (no `{LATEST}` file)")
-        checkpoint = cfg.checkpoint_dir / pointer.read_text().strip()
+        if why := _problem(checkpoint):
+            raise ConfigError(f"--resume: {checkpoint} is not a complete checkpoint: {why}")
+        return Checkpoint(checkpoint)
+    root = cfg.checkpoint_dir
+    pointer = root / LATEST
+    if not pointer.is_file():
+        raise ConfigError(f"--resume: no checkpoint in {root} (no `{LATEST}` file)")
+    names = [candidate.name for candidate in root.glob("step-*")]
+    return Checkpoint(root / _first_whole(pointer.read_text().strip(), names, lambda name: _problem(root / name), root))
+
+
+def _problem(checkpoint: Path) -> str | None:
+    """What keeps `checkpoint` from being resumed from (None: nothing). One written before manifests were is
+    taken when its run state and learner state are there."""
     if not (checkpoint / STATE).is_file() or not (checkpoint / "learner").is_dir():
-        raise ConfigError(f"--resume: {checkpoint} is not a complete checkpoint (no {STATE} or learner/)")
-    return Checkpoint(checkpoint)
+        return f"no {STATE} or learner/"
+    return manifest.problem(checkpoint) if (checkpoint / manifest.MANIFEST).is_file() else None
+
+
+def _first_whole(latest: str, names: list[str], problem, where) -> str:
+    """The first checkpoint that verifies: `latest`, then the others, highest step first; each one passed over is
+    reported. A `ConfigError` listing what is wrong with each when none does."""
+    passed_over = []
+    for name in dict.fromkeys([latest, *sorted(names, reverse=True)]):
+        why = problem(name)
+        if why is None:
+            for damaged, reason in passed_over:
+                print(f"warning: checkpoint {damaged} in {where} is damaged ({reason}); resuming from {name} instead")
+            return name
+        passed_over.append((name, why))
+    listed = "; ".join(f"{name}: {why}" for name, why in passed_over)
+    raise ConfigError(f"--resume: no complete checkpoint in {where} ({listed})")
 
 
 def _find_in_store(cfg: Config, path: str | None) -> Checkpoint:
-    """A checkpoint in an object store (`path`, a URI, or the run's latest), its run state and config downloaded to
-    this machine; the learner shards stay there for each learner node to download."""
+    """A checkpoint in an object store (`path`, a URI, or the run's latest that verifies, else the newest earlier
+    one that does), its run state and config downloaded to this machine; the learner shards stay there for each
+    learner node to download."""
     if path and "://" in path:
         store, key = ObjectStore(path), ""
+        if why := _store_problem(store, key):
+            raise ConfigError(f"--resume: {store.name(key)} is not a complete checkpoint: {why}")
     else:
         store = ObjectStore(cfg.object_store)
         prefix = checkpoints_key(cfg)
-        name = path or (store.read_text(f"{prefix}/{LATEST}") or "").strip()
-        if not name:
+        latest = (store.read_text(f"{prefix}/{LATEST}") or "").strip()
+        if not latest:
             raise ConfigError(f"--resume: no checkpoint in {store.name(prefix)} (no `{LATEST}` object)")
-        key = f"{prefix}/{Path(name).name}"
-    if not store.exists(f"{key}/{STATE}") or not store.exists(f"{key}/learner"):
-        raise ConfigError(f"--resume: {store.name(key)} is not a complete checkpoint (no {STATE} or learner/)")
+        names = [child for child in store.children(prefix) if child.startswith("step-")]
+        name = _first_whole(latest, names, lambda n: _store_problem(store, f"{prefix}/{n}"), store.name(prefix))
+        key = f"{prefix}/{name}"
     local = cfg.checkpoint_dir / (Path(key).name or "resumed")
     for name in ("config.yaml", STATE):
         store.download(f"{key}/{name}", local / name)
     return Checkpoint(local, store.uri, key)
+
+
+def _store_problem(store: ObjectStore, key: str) -> str | None:
+    if not store.exists(f"{key}/{STATE}") or not store.exists(f"{key}/learner"):
+        return f"no {STATE} or learner/"
+    text = store.read_text(f"{key}/{manifest.MANIFEST}")
+    if text is None:
+        return None
+    sizes = store.sizes(key)
+    for name, expected in json.loads(text)["files"].items():
+        if sizes.get(name) != expected:
+            return f"{name} has {sizes.get(name)} bytes, not {expected}"
+    return None
 
 
 def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         const=True,
         default=False,
         metavar="CHECKPOINT",
-        help="continue the run in run.output_dir/run.name from its latest checkpoint (or from CHECKPOINT)",
+        help="continue the run in run.output_dir/run.name from its latest checkpoint (or from CHECKPOINT; `auto`: "
+        "from its latest one if it has one, else start it)",
     )
     sft = commands.add_parser("sft", help="supervised warm-up writing model.path: grpo-dist sft CONFIG [overrides]")
     sft.add_argument("config", help="YAML config file with an sft section")

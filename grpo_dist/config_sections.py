@@ -365,6 +365,8 @@ class CheckpointConfig(_Section):
     a filesystem every node shares. With an object-store `run.output_dir` leave it null: checkpoints go there."""
     save_hf: bool = False
     """Also write a Hugging Face copy of the policy into each checkpoint (`hf/`)."""
+    allow_data_change: bool = False
+    """Let `--resume` go on over training data that changed since the checkpoint (otherwise an error)."""
 
 
 class EvalConfig(_Section):

@@ -25,6 +25,7 @@ from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
 from grpo_dist.recovery import (
+    check_same_data,
     checkpoint_at_stop,
     find_checkpoint,
     restart_learner,
@@ -50,9 +51,10 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         if checkpoint is None:
             discard_run_dir(cfg, earlier)
         raise
+    sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
+    check_same_data(cfg, checkpoint, sampler)
     own_cluster = cluster is None
     cluster = cluster or start_cluster(cfg, inputs.model_path)
-    sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=step)

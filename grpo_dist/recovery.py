@@ -15,7 +15,8 @@ import time
 from grpo_dist import checkpoints
 from grpo_dist.checkpoints import Checkpoint
 from grpo_dist.cluster import Cluster
-from grpo_dist.config import Config
+from grpo_dist.config import Config, ConfigError
+from grpo_dist.data import PromptSampler
 from grpo_dist.faults import RunFailed
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink
@@ -26,16 +27,40 @@ log = logging.getLogger("grpo_dist")
 
 
 def find_checkpoint(cfg: Config, resume: str | bool) -> Checkpoint | None:
-    """The checkpoint a resumed run starts from, after checking the config against it (None: a new run). With an
-    object-store run directory, the run's own files (metrics so far) are downloaded to go on from."""
+    """The checkpoint a resumed run starts from, after checking the config against it (None: a new run; with
+    `resume="auto"`, also when the run has no checkpoint yet). With an object-store run directory, the run's own
+    files (metrics so far) are downloaded to go on from."""
     if not resume:
         return None
+    if resume == "auto":  # a resubmitted run: go on from where it got to, or start it
+        if not checkpoints.has_latest(cfg):
+            print(f"--resume auto: no checkpoint in {cfg.checkpoints_shown} yet, so the run starts")
+            return None
+        resume = True
     checkpoint = checkpoints.find(cfg, resume if isinstance(resume, str) else None)
     for change in checkpoints.check_config(cfg, checkpoint):
         print(f"resuming with a changed setting: {change}")
     if cfg.object_store:
         download_run_files(cfg.object_store, cfg.run.name, cfg.run_dir)
+    checkpoints.record_resume(cfg, checkpoint)
     return checkpoint
+
+
+def check_same_data(cfg: Config, checkpoint: Checkpoint | None, sampler: PromptSampler) -> None:
+    """Before anything starts: a resumed run must read the data its checkpoint was written over, or its prompts
+    would not be the ones the uninterrupted run draws (`checkpoint.allow_data_change` accepts the change)."""
+    if checkpoint is None:
+        return
+    saved = checkpoints.load_state(checkpoint)["sampler"].get("data")
+    if saved is None or saved == sampler.fingerprint():
+        return
+    if cfg.checkpoint.allow_data_change:
+        print("resuming over changed data (checkpoint.allow_data_change): the prompts drawn from here differ")
+        return
+    raise ConfigError(
+        f"--resume from {checkpoint}: the training data changed since it was written (its rows, their order or "
+        "their fields, after mapping); resume over the same data, or set checkpoint.allow_data_change=true"
+    )
 
 
 def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint) -> tuple[int, str | None]:

@@ -28,6 +28,11 @@ def start_run_dir(cfg: Config) -> Path | None:
     Returns where the earlier run went (None if there was none)."""
     run_dir = cfg.run_dir
     kept = None
+    if cfg.checkpoint.dir and any(Path(cfg.checkpoint.dir).glob("step-*")):
+        raise ConfigError(
+            f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of an earlier run: continue it with --resume, or "
+            "set another checkpoint.dir (a new run's pruning would delete them)"
+        )
     if cfg.object_store:
         if set(ObjectStore(cfg.object_store).children(cfg.run.name)) - {PROBE}:  # a probe alone: a failed start
             where = ObjectStore(cfg.object_store).name(cfg.run.name)

@@ -100,6 +100,21 @@ class ObjectStore:
         listing = self._do("list", key, self.fs.get_file_info, pafs.FileSelector(self._path(key)))
         return sorted(info.base_name for info in listing)
 
+    def sizes(self, key: str) -> dict[str, int]:
+        """The size of every file under `key`, by its path below `key` (the manifest of an uploaded checkpoint)."""
+        source = self._path(key)
+        listing = self._do("list", key, self.fs.get_file_info, pafs.FileSelector(source, recursive=True))
+        return {
+            entry.path[len(source) :].lstrip("/"): entry.size
+            for entry in listing
+            if entry.type == pafs.FileType.File and not entry.path.endswith("/manifest.json")
+        }
+
+    def mtime(self, key: str) -> float:
+        """When the object at `key` was written (seconds since the epoch; 0 when the store does not say)."""
+        info = self._do("look it up", key, self.fs.get_file_info, self._path(key))
+        return info.mtime.timestamp() if info.mtime else 0.0
+
     def delete(self, key: str) -> None:
         """Whatever is at `key` (a file or a tree); nothing there is not an error."""
         info = self._do("look it up", key, self.fs.get_file_info, self._path(key))

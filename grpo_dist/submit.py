@@ -93,7 +93,19 @@ def submit(config: str, overrides: list[str], address: str, env: list[str], work
     forwarded = {name: os.environ[name] for name in names if name in os.environ}
     # `grpo-dist job stop` is SIGTERM to the run, which then writes a checkpoint; Ray kills it after this wait.
     env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **forwarded}
-    entrypoint = shlex.join(["python", "-m", "grpo_dist", "train", str(config_in_job), "ray.address=auto", *overrides])
+    # --resume auto: a job submitted again (after its driver or head was lost) goes on from its latest checkpoint.
+    train = [
+        "python",
+        "-m",
+        "grpo_dist",
+        "train",
+        str(config_in_job),
+        "ray.address=auto",
+        *overrides,
+        "--resume",
+        "auto",
+    ]
+    entrypoint = shlex.join(train)
     runtime_env = {"working_dir": str(root), "excludes": EXCLUDES, "env_vars": env_vars}
     server = JobServer(address)
     job_id = submit_job(server, entrypoint, runtime_env)

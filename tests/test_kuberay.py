@@ -78,7 +78,8 @@ def test_the_rayjob_runs_the_rayclusters_cluster_and_cleans_up_after_itself():
     job = manifest("rayjob.yaml")["spec"]
     assert job["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
     assert job["shutdownAfterJobFinishes"] is True and job["ttlSecondsAfterFinished"] > 0
-    assert job["backoffLimit"] == 0  # a retry would start the run again from step 0
+    assert job["backoffLimit"] == 0  # no retry Kubernetes decides; applied again, the job resumes (--resume auto)
+    assert shlex.split(job["entrypoint"])[-2:] == ["--resume", "auto"]
 
 
 def test_the_cluster_pins_rays_version_takes_a_token_and_mounts_shared_storage_and_secrets():
@@ -109,7 +110,7 @@ def entrypoint() -> tuple[str, list[str]]:
     """The config the RayJob trains (as a path in this repository) and its overrides."""
     words = shlex.split(manifest("rayjob.yaml")["spec"]["entrypoint"])
     assert words[:2] == ["grpo-dist", "train"], words
-    config, overrides = words[2], words[3:]
+    config, overrides = words[2], [word for word in words[3:] if word not in ("--resume", "auto")]
     assert config.startswith(IMAGE_ROOT + "/"), config
     return str(REPO / config.removeprefix(IMAGE_ROOT + "/")), overrides
 

@@ -23,17 +23,17 @@ def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_dr
     state = run.state_dict()
     resumed = queue(1)
     resumed.load_state_dict(state, step=3)
-    assert resumed.ahead == run.ahead and resumed.sampler.state_dict() == {"epoch": 0, "position": 4}
+    assert resumed.ahead == run.ahead and (resumed.sampler.epoch, resumed.sampler.state_dict()["position"]) == (0, 4)
     assert resumed.state_dict() == state  # checkpointed again before step 4, it holds the same
     for k, step in [(0, 3), (1, 5)]:  # resumed on-policy, or from another step: the prompts are drawn again
         other = queue(k)
         other.load_state_dict(state, step=step)
-        assert other.ahead is None and other.sampler.state_dict() == {"epoch": 0, "position": 0}
+        assert other.ahead is None and (other.sampler.epoch, other.sampler.state_dict()["position"]) == (0, 0)
     rescored = queue(1)  # resumed with another reward: the batch was scored by the old one
     rescored.cfg.reward.functions[0].weight = 2.0
     rescored.load_state_dict(state, step=3)
-    assert rescored.ahead is None and rescored.sampler.state_dict() == {"epoch": 0, "position": 0}
+    assert rescored.ahead is None and (rescored.sampler.epoch, rescored.sampler.state_dict()["position"]) == (0, 0)
     assert "drawn again" in capsys.readouterr().out
     older = queue(1)  # a checkpoint written before batches drawn ahead were kept
     older.load_state_dict({"sampler": {"epoch": 0, "position": 8}}, step=3)
-    assert older.ahead is None and older.sampler.state_dict() == {"epoch": 0, "position": 8}
+    assert older.ahead is None and (older.sampler.epoch, older.sampler.state_dict()["position"]) == (0, 8)

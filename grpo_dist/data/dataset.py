@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import xxhash
+
 JSONL_SUFFIXES = (".jsonl", ".json")
 """Read as JSON Lines: one object per line, blank lines skipped (a ``.json`` file is read the same way)."""
 PARQUET_SUFFIXES = (".parquet",)
@@ -225,9 +227,17 @@ class PromptSampler:
         """The next `count` records."""
         return [self._next_record() for _ in range(count)]
 
-    def state_dict(self) -> dict[str, int]:
-        """The position to resume from (the records and seed must be the same on resume)."""
-        return {"epoch": self.epoch, "position": self._position}
+    def state_dict(self) -> dict[str, Any]:
+        """The position to resume from, and the fingerprint of the records it is a position in (`data`)."""
+        return {"epoch": self.epoch, "position": self._position, "data": self.fingerprint()}
+
+    def fingerprint(self) -> str:
+        """A checksum of the records in order (their tokens and fields): a resume over other data would draw other
+        prompts."""
+        digest = xxhash.xxh3_64()
+        for record in self.records:
+            digest.update(json.dumps([record.token_ids, record.fields], sort_keys=True, default=str).encode())
+        return digest.hexdigest()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self._position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,72 @@
+"""A checkpoint's manifest (`manifest.json`): the size and checksum (xxh3-64) of every file in it, written last, after
+every file is synced to disk, so that a checkpoint with a manifest that verifies is whole. In an object store the
+manifest holds sizes as the store lists them (a store checks its own uploads' integrity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import xxhash
+
+MANIFEST = "manifest.json"
+CHUNK = 8 << 20
+
+
+def checksum(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with path.open("rb") as file:
+        while chunk := file.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def files_under(directory: Path) -> list[Path]:
+    return sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST)
+
+
+def write(directory: Path) -> None:
+    """Sync every file under `directory` to disk, then write its manifest (synced too)."""
+    entries = {}
+    for path in files_under(directory):
+        with path.open("rb") as file:
+            os.fsync(file.fileno())
+        entries[str(path.relative_to(directory))] = {"size": path.stat().st_size, "xxh3": checksum(path)}
+    write_entries(directory, entries)
+
+
+def write_entries(directory: Path, entries: dict[str, dict]) -> None:
+    target = directory / MANIFEST
+    with target.open("w") as file:
+        json.dump({"files": entries}, file, indent=1, sort_keys=True)
+        file.flush()
+        os.fsync(file.fileno())
+    sync_dir(directory)
+
+
+def sync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def problem(directory: Path) -> str | None:
+    """What is wrong with the checkpoint in `directory` against its manifest (None: it is whole)."""
+    try:
+        entries = json.loads((directory / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"no readable {MANIFEST} ({type(err).__name__})"
+    for name, expected in entries.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} has {path.stat().st_size} bytes, not {expected['size']}"
+        if "xxh3" in expected and checksum(path) != expected["xxh3"]:
+            return f"{name} does not match its checksum"
+    return None

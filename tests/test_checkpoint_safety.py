@@ -1,0 +1,124 @@
+"""Checkpoints that cannot be lost, with the real stack through the command line: a run whose whole process group is
+killed in the middle of writing a checkpoint goes on from the last complete one when submitted again with
+`--resume auto`; a damaged latest checkpoint (truncated, or corrupted in place) is passed over, with a warning, for
+the newest one that verifies; pruning keeps the checkpoint just written and the one a run resumed from; a resume
+over changed data is refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import small_config
+from test_resume import grpo_dist, rows
+
+from grpo_dist.checkpoints import prunable
+from grpo_dist.data import split_task
+
+
+def test_pruning_keeps_the_newest_written_and_the_resumed_from_whatever_their_steps():
+    # --resume of step 10 in a directory that also holds step 50, keep 1: step 20 is written next
+    assert prunable(["step-000010", "step-000050", "step-000020"], 1, "step-000020", "step-000010") == ["step-000050"]
+    # a directory an earlier run left with a higher step, written before this run's
+    assert prunable(["step-000100", "step-000010"], 1, "step-000010", None) == ["step-000100"]
+    assert prunable(["step-000001", "step-000002", "step-000003"], 2, "step-000003", None) == ["step-000001"]
+
+
+def config(tmp_path: Path, name: str, steps: int, keep: int = 3, **checkpoint) -> Path:
+    """A run on a data file of its own (so that the data can change), a checkpoint every step."""
+    data = tmp_path / "data"
+    if not (data / "train.jsonl").exists():
+        split_task("last_digit", data, num_train=64, num_eval=8, seed=0)
+    raw = small_config(tmp_path, run={"name": name, "steps": steps},
+                       checkpoint={"every_steps": 1, "keep": keep, **checkpoint})  # fmt: skip
+    raw["data"] = {"path": str(data / "train.jsonl"), "max_prompt_tokens": 16, "prompts_per_step": 4}
+    raw["model"]["path"] = str(tmp_path / "model")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def run(*args: str | Path) -> tuple[int, str]:
+    process = grpo_dist("train", *map(str, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = process.communicate(timeout=600)
+    return process.returncode, out
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tmp_path):
+    path = config(tmp_path, "killed", steps=100_000, keep=2)
+    run_dir = tmp_path / "outputs" / "killed"
+    checkpoints = run_dir / "checkpoints"
+    process = grpo_dist("train", str(path), "--resume", "auto", start_new_session=True)
+    caught = None
+    deadline = time.monotonic() + 600
+    try:
+        while caught is None and time.monotonic() < deadline:  # a checkpoint is written every step; catch one mid-way
+            assert process.poll() is None, "the run ended before it was killed"
+            writing = list(checkpoints.glob(".step-*.tmp")) if checkpoints.is_dir() else []
+            if writing and (checkpoints / "latest").is_file():
+                os.killpg(process.pid, signal.SIGKILL)  # the driver and everything in its process group, at once
+                caught = writing[0].name
+            else:
+                time.sleep(0.001)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    assert caught, "no checkpoint was caught being written within 10 minutes"
+    assert (checkpoints / caught).exists()  # the kill landed mid-write: the partial checkpoint is still there
+    latest = (checkpoints / "latest").read_text().strip()
+    last = int(latest.removeprefix("step-"))
+    assert f".{latest}.tmp" != caught and (checkpoints / latest / "manifest.json").is_file()
+
+    path.write_text(path.read_text().replace("steps: 100000", f"steps: {last + 2}"))
+    code, out = run(path, "--resume", "auto")
+    assert code == 0, out[-3000:]
+    assert f"resumed from {checkpoints / latest} after step {last}" in out
+    steps = [row["step"] for row in rows(run_dir)]
+    assert steps == list(range(1, last + 3))  # every step once: the rows after the checkpoint were dropped and redone
+    assert not list(checkpoints.glob(".step-*.tmp"))  # what the killed write left is cleared by the next one
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resuming_needs(tmp_path):
+    path = config(tmp_path, "damaged", steps=3)
+    run_dir = tmp_path / "outputs" / "damaged"
+    checkpoints = run_dir / "checkpoints"
+    code, out = run(path)
+    assert code == 0, out[-3000:]
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000002", "step-000003"]
+
+    def shard(step: int) -> Path:
+        (model_states,) = (checkpoints / f"step-{step:06d}" / "learner" / "state").glob("*model_states.pt")
+        return model_states
+
+    damaged = bytearray(shard(3).read_bytes())  # corrupted in place: same size, other bytes
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard(3).write_bytes(bytes(damaged))
+    shard(2).write_bytes(shard(2).read_bytes()[:-100])  # truncated
+    # resumed with keep 1: of what is there, the one written last and the one resumed from (step 1) stay
+    path.write_text(path.read_text().replace("steps: 3", "steps: 4").replace("keep: 3", "keep: 1"))
+    code, out = run(path, "--resume")
+    assert code == 0, out[-3000:]
+    assert "checkpoint step-000003 in" in out and "does not match its checksum); resuming from step-000001" in out
+    assert "checkpoint step-000002 in" in out and "bytes, not" in out
+    assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
+    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4]
+    assert (checkpoints / "latest").read_text().strip() == "step-000004"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000004"]
+
+    # other data under the same checkpoint: refused before anything starts, unless allowed
+    train = tmp_path / "data" / "train.jsonl"
+    first, *rest = train.read_text().splitlines()
+    row = json.loads(first)
+    train.write_text("\n".join([json.dumps({**row, "answer": str((int(row["answer"]) + 1) % 10)}), *rest]) + "\n")
+    code, out = run(path, "--resume")
+    assert code == 2 and "the training data changed since it was written" in out, out[-2000:]
+    assert "Generator" not in out
