@@ -17,6 +17,10 @@ LOGITS_BYTES = 10  # per vocabulary entry and token: bf16 logits, their fp32 log
 CUDA_RESERVED_GB = 2.0  # CUDA context, NCCL buffers and the allocator's slack on every GPU
 
 
+class NotPlanned(ValueError):
+    """A model the plan's arithmetic does not describe."""
+
+
 @dataclass(frozen=True)
 class Shape:
     """What the plan needs of a model: its parameters and the sizes activations and the KV cache scale with."""
@@ -34,6 +38,9 @@ class Shape:
         from transformers import AutoConfig
 
         c = AutoConfig.from_pretrained(model_dir)
+        experts = [getattr(c, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")]
+        if any(isinstance(count, int) and count > 1 for count in experts):
+            raise NotPlanned(f"{c.model_type} is a mixture of experts")
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -157,10 +164,15 @@ def plan(cfg: Config, shape: Shape) -> Plan:
     )
 
 
-def check_plan(cfg: Config, model_dir: str) -> Plan:
+def check_plan(cfg: Config, model_dir: str) -> Plan | None:
     """Print the plan of `cfg` for the model in `model_dir`; raise `ConfigError` with its numbers if it does not
-    fit."""
-    result = plan(cfg, Shape.of(model_dir))
+    fit. A model whose config.json is not a dense decoder's (a mixture of experts, ...) is not planned, and said so."""
+    try:
+        shape = Shape.of(model_dir)
+    except (NotPlanned, AttributeError, TypeError, ZeroDivisionError) as err:
+        print(f"memory plan: not made for this model ({err}); only dense decoders are planned")
+        return None
+    result = plan(cfg, shape)
     for line in result.lines():
         print(line)
     if result.problems():

@@ -121,3 +121,17 @@ def test_check_refuses_a_config_that_does_not_fit_before_reading_its_data(hf_hom
     assert result.returncode == 2
     assert "the config does not fit its GPUs: a learner rank needs" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_model_the_plan_does_not_know_is_said_so_and_not_refused(tmp_path, capsys):
+    """A mixture of experts: the dense arithmetic would undercount its parameters, so the plan is skipped with a
+    line, and the config is not refused."""
+    from grpo_dist.plan import check_plan
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 16,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 1}))  # fmt: skip
+    cfg = validate_config(small_config(tmp_path, learner={"num_gpus": 1}))
+    assert check_plan(cfg, str(tmp_path)) is not None  # llama's own default intermediate size: planned
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8}))
+    assert check_plan(cfg, str(tmp_path)) is None
+    assert "memory plan: not made for this model (qwen3_moe is a mixture of experts)" in capsys.readouterr().out
