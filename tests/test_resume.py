@@ -88,7 +88,9 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
     for want, have in zip(expected, got, strict=True):
         for key in COMPARED:
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-000006"]  # keep: 1
+    # keep: 1, and the checkpoint the run resumed from, which pruning never deletes (named in resumed-from)
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["latest", "resumed-from", "step-000003", "step-000006"]
 
 
 def test_resume_refuses_a_changed_group_size(tmp_path):
