@@ -108,7 +108,9 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.group_size: 4 -> 8"):
         checkpoints.check_config(cfg, checkpoints.find(cfg, str(checkpoint)))
     raw["rollout"]["group_size"] = 4
-    assert checkpoints.check_config(validate_config(raw), checkpoint) == ["learner.lr: 0.01 -> 0.005"]
+    assert checkpoints.check_config(validate_config(raw), checkpoints.Checkpoint(checkpoint)) == [
+        "learner.lr: 0.01 -> 0.005"
+    ]
 
 
 def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_path):
