@@ -137,8 +137,7 @@ class Config(_Section):
         """Where a file of the run is, as its user finds it: under `run.output_dir` (a path, or a URI)."""
         if not self.object_store:
             return str(self.run_dir.joinpath(*parts))
-        base, sep, query = self.run.output_dir.partition("?")
-        return "/".join([base.rstrip("/"), self.run.name, *parts]) + sep + query
+        return uri_join(self.run.output_dir, self.run.name, *parts)
 
     @property
     def checkpoints_shown(self) -> str:
@@ -148,6 +147,12 @@ class Config(_Section):
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+
+def uri_join(uri: str, *parts: str) -> str:
+    """`uri` with `parts` appended to its path, its query kept (`s3://b/r?endpoint_override=h:9`, ...)."""
+    base, sep, query = uri.partition("?")
+    return "/".join([base.rstrip("/"), *filter(None, parts)]) + sep + query
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

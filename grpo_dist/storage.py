@@ -20,6 +20,9 @@ from pathlib import Path
 import pyarrow
 import pyarrow.fs as pafs
 
+from grpo_dist.config import uri_join
+from grpo_dist.manifest import MANIFEST
+
 # The driver's own files of a run directory that are uploaded (the other entries are uploaded by the learner).
 LEARNER_WRITES = ("checkpoints", "final", "interrupted")
 
@@ -41,8 +44,7 @@ class ObjectStore:
 
     def name(self, key: str) -> str:
         """A key as a URI, for messages and for `--resume`."""
-        base, sep, query = self.uri.partition("?")
-        return f"{base.rstrip('/')}/{key}" + (sep + query if sep else "")
+        return uri_join(self.uri, key)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}".rstrip("/") if key else self.root
@@ -107,7 +109,7 @@ class ObjectStore:
         return {
             entry.path[len(source) :].lstrip("/"): entry.size
             for entry in listing
-            if entry.type == pafs.FileType.File and not entry.path.endswith("/manifest.json")
+            if entry.type == pafs.FileType.File and not entry.path.endswith(f"/{MANIFEST}")
         }
 
     def mtime(self, key: str) -> float:

@@ -135,3 +135,12 @@ def test_a_model_the_plan_does_not_know_is_said_so_and_not_refused(tmp_path, cap
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64, "num_experts": 8}))
     assert check_plan(cfg, str(tmp_path)) is None
     assert "memory plan: not made for this model (qwen3_moe is a mixture of experts)" in capsys.readouterr().out
+
+
+def test_the_readme_shows_the_plan_dapo_prints(hf_home):
+    """The plan printed in the README ("Sizing") is the one `grpo-dist plan configs/dapo.yaml` prints."""
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("memory plan per GPU (32.76B")
+    shown = readme[start : readme.index("```", start)].strip().splitlines()
+    printed = grpo_dist_plan(hf_home, REPO / "configs" / "dapo.yaml").stdout.strip().splitlines()
+    assert printed[-len(shown) :] == shown

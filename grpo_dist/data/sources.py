@@ -28,18 +28,17 @@ def read_source(location: str, split: str, subset: str | None, fields: FieldsCon
     column = fields.messages or fields.prompt
     messages = fields.messages is not None
     path = Path(location).expanduser()
-    if path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES:
+    if path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES:  # read here: errors name the file's line
         rows, named = load_rows(path, column, messages), str(path)
-    elif path.is_file() and path.suffix.lower() in CSV_SUFFIXES:
-        rows, named = _through_datasets("csv", None, "train", key, data_files=str(path)), str(path)
-        rows = [check_row(row, column, f"{path}: row {n}", messages) for n, row in enumerate(rows, 1)]
-    elif path.is_dir():
-        rows, named = _from_disk(path, split, key), f"{path} ({split})"
-        rows = [check_row(row, column, f"{named}: row {n}", messages) for n, row in enumerate(rows, 1)]
-    elif path.suffix.lower() in (*SUPPORTED_SUFFIXES, *CSV_SUFFIXES) or not HUB_DATASET.fullmatch(location):
-        raise DatasetError(f"{key}: {location}: no such file or directory (resolved to {path.resolve()})")
     else:
-        rows, named = _from_hub(location, subset, split, key), f"{location} ({subset or 'default'}, {split})"
+        if path.is_file() and path.suffix.lower() in CSV_SUFFIXES:
+            rows, named = _through_datasets("csv", None, "train", key, data_files=str(path)), str(path)
+        elif path.is_dir():
+            rows, named = _from_disk(path, split, key), f"{path} ({split})"
+        elif path.suffix.lower() in (*SUPPORTED_SUFFIXES, *CSV_SUFFIXES) or not HUB_DATASET.fullmatch(location):
+            raise DatasetError(f"{key}: {location}: no such file or directory (resolved to {path.resolve()})")
+        else:
+            rows, named = _from_hub(location, subset, split, key), f"{location} ({subset or 'default'}, {split})"
         rows = [check_row(row, column, f"{named}: row {n}", messages) for n, row in enumerate(rows, 1)]
     if not rows:
         raise DatasetError(f"{key}: {named} has no rows")
