@@ -328,9 +328,16 @@ class FaultsConfig(_Section):
     """A generator that answers none of its requests (one prompt's group each) for this long while it has some
     under way is treated as hung: killed, replaced and its prompts generated again. A long queue in a working
     engine does not count, as long as it keeps finishing requests."""
-    score_timeout_s: float = Field(120.0, gt=0)
-    """A reward worker whose share of a step's scoring takes longer is treated as hung: killed, replaced and its
-    completions scored again."""
+    score_timeout_s: float = Field(60.0, gt=0)
+    """A reward worker that finishes no completion of its share for this long (a call stuck holding the
+    interpreter) is treated as hung: killed, replaced and its completions scored again. A large share takes as long
+    as it needs while its completions keep being scored."""
+    train_timeout_s: float = Field(600.0, gt=0)
+    """A learner rank that finishes no micro-batch (forward and backward pass) and no optimizer step for this long
+    is treated as hung, and the learner group restarted from the latest checkpoint. A long step goes on as long as
+    its micro-batches keep finishing, so this bound scales with the step's tokens."""
+    checkpoint_timeout_s: float = Field(1800.0, gt=0)
+    """The longest the learner may take to write, upload, download or load a checkpoint, or to save a policy."""
     max_generator_restarts: int = Field(10, ge=0)
     """Generator replacements a run may make before it stops."""
     max_reward_worker_restarts: int = Field(20, ge=0)
@@ -402,3 +409,6 @@ class WandbConfig(_Section):
     """W&B run name; defaults to `run.name`."""
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """`auto` is online when WANDB_API_KEY is set and offline otherwise."""
+    finish_timeout_s: float = Field(120.0, gt=0)
+    """The longest the run waits for W&B to finish uploading at its end; past it the run ends anyway, its W&B files
+    kept in the run directory (`wandb sync` uploads them)."""

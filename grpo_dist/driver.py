@@ -57,7 +57,7 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
     cluster = cluster or start_cluster(cfg, inputs.model_path)
     rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
-    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), after_step=step)
+    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), step, cfg.wandb.finish_timeout_s)
     if step == 0:
         report_accuracy(cfg, cluster, inputs.held_out, "before training")
     at_step_start = (run_state(rollouts, sink), cluster.learner.version)

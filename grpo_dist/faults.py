@@ -3,11 +3,12 @@
 Every wait on actors, anywhere in the run, is `gather(refs, bound)`: a `Bound` names the phase it bounds and the
 config key that sets it (`Bounds.of(cfg)` holds one per phase), and the outcome of each call says whether it
 returned, its actor died (`RayActorError`), it gave no answer within the bound, or the actor's own code raised. The
-first two are faults; the last is a bug, which the caller raises as such. Each caller decides what a fault means
-for its role (a learner rank lost, a generator replaced, a weight sync failed). The pools
-(`grpo_dist.generator_pool`, `grpo_dist.reward_pool`) keep their actors in an `ActorPool`: a faulty actor is killed
-and a new one started in its place (same placement bundle), printed once and counted in `FaultLog`, whose totals go
-to the metrics as `faults/*`.
+first two are faults, and so is an `ActorFault`, which an actor raises when its process lives but cannot work (its
+vLLM engine died, its device failed or ran out of memory); any other error is a bug, which the caller raises as
+such. Each caller decides what a fault means for its role (a learner rank lost, a generator replaced, a weight sync
+failed). The pools (`grpo_dist.generator_pool`, `grpo_dist.reward_pool`) keep their actors in an `ActorPool`: a
+faulty actor is killed and a new one started in its place (same placement bundle), printed once and counted in
+`FaultLog`, whose totals go to the metrics as `faults/*`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ log = logging.getLogger("grpo_dist")
 
 START_ATTEMPTS = 5  # for a replacement whose actor dies while starting (placed on a node not yet known dead)
 RETRY_PAUSE_S = 5.0
-COUNTERS = ("generator_restarts", "reward_worker_restarts", "learner_restarts", "regenerated", "rescored", "unscored")
+COUNTERS = (
+    "generator_restarts", "engine_restarts", "reward_worker_restarts", "learner_restarts", "regenerated", "rescored",
+    "unscored",
+)  # fmt: skip
 """Every `faults/*` metric, logged from step 1 so that each has a curve."""
 
 
@@ -44,6 +48,41 @@ class Health(enum.Enum):
 
 class RunFailed(RuntimeError):
     """A fault the run cannot survive (a role out of restarts, nothing to restart from); names what and why."""
+
+
+class ActorFault(RuntimeError):
+    """Raised by an actor's own code when its process lives but can no longer do its work: `kind` is "engine died"
+    (its vLLM engine core is gone), "out of memory" or "device error" (the accelerator failed: a CUDA, cuBLAS or
+    NCCL error, an ECC fault). Callers treat it as the actor's death, not as a bug."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+FAIL_ALLOCATION_AT_STEP = "GRPO_DIST_FAIL_ALLOCATION_AT_STEP"
+"""For tests: in the environment of a run, the learner ranks ask for more memory than any machine has in the
+training step it names, every time that step is trained (a real allocation failure inside a real step)."""
+
+DEVICE_ERRORS = ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "NCCL error", "device-side assert",
+                 "illegal memory access", "ECC error", "CUDA driver")  # fmt: skip
+"""Words in a RuntimeError that mean the device, not the code, failed (the state of the process is then lost)."""
+
+
+def as_fault(err: BaseException) -> ActorFault | None:
+    """The `ActorFault` an error from an engine or a device means, or None for any other error (a bug). Matched by
+    class name and message, so that neither vLLM nor CUDA need be importable where this runs."""
+    if isinstance(err, ActorFault):
+        return err
+    names = {cls.__name__ for cls in type(err).__mro__}
+    detail = first_line(err)
+    if "EngineDeadError" in names:
+        return ActorFault("engine died", detail)
+    if "OutOfMemoryError" in names or "out of memory" in str(err) or "can't allocate memory" in str(err):
+        return ActorFault("out of memory", detail)
+    if isinstance(err, RuntimeError) and any(words in str(err) for words in DEVICE_ERRORS):
+        return ActorFault("device error", detail)
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,6 +100,7 @@ class Bound:
 POLL = Bound(0.0)
 """No wait: what has finished by now."""
 PROBE_TIMEOUT_S = 30.0  # an idle actor answers a probe at once
+HEARTBEAT_S = 1.0  # how often a call bounded by its progress asks its actor how far it has got
 
 
 @dataclass(frozen=True)
@@ -69,9 +109,10 @@ class Bounds:
 
     start: Bound  # an actor's constructor, an engine's start
     generate: Bound  # a generator without an answer while it has requests under way
-    score: Bound  # a reward worker's share of a batch
-    train: Bound  # a learner call (a training step, a checkpoint, a collective)
-    sync: Bound  # a weight sync's calls on the generators
+    score: Bound  # a reward worker without a completion scored while it scores (its heartbeat)
+    train: Bound  # a learner rank without a micro-batch or optimizer step done in a training step (its heartbeat)
+    checkpoint: Bound  # a learner call writing, moving or loading a checkpoint or a policy
+    sync: Bound  # a weight sync's calls, on the learner ranks and on the generators
     placement: Bound  # the run's placement groups
     probe: Bound = Bound(PROBE_TIMEOUT_S)  # an idle actor asked whether it is alive
 
@@ -82,7 +123,8 @@ class Bounds:
             start=Bound(faults.start_timeout_s, "faults.start_timeout_s"),
             generate=Bound(faults.generate_timeout_s, "faults.generate_timeout_s"),
             score=Bound(faults.score_timeout_s, "faults.score_timeout_s"),
-            train=Bound(cfg.sync.timeout_s, "sync.timeout_s"),
+            train=Bound(faults.train_timeout_s, "faults.train_timeout_s"),
+            checkpoint=Bound(faults.checkpoint_timeout_s, "faults.checkpoint_timeout_s"),
             sync=Bound(cfg.sync.timeout_s, "sync.timeout_s"),
             placement=Bound(cfg.ray.placement_timeout_s, "ray.placement_timeout_s"),
         )
@@ -96,6 +138,7 @@ class Outcome:
     fault: str | None = None  # "died (...)", or "gave no answer within N s": the actor, not its code, failed
     error: BaseException | None = None  # the exception: the actor's death, or one its own code raised
     pending: bool = False  # not finished when the wait ended (a fault unless the wait was a poll)
+    kind: str | None = None  # an `ActorFault`'s kind: the actor lives, its engine or device failed
 
     @property
     def ok(self) -> bool:
@@ -107,31 +150,83 @@ class Outcome:
         return self.error is not None and self.fault is None
 
 
-def gather(refs: list[ray.ObjectRef], bound: Bound, count: int | None = None, fetch: bool = True) -> list[Outcome]:
+def gather(
+    refs: list[ray.ObjectRef], bound: Bound, count: int | None = None, fetch: bool = True, fail_fast: bool = False
+) -> list[Outcome]:
     """Wait until `count` of the calls (default: all) have finished or `bound` has passed; one outcome per call, in
     order, for every call finished by then (a call still pending is `pending`, with its fault named by the bound).
     Nothing is raised: the caller decides. `fetch=False` leaves a finished value where it is (a reference passed
-    on to other actors)."""
+    on to other actors). `fail_fast`: stop waiting as soon as one call has failed (the collectives of a group whose
+    other members would wait on the failed one until the bound)."""
     done: set[ray.ObjectRef] = set()
+    outcomes: dict[ray.ObjectRef, Outcome] = {}
     if refs:
         wanted = len(refs) if count is None else min(count, len(refs))
-        done = set(ray.wait(refs, num_returns=wanted, timeout=bound.seconds, fetch_local=fetch)[0])
-        if len(done) < len(refs) and wanted < len(refs):  # the first `count` came: take the others finished by now
-            done = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch)[0])
-    outcomes = []
+        deadline = time.monotonic() + bound.seconds
+        while len(done) < wanted:
+            remaining = [ref for ref in refs if ref not in done]
+            timeout = max(0.0, deadline - time.monotonic())
+            step = 1 if fail_fast else wanted - len(done)
+            ready = ray.wait(remaining, num_returns=step, timeout=timeout, fetch_local=fetch)[0]
+            done.update(ready)
+            if fail_fast:
+                outcomes.update((ref, _outcome(ref, fetch)) for ref in ready)
+                if any(not outcomes[ref].ok for ref in ready):
+                    break
+            if not ready or time.monotonic() >= deadline:
+                break
+        if len(done) < len(refs):  # take the others finished by now
+            done.update(ray.wait([ref for ref in refs if ref not in done], num_returns=len(refs) - len(done),
+                                 timeout=0, fetch_local=fetch)[0])  # fmt: skip
     for ref in refs:
-        if ref not in done:
-            outcomes.append(Outcome(fault=f"gave no answer within {bound}", pending=True))
-        elif not fetch:
-            outcomes.append(Outcome(value=ref))
-        else:
-            try:
-                outcomes.append(Outcome(value=ray.get(ref)))
-            except ray.exceptions.RayActorError as err:
-                outcomes.append(Outcome(fault=f"died ({first_line(err)})", error=err))
-            except ray.exceptions.RayError as err:
-                outcomes.append(Outcome(error=err))
-    return outcomes
+        if ref not in outcomes:
+            outcomes[ref] = (
+                _outcome(ref, fetch) if ref in done else Outcome(fault=f"gave no answer within {bound}", pending=True)
+            )
+    return [outcomes[ref] for ref in refs]
+
+
+def gather_progressing(
+    refs: list[ray.ObjectRef], actors: list[ray.actor.ActorHandle], bound: Bound, fail_fast: bool = False
+) -> list[Outcome]:
+    """Like `gather`, with each call bounded by its progress rather than its length: every `HEARTBEAT_S` the actor
+    of each unfinished call is asked its `progress()` (a count of the pieces of work it has finished, answered by
+    a thread of its own), and a call whose count has not moved for `bound` (or whose actor does not answer) is
+    given up, `pending`, as hung; the others are waited for (with `fail_fast`, not after a failure or a hang). A
+    slow call that keeps making progress is waited for as long as it takes."""
+    moved = [time.monotonic()] * len(refs)  # when each call's actor last showed progress
+    counts: list[Any] = [None] * len(refs)
+    hung: set[int] = set()
+    tick = Bound(min(HEARTBEAT_S, bound.seconds), bound.setting)
+    while True:
+        waiting = [index for index in range(len(refs)) if index not in hung]
+        results = gather([refs[index] for index in waiting], tick, fail_fast=fail_fast)
+        outcomes = dict(zip(waiting, results, strict=True))
+        unfinished = [index for index, outcome in outcomes.items() if outcome.pending]
+        failed = any(not outcome.ok and not outcome.pending for outcome in outcomes.values())
+        if not unfinished or (fail_fast and (failed or hung)):
+            break
+        beats = gather([actors[index].progress.remote() for index in unfinished], tick)
+        now = time.monotonic()
+        for index, beat in zip(unfinished, beats, strict=True):
+            if beat.ok and beat.value != counts[index]:
+                counts[index], moved[index] = beat.value, now
+        hung.update(index for index in unfinished if now - moved[index] > bound.seconds)
+    stalled = Outcome(fault=f"made no progress for {bound}", pending=True)
+    return [stalled if index in hung or outcomes[index].pending else outcomes[index] for index in range(len(refs))]
+
+
+def _outcome(ref: ray.ObjectRef, fetch: bool) -> Outcome:
+    """The outcome of a finished call."""
+    if not fetch:
+        return Outcome(value=ref)
+    try:
+        return Outcome(value=ray.get(ref))
+    except ray.exceptions.RayActorError as err:
+        return Outcome(fault=f"died ({first_line(err)})", error=err)
+    except ray.exceptions.RayError as err:
+        fault = as_fault(getattr(err, "cause", None) or err)
+        return Outcome(fault=f"failed ({fault})", error=err, kind=fault.kind) if fault else Outcome(error=err)
 
 
 def first_line(err: BaseException) -> str:
@@ -153,6 +248,14 @@ class FaultLog:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()  # the generator pool and the scoring thread both count
+        self.seen: set[tuple] = set()
+
+    def again(self, failure: tuple) -> bool:
+        """Whether `failure` (what failed, and where) was seen before in this run; remembers it."""
+        with self.lock:
+            seen = failure in self.seen
+            self.seen.add(failure)
+            return seen
 
     def record(self, counter: str, message: str, amount: int = 1) -> None:
         self.count(counter, amount)
@@ -208,9 +311,9 @@ class ActorPool:
                 raise RunFailed(f"{self.name(slot)} failed to start: {first_line(outcome.error)}") from outcome.error
             self.health[slot] = Health.HEALTHY
 
-    def replace(self, slot: int, why: str, then: str = "") -> None:
+    def replace(self, slot: int, why: str, then: str = "", counter: str | None = None) -> None:
         """Kill slot's actor (whatever state it is in) and start a new one in its place; `why` and `then` (what
-        the caller does next) go into the printed line."""
+        the caller does next) go into the printed line, counted in `counter` (by default the role's)."""
         self.health[slot] = Health.RESTARTING
         if self.restarts >= self.max_restarts:
             self.health[slot] = Health.FAILED
@@ -231,7 +334,8 @@ class ActorPool:
                 log.warning("%s; starting it again (attempt %d of %d)", err, attempt + 1, START_ATTEMPTS)
                 time.sleep(RETRY_PAUSE_S)
         took = time.monotonic() - started
-        self.faults.record(self.counter, f"{self.name(slot)} {why}; replaced it in {took:.1f} s{then and '; ' + then}")
+        message = f"{self.name(slot)} {why}; replaced it in {took:.1f} s{then and '; ' + then}"
+        self.faults.record(counter or self.counter, message)
 
     def join(self, actor: ray.actor.ActorHandle) -> None:
         """Take an actor started elsewhere, and up, into a new last slot."""
@@ -243,12 +347,16 @@ class ActorPool:
         ray.kill(self.actors.pop(), no_restart=True)
         self.health.pop()
 
-    def call(self, method: str, args: dict[int, tuple], bound: Bound) -> dict[int, Outcome]:
-        """`method(*args[slot])` on each given slot at once; the outcome of each (an error of the actor's own code is
-        raised: it is a bug, not a fault)."""
+    def call(self, method: str, args: dict[int, tuple], bound: Bound, progressing: bool = False) -> dict[int, Outcome]:
+        """`method(*args[slot])` on each given slot at once, bounded by `bound` (`progressing`: on the actor's
+        progress, `gather_progressing`); the outcome of each (an error of the actor's own code is raised: it is a
+        bug, not a fault)."""
         slots = list(args)
         refs = [getattr(self.actors[slot], method).remote(*args[slot]) for slot in slots]
-        outcomes = gather(refs, bound)
+        if progressing:
+            outcomes = gather_progressing(refs, [self.actors[slot] for slot in slots], bound)
+        else:
+            outcomes = gather(refs, bound)
         for outcome in outcomes:
             if outcome.raised:
                 raise outcome.error

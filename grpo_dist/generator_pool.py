@@ -6,9 +6,10 @@ generator with the fewest under way, up to `requests_per_generator` each (half o
 engine to batch, few enough that a fast engine takes more of the batch and no engine sets the pace). The caller
 drives it: each `advance` sends what it can, waits (bounded), and returns the groups finished since the last call
 and whether a generator was replaced, for the caller to act on (score them at once; bring a new engine into the
-weight transport before it takes work). A generator that dies or gives no answer within `faults.generate_timeout_s`
-while it has requests under way (a deadlocked engine) is killed and a new one started in its placement group, and
-its prompts are generated again. Sampling is seeded per prompt, so the completions are the same whichever engine
+weight transport before it takes work). A generator that dies, whose engine dies or whose device fails (an
+`ActorFault`, counted as an engine restart), or that gives no answer within `faults.generate_timeout_s` while it has
+requests under way (a deadlocked engine) is killed and a new one started in its placement group, and its prompts are
+generated again. Sampling is seeded per prompt, so the completions are the same whichever engine
 draws them (for the same weights). The pool owns its members and the weight version they hold.
 """
 
@@ -52,6 +53,16 @@ class Request:
     prompt_index: int
     started: float
     actor: ray.actor.ActorHandle
+
+
+@dataclass
+class Lost:
+    """A request lost with its generator, and why: the actor died or hung, or (`engine`) its process lives but its
+    engine or device failed."""
+
+    request: Request
+    why: str
+    engine: bool = False
 
 
 @dataclass
@@ -143,19 +154,20 @@ class GeneratorPool:
     def _busy(self, slot: int, seconds: float) -> None:
         self.busy_s[slot] += seconds
 
-    def _replace_lost(self, lost: list[tuple[Request, str]]) -> bool:
+    def _replace_lost(self, lost: list[Lost]) -> bool:
         """Replace the generators of lost requests, unless one was replaced already (after an earlier loss);
         returns whether any was replaced now."""
         replaced = False
-        by_actor: dict[int, list[tuple[Request, str]]] = {}
-        for request, why in lost:
-            by_actor.setdefault(id(request.actor), []).append((request, why))
+        by_actor: dict[int, list[Lost]] = {}
+        for each in lost:
+            by_actor.setdefault(id(each.request.actor), []).append(each)
         self.faults.count("regenerated", len(lost))
         for requests in by_actor.values():
-            request, why = requests[0]
-            if self.actors[request.slot] is request.actor:
-                self.pool.replace(request.slot, f"{why} while generating {len(requests)} prompts",
-                                  "generating them again")  # fmt: skip
+            first = requests[0]
+            if self.actors[first.request.slot] is first.request.actor:
+                counter = "engine_restarts" if first.engine else None
+                self.pool.replace(first.request.slot, f"{first.why} while generating {len(requests)} prompts",
+                                  "generating them again", counter)  # fmt: skip
                 replaced = True
         return replaced
 
@@ -223,9 +235,9 @@ class GeneratorPool:
         """Probe every generator; replace those that are dead or do not answer. Returns whether any was."""
         outcomes = self.pool.call("current_weight_version", {slot: () for slot in range(len(self.actors))},
                                   self.bounds.probe)  # fmt: skip
-        lost = {slot: outcome.fault for slot, outcome in outcomes.items() if outcome.fault is not None}
-        for slot, fault in lost.items():
-            self.pool.replace(slot, fault)
+        lost = {slot: outcome for slot, outcome in outcomes.items() if outcome.fault is not None}
+        for slot, outcome in lost.items():
+            self.pool.replace(slot, outcome.fault, counter="engine_restarts" if outcome.kind else None)
         return bool(lost)
 
     def shutdown(self) -> None:
@@ -266,8 +278,8 @@ class Generation:
         outcomes = self._wait(poll)
         groups, lost = self._collect(outcomes)
         self._account_busy()
-        for request, _ in lost:
-            self.queue.appendleft(request.prompt_index)
+        for each in lost:
+            self.queue.appendleft(each.request.prompt_index)
         return Advanced(groups, bool(lost) and self.pool._replace_lost(lost))
 
     def completions(self) -> list[Completion]:
@@ -309,11 +321,11 @@ class Generation:
         wait = replace(bound, seconds=min(timeout, POLL_S) if poll else timeout)
         return gather(list(self.running), wait, count=1)
 
-    def _collect(self, outcomes: list) -> tuple[list[list[Completion]], list[tuple[Request, str]]]:
-        """Take every finished request's group; the requests lost with their generator (dead, or hung: no answer
-        within the generate bound while it had requests under way), with why."""
+    def _collect(self, outcomes: list) -> tuple[list[list[Completion]], list[Lost]]:
+        """Take every finished request's group; the requests lost with their generator (dead, its engine or device
+        failed, or hung: no answer within the generate bound while it had requests under way), with why."""
         groups: list[list[Completion]] = []
-        lost: list[tuple[Request, str]] = []
+        lost: list[Lost] = []
         for call, outcome in zip(list(self.running), outcomes, strict=True):
             if outcome.pending:
                 continue
@@ -321,7 +333,7 @@ class Generation:
             if outcome.raised:
                 raise outcome.error
             if outcome.fault:
-                lost.append((request, outcome.fault))
+                lost.append(Lost(request, outcome.fault, engine=outcome.kind is not None))
                 continue
             self.done[request.prompt_index] = outcome.value
             self.pool._answered(request, outcome.value, self.greedy)
@@ -329,7 +341,7 @@ class Generation:
         bound, now = self.pool.bounds.generate, time.monotonic()
         hung = {slot for slot, since in self.pool._progress(self.running).items() if now - since > bound.seconds}
         for call in [call for call, request in self.running.items() if request.slot in hung]:
-            lost.append((self.running.pop(call), f"gave no answer within {bound}"))
+            lost.append(Lost(self.running.pop(call), f"gave no answer within {bound}"))
         return groups, lost
 
     def _account_busy(self) -> None:

@@ -5,7 +5,9 @@ returns at once, `finish_train()` sums their metrics; `save`, `state_dict` and `
 whose answer comes from rank 0. The group owns the training state: `version`, the updates in its weights (the step
 they finished; set by `load_checkpoint`), and the training step under way. Rank 0's node and a free port on it are
 the rendezvous; every rank gets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK (its index among the
-ranks on its node). Every wait is bounded: a start by `faults.start_timeout_s`, every other call by the train bound.
+ranks on its node). Every wait is bounded: a start by `faults.start_timeout_s`, a training step by its progress (no
+micro-batch finished within `faults.train_timeout_s`), checkpoints by `faults.checkpoint_timeout_s` and every other
+call (the weight sync's) by `sync.timeout_s`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ray
 from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config
-from grpo_dist.faults import POLL, Bound, Bounds, gather
+from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing
 from grpo_dist.storage import ObjectStore
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
@@ -30,7 +32,12 @@ class LearnerGroupError(RuntimeError):
 
 
 class LearnerLost(LearnerGroupError):
-    """A learner rank died or did not answer within the bound: the group must be restarted."""
+    """A learner rank died, did not answer within the bound, or its device failed or ran out of memory (`kind`, as
+    `faults.ActorFault` names it) while the group was at `version`: the group must be restarted."""
+
+    def __init__(self, message: str, kind: str | None = None, version: int = 0) -> None:
+        super().__init__(message)
+        self.kind, self.version = kind, version
 
 
 class LearnerHung(LearnerLost):
@@ -58,7 +65,7 @@ class LearnerGroup:
         them into one process group and build their engines."""
         learner = cfg.learner
         strategies = strategies or [None] * learner.num_ranks
-        actor = ray.remote(Learner)
+        actor = ray.remote(concurrency_groups={"heartbeat": 1})(Learner)  # `progress` answers while a step runs
         ranks = [
             actor.options(num_cpus=learner.num_cpus, num_gpus=learner.num_gpus, scheduling_strategy=strategy).remote(
                 model_path, learner, cfg.algorithm, cfg.rollout, cfg.run.seed
@@ -74,6 +81,8 @@ class LearnerGroup:
         nodes = self._wait([rank.node.remote() for rank in self.ranks], "node", bound=start)
         master = (nodes[0][1], self._wait([self.ranks[0].free_port.remote()], "free_port")[0])
         node_ids = self.node_ids = [node_id for node_id, _ in nodes]
+        # No collective outlasts the longest call it belongs to: a step's, a sync's or a checkpoint's.
+        collective_s = max(bound.seconds for bound in (self.bounds.train, self.bounds.sync, self.bounds.checkpoint))
         calls = [
             rank.setup.remote(
                 index,
@@ -81,6 +90,7 @@ class LearnerGroup:
                 node_ids[:index].count(node_ids[index]),  # LOCAL_RANK: earlier ranks on the same node
                 node_ids.count(node_ids[index]),
                 master,
+                collective_s,
             )
             for index, rank in enumerate(self.ranks)
         ]
@@ -118,7 +128,7 @@ class LearnerGroup:
         if self.training is None:
             return
         calls, self.training = self.training, None
-        results = self._wait(calls, "train")
+        results = self._wait(calls, "train", bound=self.bounds.train)
         self.version += 1
         metrics = {key: sum(result[key] for result in results) for key in results[0] if key not in FROM_RANK_0}
         metrics.update({key: results[0][key] for key in FROM_RANK_0 if key in results[0]})
@@ -138,24 +148,25 @@ class LearnerGroup:
     def save(self, out_dir: str, store: str | None = None, key: str = "") -> str:
         """The policy in Hugging Face format, written by rank 0 to `out_dir` on its node; with an object `store`
         uploaded from there to `key` (the local copy then removed). Returns where it is."""
-        self._call("save", out_dir)
+        self._call("save", out_dir, bound=self.bounds.checkpoint)
         if store is None:
             return out_dir
-        self._wait([self.ranks[0].upload.remote(out_dir, store, key)], "upload")
+        self._wait([self.ranks[0].upload.remote(out_dir, store, key)], "upload", bound=self.bounds.checkpoint)
         return ObjectStore(store).name(key)
 
     def save_checkpoint(self, path: str) -> None:
-        self._call("save_checkpoint", path)
+        self._call("save_checkpoint", path, bound=self.bounds.checkpoint)
 
     def on_each_node(self, method: str, *args: Any) -> None:
         """Run a method on the first rank of each node, at once: the calls that move a node's own files (`upload`,
         `download`, `discard`)."""
         firsts = [self.node_ids.index(node) for node in dict.fromkeys(self.node_ids)]
-        self._wait([getattr(self.ranks[index], method).remote(*args) for index in firsts], method, ranks=firsts)
+        calls = [getattr(self.ranks[index], method).remote(*args) for index in firsts]
+        self._wait(calls, method, ranks=firsts, bound=self.bounds.checkpoint)
 
     def load_checkpoint(self, path: str, version: int) -> None:
         """Load a checkpoint written after step `version` into every rank."""
-        self._call("load_checkpoint", path)
+        self._call("load_checkpoint", path, bound=self.bounds.checkpoint)
         self.version, self.training, self.trained = version, None, None
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -169,8 +180,8 @@ class LearnerGroup:
         for rank in self.ranks:
             ray.kill(rank, no_restart=True)
 
-    def _call(self, method: str, *args: Any) -> list[Any]:
-        return self._wait([getattr(rank, method).remote(*args) for rank in self.ranks], method)
+    def _call(self, method: str, *args: Any, bound: Bound | None = None) -> list[Any]:
+        return self._wait([getattr(rank, method).remote(*args) for rank in self.ranks], method, bound=bound)
 
     def _wait(
         self,
@@ -180,17 +191,22 @@ class LearnerGroup:
         bound: Bound | None = None,
         fetch=True,
     ) -> list[Any]:
-        """Results of one call per rank (of `ranks`, all by default), in that order; fails naming the first rank that
-        failed or hung."""
-        bound = bound or self.bounds.train
-        outcomes = gather(refs, bound, fetch=fetch)
+        """Results of one call per rank (of `ranks`, all by default), in that order, within `bound` (by default the
+        sync bound; a training step's is on its progress); fails naming the first rank that failed or hung."""
+        bound = bound or self.bounds.sync
         ranks = list(ranks if ranks is not None else range(len(refs)))
+        if bound is self.bounds.train:
+            outcomes = gather_progressing(refs, [self.ranks[rank] for rank in ranks], bound, fail_fast=True)
+        else:  # the other ranks would wait on a failed one in the collective: stop at the first failure
+            outcomes = gather(refs, bound, fetch=fetch, fail_fast=True)
         for rank, outcome in zip(ranks, outcomes, strict=True):
             if outcome.fault and not outcome.pending:
-                raise LearnerLost(f"learner rank {rank} {outcome.fault} during {method}") from outcome.error
+                message = f"learner rank {rank} {outcome.fault} during {method}"
+                raise LearnerLost(message, outcome.kind, self.version) from outcome.error
             if outcome.raised:
                 raise LearnerGroupError(f"learner rank {rank}: {method} failed: {outcome.error}") from outcome.error
         hung = [rank for rank, outcome in zip(ranks, outcomes, strict=True) if outcome.pending]
         if hung:
-            raise LearnerHung(f"learner rank(s) {hung}: {method} did not return within {bound}")
+            why = outcomes[ranks.index(hung[0])].fault
+            raise LearnerHung(f"learner rank(s) {hung}: {method} {why}", None, self.version)
         return [outcome.value for outcome in outcomes]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,16 +52,23 @@ def rollout_metrics(
     return metrics
 
 
+log = logging.getLogger("grpo_dist")
+
+
 class MetricsSink:
     """Writes one JSON object per step to `metrics.jsonl` (flushed every step) and mirrors it to W&B."""
 
-    def __init__(self, run_dir: Path, wandb_run: Any | None, after_step: int = 0) -> None:
-        """`after_step`: a resumed run's last checkpointed step; rows after it (steps done again) are dropped."""
+    def __init__(
+        self, run_dir: Path, wandb_run: Any | None, after_step: int = 0, finish_timeout_s: float = 120.0
+    ) -> None:
+        """`after_step`: a resumed run's last checkpointed step; rows after it (steps done again) are dropped.
+        `finish_timeout_s`: the longest `close` waits for W&B to finish (`wandb.finish_timeout_s`)."""
         self.path = run_dir / "metrics.jsonl"
         if after_step and self.path.exists():
             self._keep_until(after_step)
         self.file = self.path.open("a")
         self.wandb_run = wandb_run
+        self.finish_timeout_s = finish_timeout_s
 
     def rewind(self, step: int) -> None:
         """Drop the rows after `step`: the run goes back to it (a learner group restarted from a checkpoint)."""
@@ -86,8 +95,15 @@ class MetricsSink:
         """Idempotent: the driver closes the sink after training and again on the way out."""
         self.file.close()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
-            self.wandb_run = None
+            run, self.wandb_run = self.wandb_run, None
+            finishing = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
+            finishing.start()
+            finishing.join(self.finish_timeout_s)
+            if finishing.is_alive():  # a network that hangs must not hold the run's end (its processes, its exit)
+                log.warning(
+                    "W&B did not finish within %g s (wandb.finish_timeout_s); its files stay in %s (`wandb sync` "
+                    "uploads them)", self.finish_timeout_s, self.path.parent / "wandb",
+                )  # fmt: skip
 
 
 def _json_number(value: float) -> float | None:

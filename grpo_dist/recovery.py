@@ -88,6 +88,10 @@ def run_state(rollouts: RolloutQueue, sink: MetricsSink) -> dict:
 def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, lost: LearnerLost) -> int:
     """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler (and the batch
     drawn ahead), random state and metrics back to its step (the steps since are done again). Returns that step."""
+    step_failed = lost.version + 1
+    if lost.kind and cluster.faults.again(("learner", lost.kind, step_failed)):
+        advice = what_to_change(cfg, lost.kind)
+        raise RunFailed(f"{lost}; the same failure at step {step_failed} a second time: {advice}")
     restarts = cluster.faults.counts["learner_restarts"]
     if restarts >= cfg.faults.max_learner_restarts:
         raise RunFailed(
@@ -104,6 +108,28 @@ def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink:
         f"{lost}; restarted the learner group from step {step} in {time.monotonic() - started:.1f} s",
     )
     return step
+
+
+def what_to_change(cfg: Config, kind: str) -> str:
+    """The settings that make a training step need less of the device, for a failure seen twice at one step."""
+    learner = cfg.learner
+    smaller = (
+        f"lower learner.micro_batch_size (now {learner.micro_batch_size}) or rollout.max_new_tokens (now "
+        f"{cfg.rollout.max_new_tokens})"
+    )
+    more = []
+    if not learner.gradient_checkpointing:
+        more.append("set learner.gradient_checkpointing: true")
+    if learner.offload == "none":
+        more.append("offload the optimizer (learner.offload: optimizer, with learner.zero_stage >= 1)")
+    elif learner.offload == "optimizer" and learner.zero_stage == 3:
+        more.append("offload the parameters too (learner.offload: optimizer_and_params)")
+    if learner.zero_stage < 3 and learner.num_ranks > 1:
+        more.append(f"shard more over the ranks (learner.zero_stage, now {learner.zero_stage})")
+    advice = ", ".join([smaller, *more])
+    if kind == "out of memory":
+        return f"the step needs more memory than the device has; {advice}"
+    return f"check the device of that rank (nvidia-smi; Xid errors in the kernel log), or {advice}"
 
 
 def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, version: int) -> None:

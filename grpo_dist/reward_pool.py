@@ -1,6 +1,6 @@
 """The reward pool: reward workers scoring a step's completions in parallel, and every reward failure made visible.
 
-A worker that dies (user code calling `os._exit`, a crashing C extension) or does not finish its share within
+A worker that dies (user code calling `os._exit`, a crashing C extension) or scores no completion of its share for
 `faults.score_timeout_s` (a call stuck holding the interpreter) is killed and replaced, and its share is scored
 again on the new worker up to `faults.rescore_attempts` times; after that those completions are unscored. A worker
 reporting half its threads stuck in calls past `reward.timeout_s` is replaced before it runs out of threads.
@@ -36,21 +36,24 @@ class RewardPool:
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
+        reward = self.cfg.reward
         return (
-            ray.remote(RewardWorker)
-            .options(num_cpus=self.cfg.reward.num_cpus, scheduling_strategy=self.placement.reward_strategy(slot))
-            .remote(self.cfg.reward.functions, self.cfg.reward.timeout_s)
+            ray.remote(concurrency_groups={"heartbeat": 1})(RewardWorker)  # `progress` answers while it scores
+            .options(num_cpus=reward.num_cpus, scheduling_strategy=self.placement.reward_strategy(slot))
+            .remote(reward.functions, reward.timeout_s, self.cfg.eval.reward)
         )
 
-    def score(self, requests: list[ScoreRequest]) -> list[Score]:
-        """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored."""
+    def score(self, requests: list[ScoreRequest], judge: bool = False) -> list[Score]:
+        """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored.
+        `judge`: by the held-out judge (`eval.reward`) alone; its failures are not counted as the training
+        rewards' are."""
         shards = split(len(requests), len(self.pool.actors))
         scored: dict[int, list[Score]] = {}
         attempts = 1 + self.cfg.faults.rescore_attempts
         for attempt in range(1, attempts + 1):
             again = "scoring them again" if attempt < attempts else ""
-            args = {slot: (requests[start:end],) for slot, (start, end) in shards.items()}
-            outcomes = self.pool.call("score", args, self.bounds.score)
+            args = {slot: (requests[start:end], judge) for slot, (start, end) in shards.items()}
+            outcomes = self.pool.call("score", args, self.bounds.score, progressing=True)
             for slot, outcome in outcomes.items():
                 if outcome.fault is None:
                     scored[slot], exhausted = outcome.value
@@ -66,7 +69,8 @@ class RewardPool:
                                f"{attempts} times", _count(span))  # fmt: skip
             scored[slot] = [self._lost() for _ in range(_count(span))]
         scores = [score for slot in sorted(scored) for score in scored[slot]]
-        self.failures.observe(scores)
+        if not judge:
+            self.failures.observe(scores)
         return scores
 
     def _lost(self) -> Score:

@@ -1,9 +1,12 @@
-"""Faults survived with the real stack: while `grpo-dist train` runs, its actor processes are killed (SIGKILL) or
-frozen (SIGSTOP) one at a time, as a crash or a deadlock would. The run replaces each, finishes every step with all
-its prompts, saves its final policy, and leaves no process behind."""
+"""Faults survived with the real stack: while `grpo-dist train` runs, its actor processes, or a generator's vLLM
+engine process, are killed (SIGKILL) or frozen (SIGSTOP) one at a time, as a crash or a deadlock would. The run
+replaces each, finishes every step with all its prompts, saves its final policy, and leaves no process behind. A
+learner rank whose allocation fails inside a real step restarts the learner group, and the same failure at the same
+step again stops the run naming what to change."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,14 +20,18 @@ import yaml
 from conftest import TESTS_DIR, small_config
 from test_resume import training
 
+from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
+
 pytestmark = pytest.mark.slow
 
 FAULTS = [  # (what is done, to which actor class, in which of its calls, by which signal, the counter counting it)
     ("generator killed", "Generator", "generate", signal.SIGKILL, "generator_restarts"),
+    ("engine killed", "Generator", "generate", signal.SIGKILL, "engine_restarts"),  # its engine core process
     ("reward worker killed", "RewardWorker", "score", signal.SIGKILL, "reward_worker_restarts"),
     ("generator hung", "Generator", "generate", signal.SIGSTOP, "generator_restarts"),
     ("reward worker hung", "RewardWorker", "score", signal.SIGSTOP, "reward_worker_restarts"),
     ("learner rank killed", "Learner", "train", signal.SIGKILL, "learner_restarts"),
+    ("learner rank hung", "Learner", "train", signal.SIGSTOP, "learner_restarts"),
 ]
 STEPS = 24
 WAIT_S = 300  # for one fault to be handled (a hung actor is detected only at its bound)
@@ -51,6 +58,11 @@ def in_call(processes: list[psutil.Process], actor_class: str, method: str) -> p
     return next((p for p in processes if title(p).startswith(f"ray::{actor_class}.{method}")), None)
 
 
+def engine_of(generator: psutil.Process) -> psutil.Process | None:
+    """The vLLM engine core process a generator started (titled `VLLM::EngineCore...`)."""
+    return next((child for child in generator.children() if "EngineCore" in title(child)), None)
+
+
 def last_row(run_dir) -> dict | None:
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -75,7 +87,7 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
         rollout={"num_generators": 2},
         checkpoint={"every_steps": 2, "keep": 2},
         sync={"timeout_s": 60},  # also the bound on a generator that hangs during a weight sync
-        faults={"generate_timeout_s": 10, "score_timeout_s": 8},
+        faults={"generate_timeout_s": 10, "score_timeout_s": 8, "train_timeout_s": 10},
     )
     run_dir = tmp_path / "outputs" / "test"
     with training(tmp_path, raw) as run:
@@ -89,6 +101,8 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
             victim = wait_for(
                 partial(in_call, actors, actor_class, method), run, f"{actor_class}.{method}", poll_s=0.005
             )
+            if what.startswith("engine"):  # the generator's process lives on; its engine is gone
+                victim = wait_for(partial(engine_of, victim), run, "the generator's engine process")
             os.kill(victim.pid, sig)  # in the middle of its call
             sent = time.monotonic()
             wait_for(lambda c=counter, b=before: (row := last_row(run_dir)) and row[f"faults/{c}"] > b, run, what)
@@ -102,13 +116,15 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # none missing, none twice after the restart
     fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
     final = rows[-1]
-    restarts = (final["faults/generator_restarts"], final["faults/reward_worker_restarts"])
-    assert restarts == (2, 2), "\n".join(fault_lines)
-    assert final["faults/learner_restarts"] == 1, "\n".join(fault_lines)
+    counters = ("generator_restarts", "engine_restarts", "reward_worker_restarts")
+    restarts = tuple(final[f"faults/{name}"] for name in counters)
+    assert restarts == (2, 1, 2), "\n".join(fault_lines)
+    assert final["faults/learner_restarts"] == 2, "\n".join(fault_lines)
     assert final["faults/unscored"] == 0  # every lost share was scored again
-    assert final["faults/regenerated"] == 2  # each generator was lost with the one-prompt chunk it was generating
+    assert final["faults/regenerated"] == 3  # each generator was lost with the one prompt it was generating
     assert (run_dir / "final" / "model.safetensors").is_file()
-    assert len(fault_lines) == 5, fault_lines  # one line per fault, naming the actor and what was done
+    assert len(fault_lines) == 7, fault_lines  # one line per fault, naming the actor and what was done
+    assert any(line.startswith("fault: generator ") and "failed (engine died" in line for line in fault_lines)
     hung = "no answer within 10 s (faults.generate_timeout_s) while generating"
     assert any(line.startswith("fault: generator ") and hung in line
                for line in fault_lines)  # fmt: skip
@@ -116,6 +132,8 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
     assert any(
         line.startswith("fault: learner rank ") and "restarted the learner group" in line for line in fault_lines
     )
+    stalled = "train made no progress for 10 s (faults.train_timeout_s); restarted the learner group"
+    assert any(line.startswith("fault: learner rank(s) [0]: ") and stalled in line for line in fault_lines)
     # No process of the run outlives it: the replaced actors, the frozen ones and Ray's own.
     _, alive = psutil.wait_procs(everything, timeout=60)
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
@@ -191,3 +209,60 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
     finally:
         generators.shutdown()
         placement.remove()
+
+
+def test_a_learner_out_of_memory_twice_at_one_step_stops_the_run_naming_what_to_change(tmp_path, monkeypatch):
+    """Each learner rank asks for more memory than the machine has inside training step 3 (a real allocation
+    failure in a real step): the learner group is restarted from the step-2 checkpoint, step 3 fails the same way
+    again, and the run stops, naming the settings that make a step smaller."""
+    monkeypatch.setenv(FAIL_ALLOCATION_AT_STEP, "3")
+    raw = small_config(tmp_path, run={"steps": 5}, checkpoint={"every_steps": 1, "keep": 2})
+    with training(tmp_path, raw) as run:
+        assert run.wait(timeout=600) == 1
+    output = (tmp_path / "run.log").read_text()
+    fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
+    assert len(fault_lines) == 1, output[-3000:]
+    assert "learner rank 0 failed (out of memory" in fault_lines[0], fault_lines
+    assert "restarted the learner group from step 2" in fault_lines[0], fault_lines
+    stop = next(line for line in output.splitlines() if "the same failure at step 3 a second time" in line)
+    for setting in ("learner.micro_batch_size (now 6)", "rollout.max_new_tokens (now 4)",
+                    "learner.gradient_checkpointing", "learner.offload"):  # fmt: skip
+        assert setting in stop, stop
+    run_dir = tmp_path / "outputs" / "test"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]  # step 3 never finished
+    assert (run_dir / "interrupted").is_dir()  # what the run had is kept
+
+
+def test_a_slow_training_step_that_makes_progress_is_not_a_hang(tmp_path):
+    """Once the first step is logged, the learner rank's process is slowed about tenfold (stopped 0.45 s of every
+    0.5 s, as a machine shared with other work would), so its steps last several times their usual length and
+    longer than `faults.train_timeout_s`: each goes on to the end, because its micro-batches keep finishing. The run
+    has no checkpoints, so a restart would stop it."""
+    bound_s = 2.0
+    raw = small_config(
+        tmp_path,
+        run={"steps": 4},
+        data={"prompts_per_step": 8},  # 32 completions: a step of about 50 passes of one completion each
+        learner={"lr": 1e-2, "micro_batch_size": 1, "zero_stage": 2},
+        checkpoint={"every_steps": 0},
+        faults={"train_timeout_s": bound_s},
+    )
+    run_dir = tmp_path / "outputs" / "test"
+    with training(tmp_path, raw) as run:
+        driver = psutil.Process(run.pid)
+        wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 1, run, "first step")
+        (learner,) = wait_for(lambda: actor_processes(driver, "Learner"), run, "the learner rank's process")
+        while run.poll() is None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                learner.suspend()
+                time.sleep(0.45)
+                learner.resume()
+                time.sleep(0.05)
+        assert run.wait() == 0, (tmp_path / "run.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert rows[-1]["faults/learner_restarts"] == 0
+    usual, slowed = rows[0]["time/learner_busy"], max(row["time/learner_busy"] for row in rows[1:])
+    print(f"training step: {usual:.2f} s as usual, {slowed:.2f} s slowed; bound on progress {bound_s:g} s")
+    assert slowed > max(3 * usual, bound_s)  # the slowing took: a bound on the step's length would have fired

@@ -187,7 +187,10 @@ class Generator:
         await self.engine.finish_weight_update()
         await self._resume(weight_version)
 
-    def current_weight_version(self) -> int:
+    async def current_weight_version(self) -> int:
+        """The weights it holds; raises vLLM's `EngineDeadError` when its engine core is gone (the probe that finds
+        a generator whose process lives but whose engine died: `faults.as_fault`)."""
+        await self.engine.check_health()
         return self.weight_version
 
     async def sequence_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -20,6 +20,7 @@ import socket
 import time
 from pathlib import Path
 
+import ray
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +28,7 @@ from grpo_dist.actors import die_with_parent
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
+from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
 
 
 def free_port() -> int:
@@ -71,6 +73,13 @@ class Learner:
         self.max_new_tokens = rollout.max_new_tokens  # Dr. GRPO's constant normaliser
         self.weight_version = 0
         self.rank = 0
+        self.done = 0  # forward passes and optimizer steps finished: the heartbeat of a training step
+
+    @ray.method(concurrency_group="heartbeat")
+    def progress(self) -> int:
+        """How far this rank has got (answered by a thread of its own while a step runs): the driver's bound on a
+        training step is on this count not moving (`faults.gather_progressing`)."""
+        return self.done
 
     def node(self) -> tuple[str, str]:
         """(node id, node IP) of this rank's process, for the group's rendezvous and local ranks."""
@@ -81,14 +90,18 @@ class Learner:
     def free_port(self) -> int:
         return free_port()
 
-    def setup(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master: tuple[str, int]):
+    def setup(
+        self, rank: int, world_size: int, local_rank: int, local_world_size: int, master: tuple[str, int],
+        collective_timeout_s: float,
+    ):  # fmt: skip
         """Join the ranks' process group and build the policy and reference engines (collective: every rank
-        calls it at once). Returns the torch threads this rank uses."""
+        calls it at once); a collective that waits past `collective_timeout_s` on a peer fails. Returns the torch
+        threads this rank uses."""
         from transformers import AutoModelForCausalLM
 
         self.rank = rank
         torch.set_num_threads(self._threads(local_world_size))
-        self._init_distributed(rank, world_size, local_rank, master)
+        self._init_distributed(rank, world_size, local_rank, master, collective_timeout_s)
         torch.manual_seed(self.seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if self.cfg.gradient_checkpointing:
@@ -106,7 +119,11 @@ class Learner:
             return max(1, int(self.cfg.num_cpus))
         return max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
-    def _init_distributed(self, rank: int, world_size: int, local_rank: int, master: tuple[str, int]) -> None:
+    def _init_distributed(
+        self, rank: int, world_size: int, local_rank: int, master: tuple[str, int], timeout_s: float
+    ) -> None:
+        from datetime import timedelta
+
         import deepspeed
 
         from grpo_dist import native_ops
@@ -119,7 +136,7 @@ class Learner:
         )  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
-        deepspeed.init_distributed(dist_backend=self._backend(), verbose=False)
+        deepspeed.init_distributed(dist_backend=self._backend(), verbose=False, timeout=timedelta(seconds=timeout_s))
 
     def _backend(self) -> str:
         backend = self.cfg.dist_backend
@@ -212,11 +229,15 @@ class Learner:
         for position, (select, share) in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(position == len(micro_batches) - 1)
             loss, metrics = self._micro_loss(batch.select(select), select, old_logprobs, ref_logprobs)
+            if os.environ.get(FAIL_ALLOCATION_AT_STEP) == str(self.weight_version + 1):
+                torch.empty(1 << 60, dtype=torch.uint8, device=self.device)  # the allocator refuses it
             self.engine.backward(loss * (share * shard.world_size), scale_wrt_gas=False)
+            self.done += 1
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * share
         unsharded_norm = self._unsharded_grad_norm()
         self.engine.step()
+        self.done += 1
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         return totals
@@ -264,6 +285,7 @@ class Learner:
             select = rows if len(rows) else torch.tensor([0])  # a placeholder pass keeps the ranks in step
             micro = batch.select(select)
             logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+            self.done += 1
             if len(rows):
                 parts.append(token_logprobs(logits, micro.input_ids, self.temperature))
         return torch.cat(parts)
