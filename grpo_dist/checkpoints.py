@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import yaml
 
-from grpo_dist import manifest
+from grpo_dist import manifest, safe_load
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.storage import ObjectStore, upload_run_files
 
@@ -249,7 +249,7 @@ def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:
 
 
 def load_state(checkpoint: Checkpoint) -> dict[str, Any]:
-    return torch.load(checkpoint.path / STATE, weights_only=False)
+    return safe_load.load(checkpoint.path / STATE, safe_load.run_state_classes())
 
 
 def random_state() -> dict[str, Any]:

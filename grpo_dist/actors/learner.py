@@ -24,6 +24,7 @@ import ray
 import torch
 import torch.nn.functional as F
 
+from grpo_dist import safe_load
 from grpo_dist.actors import die_with_parent
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
@@ -198,6 +199,8 @@ class Learner:
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self._ds_config(self.cfg.zero_stage)
         )
+        allowed = safe_load.deepspeed_classes()
+        engine.checkpoint_engine.load = lambda path, map_location=None: safe_load.load(path, allowed, map_location)
         return engine
 
     def train(self, shard: TrainShard) -> dict[str, float]:

@@ -1,0 +1,47 @@
+"""Loading what a checkpoint holds without running code from it: every `torch.load` is `weights_only`, with only the
+classes named here allowed (the run state's own dataclasses; the few DeepSpeed keeps in its optimizer state). A
+file that holds anything else is refused, naming the file and what it holds."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint file holds objects other than tensors, plain data and the classes allowed."""
+
+
+def run_state_classes() -> list[type]:
+    """What the driver's run state holds besides plain data: the batch drawn ahead."""
+    from grpo_dist.data import PromptRecord
+    from grpo_dist.rollouts.rollout import Rollout
+    from grpo_dist.types import Completion, Score
+
+    return [Rollout, PromptRecord, Completion, Score]
+
+
+def deepspeed_classes() -> list[type]:
+    """What DeepSpeed's checkpoint files hold besides tensors and plain data (its optimizer's state)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+def load(path: str | Path, allowed: list[type], map_location: Any = None) -> Any:
+    """`torch.load(path, weights_only=True)` with `allowed` classes; refuses anything else, naming it."""
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        held = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        extra = sorted(set(held) - {f"{cls.__module__}.{cls.__qualname__}" for cls in allowed})
+        raise UnsafeCheckpoint(
+            f"{path}: holds {', '.join(extra) or 'objects'} besides tensors and plain data; grpo-dist loads "
+            "checkpoints without running code from them, so it does not load this file"
+        ) from err

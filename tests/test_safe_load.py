@@ -1,0 +1,42 @@
+"""Checkpoints are read without running code from them: a file that would run a command when unpickled is refused,
+naming what it holds, and the command never runs; the run state's own classes load."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from grpo_dist import safe_load
+from grpo_dist.rollouts.rollout import Rollout
+from grpo_dist.types import Completion, Score
+
+
+class RunsACommand:
+    """Unpickled by a plain `torch.load(weights_only=False)`, it would create `marker`."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "run_state.pt"
+    torch.save({"step": 3, "payload": RunsACommand(str(marker))}, path)
+    with pytest.raises(safe_load.UnsafeCheckpoint, match=r"run_state.pt: holds posix.system besides tensors"):
+        safe_load.load(path, safe_load.run_state_classes())
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # what an unchecked load does: the check above can tell
+    assert marker.exists()
+
+
+def test_the_run_states_own_classes_load(tmp_path):
+    completion = Completion(0, [1, 2], [3], "3", [-0.5], "stop", 2)
+    state = {"step": 4, "ahead": {"batch": (5, Rollout([], [completion], [Score(1.0, [1.0])]))}, "random": {}}
+    path = tmp_path / "run_state.pt"
+    torch.save(state, path)
+    assert safe_load.load(path, safe_load.run_state_classes()) == state
