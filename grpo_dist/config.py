@@ -90,6 +90,13 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _model_code_in_the_sandbox(self) -> Config:
+        names = [spec.name for spec in self.reward.functions] + [self.eval.reward]
+        if "code_tests" in names and not self.reward.sandbox:
+            raise ValueError("the code_tests reward runs the model's code: it needs reward.sandbox=true")
+        return self
+
+    @model_validator(mode="after")
     def _in_flight_needs_staleness(self) -> Config:
         if self.sync.mode == "in_flight" and self.rollout.max_staleness == 0:
             raise ValueError(

@@ -191,7 +191,17 @@ class RewardConfig(_Section):
     num_workers: int = Field(2, ge=1)
     """Reward worker actors scoring completions in parallel."""
     timeout_s: float = Field(10.0, gt=0)
-    """A call running longer leaves its completion unscored (excluded from its group's statistics)."""
+    """A call running longer leaves its completion unscored (excluded from its group's statistics); in the sandbox
+    it is also the call's CPU time limit, and the sandbox is killed with everything it started."""
+    sandbox: bool = True
+    """Run the reward functions (and `eval.reward`) in a sandbox process of each reward worker, never in the driver
+    or the worker itself: no network, limited memory and CPU time, no processes or threads, killed on its bound."""
+    sandbox_memory_mb: int = Field(4096, ge=256)
+    """Address space of the reward sandbox; a reward asking for more gets a MemoryError (its completion unscored)."""
+    sandbox_processes: bool = False
+    """Let reward code start processes and threads (killed with the sandbox when a call runs past its bound)."""
+    sandbox_network: bool = False
+    """Let reward code use the network (a remote judge); off, the sandbox has a network namespace of its own."""
     num_cpus: float = Field(0.25, gt=0)
     """CPUs reserved per reward worker."""
     max_unscored_fraction: float = Field(0.9, gt=0, le=1)

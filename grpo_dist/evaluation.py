@@ -4,12 +4,10 @@ and after training. The generator pool samples them and the reward pool judges t
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
-from grpo_dist.rewards import resolve_reward, score_one
+from grpo_dist.rewards.runner import RewardRunner
 from grpo_dist.rollouts import generate, score_requests
 from grpo_dist.types import ScoreRequest
 
@@ -26,14 +24,13 @@ def report_accuracy(cfg: Config, cluster: Cluster, held_out: list[PromptRecord],
 
 
 def judge_accuracy(cfg: Config, requests: list[ScoreRequest], when: str) -> float:
-    """The fraction of completions `eval.reward` scores 1.0 (correct), judged in this process (`grpo-dist sft`);
-    printed with `when` and returned."""
-    judge = [resolve_reward(cfg.eval.reward)]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        scores = [
-            score_one(judge, [1.0], [{}], r.prompt, r.completion, r.fields, cfg.reward.timeout_s, pool)[0]
-            for r in requests
-        ]
+    """The fraction of completions `eval.reward` scores 1.0 (correct), judged without a cluster (`grpo-dist sft`),
+    in a sandbox as the reward workers judge; printed with `when` and returned."""
+    judge = RewardRunner([cfg.eval.reward], cfg.reward)
+    try:
+        scores = [judge.score([0], [1.0], [{}], r.prompt, r.completion, r.fields)[0] for r in requests]
+    finally:
+        judge.close()
     return show_accuracy(cfg, scores, when)
 
 

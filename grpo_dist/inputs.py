@@ -8,7 +8,6 @@ a bundled task's data) under `scratch` instead of the run's own paths, and leave
 
 from __future__ import annotations
 
-import concurrent.futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,8 @@ from grpo_dist.data import PromptRecord, encode_prompts, split_task
 from grpo_dist.data.sources import read_source
 from grpo_dist.hub import HUB_ID, snapshot
 from grpo_dist.plan import check_plan
-from grpo_dist.rewards import resolve_reward, score_one
+from grpo_dist.rewards.runner import RewardRunner
+from grpo_dist.sandbox import SandboxError
 
 
 @dataclass
@@ -59,12 +59,17 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
 
 
 def check_rewards(cfg: Config) -> None:
-    """Every reward function the config names (training and `eval.reward`) resolves to a callable."""
-    for name in [spec.name for spec in cfg.reward.functions] + [cfg.eval.reward]:
-        try:
-            resolve_reward(name)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    """Every reward function the config names (training and `eval.reward`) resolves to a callable: imported where
+    they will run (the sandbox, by default), never in this process."""
+    runner(cfg, [spec.name for spec in cfg.reward.functions] + [cfg.eval.reward]).close()
+
+
+def runner(cfg: Config, names: list[str]) -> RewardRunner:
+    """The reward functions `names`, ready to score as the reward workers will."""
+    try:
+        return RewardRunner(names, cfg.reward)
+    except (ValueError, SandboxError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_answer(cfg: Config, record: PromptRecord, key: str) -> None:
@@ -73,12 +78,11 @@ def check_answer(cfg: Config, record: PromptRecord, key: str) -> None:
     if "answer" not in record.fields:
         return
     answer, name = record.fields["answer"], cfg.eval.reward
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:  # bounded by reward.timeout_s; a call that runs past it is left behind, not waited for
-        score, _, errors = score_one([resolve_reward(name)], [1.0], [{}], record.text, str(answer), record.fields,
-                                     cfg.reward.timeout_s, pool)  # fmt: skip
+    judge = runner(cfg, [name])
+    try:  # bounded by reward.timeout_s
+        score, _, errors = judge.score([0], [1.0], [{}], record.text, str(answer), record.fields)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        judge.close()
     if errors[0] is not None:
         raise ConfigError(f"eval.reward={name} failed on the first row of {key}: {errors[0]}")
     if score != 1.0:

@@ -5,8 +5,9 @@ A worker that dies (user code calling `os._exit`, a crashing C extension) or sco
 again on the new worker up to `faults.rescore_attempts` times; after that those completions are unscored. A worker
 reporting half its threads stuck in calls past `reward.timeout_s` is replaced before it runs out of threads.
 
-`RewardFailures` counts each function's failures per step (`reward_failures/<name>`), prints the first error of
-each kind with the function's name, and stops a run that is scoring (almost) nothing.
+`RewardFailures` counts each function's failures per step (`reward_failures/<name>`) and their reasons by kind
+(`reward_failures/why/<kind>`: timeout, sandbox_died, memory, processes, network, raised), prints the first error
+of each kind with the function's name, and stops a run that is scoring (almost) nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.config import Config
 from grpo_dist.faults import ActorPool, Bounds, FaultLog, RunFailed, split
 from grpo_dist.placement import Placement
+from grpo_dist.sandbox import FAILURE_KINDS, failure_kind
 from grpo_dist.types import Score, ScoreRequest
 
 
@@ -40,7 +42,7 @@ class RewardPool:
         return (
             ray.remote(concurrency_groups={"heartbeat": 1})(RewardWorker)  # `progress` answers while it scores
             .options(num_cpus=reward.num_cpus, scheduling_strategy=self.placement.reward_strategy(slot))
-            .remote(reward.functions, reward.timeout_s, self.cfg.eval.reward)
+            .remote(reward, self.cfg.eval.reward)
         )
 
     def score(self, requests: list[ScoreRequest], judge: bool = False) -> list[Score]:
@@ -88,6 +90,7 @@ class RewardFailures:
     def __init__(self, names: list[str], max_fraction: float, max_steps: int) -> None:
         self.names, self.max_fraction, self.max_steps = names, max_fraction, max_steps
         self.counts: Counter[str] = Counter()
+        self.why: Counter[str] = Counter()  # failed calls by the kind of their reason (`sandbox.FAILURE_KINDS`)
         self.first: dict[str, str] = {}  # function -> its first error
         self.printed: set[tuple[str, str]] = set()  # (function, kind of error)
         self.unscored = self.total = 0
@@ -97,6 +100,7 @@ class RewardFailures:
         for score in scores:
             for name, error in score.failures.items():
                 self.counts[name] += 1
+                self.why[failure_kind(error)] += 1
                 self.first.setdefault(name, error)
                 kind = (name, error.split(":")[0].split(" ")[0])
                 if kind not in self.printed:
@@ -108,9 +112,10 @@ class RewardFailures:
     def end_step(self) -> dict[str, float]:
         """This step's `reward_failures/*` metrics; raises `RunFailed` after too many steps scoring nothing."""
         metrics = {f"reward_failures/{name}": float(self.counts[name]) for name in self.names}
+        metrics.update({f"reward_failures/why/{kind}": float(self.why[kind]) for kind in FAILURE_KINDS})
         fraction = self.unscored / max(1, self.total)
         self.bad_steps = self.bad_steps + 1 if fraction > self.max_fraction else 0
-        self.counts, self.unscored, self.total = Counter(), 0, 0
+        self.counts, self.why, self.unscored, self.total = Counter(), Counter(), 0, 0
         if self.bad_steps >= self.max_steps:
             errors = "; ".join(f"{name}: {error}" for name, error in self.first.items()) or "none recorded"
             raise RunFailed(

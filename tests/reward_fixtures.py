@@ -77,3 +77,66 @@ def env_reward(prompt: str, completion: str, name: str, sha256: str, **_: Any) -
 
     value = os.environ.get(name)
     return float(value is not None and hashlib.sha256(value.encode()).hexdigest() == sha256)
+
+
+# Rewards that misbehave the ways user code does; the sandbox scores each completion as failed, saying why.
+
+
+def forking_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Starts a process that would outlive the call."""
+    import subprocess
+
+    subprocess.Popen(["sleep", "600"])
+    return 1.0
+
+
+def threading_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Starts a thread that would outlive the call."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    return 1.0
+
+
+def sleeping_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Never returns."""
+    while True:
+        time.sleep(1)
+
+
+def hungry_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Asks for far more memory than a reward needs (64 GiB)."""
+    return float(len(bytearray(64 << 30)))
+
+
+def networking_reward(prompt: str, completion: str, port: int = 0, **_: Any) -> float:
+    """Connects to a local server (`port`, or one given in the environment)."""
+    import os
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port or int(os.environ["SANDBOX_TEST_PORT"])), timeout=2):
+        return 1.0
+
+
+def quitting_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Ends its process at once."""
+    import os
+
+    os._exit(3)
+
+
+MISBEHAVIOURS = (forking_reward, threading_reward, sleeping_reward, hungry_reward, networking_reward, quitting_reward)
+
+
+def misbehaving_reward(prompt: str, completion: str, state_dir: str, port: int, **fields: Any) -> float:
+    """Misbehaves each of the ways above once in a run (the first call to claim a way does it, across every reward
+    worker: `state_dir` holds the claims), then scores as `length_reward`."""
+    import os
+
+    for index, misbehave in enumerate(MISBEHAVIOURS):
+        try:
+            os.close(os.open(os.path.join(state_dir, str(index)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        return misbehave(prompt, completion, port=port)
+    return length_reward(prompt, completion)

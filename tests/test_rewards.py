@@ -207,17 +207,18 @@ def test_score_one_failure_gives_nan_and_error(
     assert errors == [None, message]
 
 
-def test_a_worker_with_half_its_threads_stuck_asks_to_be_replaced() -> None:
+def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_replaced() -> None:
     from grpo_dist.actors.reward_worker import RewardWorker
-    from grpo_dist.config import RewardFunctionConfig
+    from grpo_dist.config import RewardConfig, RewardFunctionConfig
 
-    # One function -> 4 threads; each request leaves one call sleeping past the 0.1 s limit.
-    worker = RewardWorker([RewardFunctionConfig(name=f"{FIXTURES}.slow_reward", kwargs={"delay_s": 3.0})], 0.1)
+    # One function and the judge -> 8 threads; each request leaves one call sleeping past the 0.1 s limit.
+    slow = RewardFunctionConfig(name=f"{FIXTURES}.slow_reward", kwargs={"delay_s": 3.0})
+    worker = RewardWorker(RewardConfig(functions=[slow], timeout_s=0.1, sandbox=False), judge="math_answer")
     request = ScoreRequest("q", "7", {})
-    scores, exhausted = worker.score([request])
+    scores, exhausted = worker.score([request] * 3)
     assert not exhausted and scores[0].failures == {f"{FIXTURES}.slow_reward": "timed out after 0.1s"}
     _, exhausted = worker.score([request])
-    assert exhausted  # 2 of 4 threads stuck
+    assert exhausted  # 4 of 8 threads stuck
 
 
 def test_a_run_scoring_nothing_stops_naming_each_functions_first_error(capsys) -> None:
@@ -227,7 +228,9 @@ def test_a_run_scoring_nothing_stops_naming_each_functions_first_error(capsys) -
     failures = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=2)
     bad, good = Score(math.nan, [math.nan, 1.0], {"a": "ValueError: x"}), Score(1.0, [1.0, 1.0])
     failures.observe([bad, bad, good])  # 2 of 3 unscored: over 0.5
-    assert failures.end_step() == {"reward_failures/a": 2.0, "reward_failures/b": 0.0}
+    counts = failures.end_step()
+    assert counts["reward_failures/a"] == 2.0 and counts["reward_failures/b"] == 0.0
+    assert counts["reward_failures/why/raised"] == 2.0 and counts["reward_failures/why/timeout"] == 0.0
     assert capsys.readouterr().out.count("reward a failed: ValueError: x") == 1  # the first of its kind only
     failures.observe([good, good])
     failures.end_step()  # a good step ends the streak

@@ -63,3 +63,59 @@ def regex_format(prompt: str, completion: str, pattern: str, **_: Any) -> float:
     ``pattern`` comes from the reward's ``kwargs`` in the config, e.g. ``{pattern: "[0-9]"}`` for one digit.
     """
     return 1.0 if re.fullmatch(pattern, completion.strip()) else 0.0
+
+
+CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+class _TestTimedOut(Exception):
+    """A test (or the completion's code) ran past its time."""
+
+
+def code_tests(prompt: str, completion: str, tests: Any, timeout_per_test_s: float = 2.0, **_: Any) -> float:
+    """The fraction of ``tests`` (a row field: Python statements, usually ``assert``s, as a list or one per line)
+    that pass after the completion's code has run: its last fenced Python block, or the whole completion. Code that
+    fails to run fails every test; each test (and the code itself) gets ``timeout_per_test_s``, so a loop that never
+    ends fails its test instead of the call. What the code prints is discarded.
+
+    It runs the model's code, so it runs only in the reward sandbox (``reward.sandbox: true``, the default), whose
+    limits hold it: no network, no processes, bounded memory and CPU time; the sandbox is killed (the completion
+    unscored) if the code ends the process or traps the timeout.
+    """
+    import contextlib
+    import io
+    import os
+    import signal
+
+    from grpo_dist.sandbox import SANDBOX_MARK
+
+    if os.environ.get(SANDBOX_MARK) != str(os.getppid()):
+        raise RuntimeError("code_tests runs the model's code, so only in the reward sandbox (reward.sandbox: true)")
+    statements = [line for line in tests.splitlines() if line.strip()] if isinstance(tests, str) else list(tests)
+    if not statements:
+        raise ValueError("code_tests: the row's `tests` field holds no test")
+    blocks = CODE_BLOCK.findall(completion)
+    code = blocks[-1] if blocks else completion
+
+    def expire(*_: Any) -> None:
+        raise _TestTimedOut
+
+    def runs(source: str, namespace: dict) -> bool:
+        signal.setitimer(signal.ITIMER_REAL, timeout_per_test_s)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                exec(compile(source, "<completion>", "exec"), namespace)
+            return True
+        except BaseException:  # the model's code failing in any way (even SystemExit) fails the test
+            return False
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        namespace: dict = {"__name__": "__completion__"}
+        if not runs(code, namespace):
+            return 0.0
+        return sum(runs(test, namespace) for test in statements) / len(statements)
+    finally:
+        signal.signal(signal.SIGALRM, previous)

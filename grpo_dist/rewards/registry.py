@@ -17,7 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format, regex_format
+from grpo_dist.rewards.builtin import (
+    boxed_format,
+    code_tests,
+    exact_answer,
+    math_answer,
+    number_format,
+    regex_format,
+)
 
 RewardFn = Callable[..., float]
 """``(prompt: str, completion: str, **fields) -> float``."""
@@ -28,6 +35,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "number_format": number_format,
     "boxed_format": boxed_format,
     "regex_format": regex_format,
+    "code_tests": code_tests,
 }
 
 

@@ -1,0 +1,78 @@
+"""Running reward functions on completions: in a sandbox process (`reward.sandbox`, the default) or in threads of
+the calling process. The reward workers, the pre-flight check and `grpo-dist sft` all score through a `RewardRunner`,
+so user reward code runs the same way (and under the same limits) wherever it is called from."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from grpo_dist.config import RewardConfig
+from grpo_dist.rewards.registry import combine, resolve_reward, score_one
+from grpo_dist.sandbox import Limits, Sandbox
+
+log = logging.getLogger("grpo_dist")
+
+
+class RewardRunner:
+    """The reward functions `names` (built-ins or dotted paths), ready to score; raises `ValueError` naming the
+    first that does not resolve."""
+
+    def __init__(self, names: list[str], reward: RewardConfig) -> None:
+        self.names, self.timeout_s = names, reward.timeout_s
+        self.sandbox: Sandbox | None = None
+        self.executor = None
+        if reward.sandbox:
+            limits = Limits(reward.sandbox_memory_mb, reward.timeout_s, reward.sandbox_processes,
+                            reward.sandbox_network)  # fmt: skip
+            self.sandbox = Sandbox(names, limits)
+            for note in self.sandbox.notes:
+                log.warning(note)
+        else:
+            self.functions = [resolve_reward(name) for name in names]
+            # Threads stuck in timed-out calls stay busy; spare ones keep scoring until half are stuck, when
+            # `exhausted` says so (a reward worker is then replaced).
+            self.threads = 4 * len(names)
+            self.executor = TrackingExecutor(max_workers=self.threads, thread_name_prefix="reward")
+
+    def score(
+        self, functions: list[int], weights: list[float], kwargs: list[dict[str, Any]], prompt: str, completion: str,
+        fields: dict[str, Any],
+    ) -> tuple[float, list[float], list[str | None]]:  # fmt: skip
+        """`functions` (indices into `names`) on one completion, called as `f(prompt, completion, **fields,
+        **kwargs)`: (weighted sum, each score, each error or None); a failed call scores NaN, saying why."""
+        if self.sandbox is None:
+            chosen = [self.functions[index] for index in functions]
+            return score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
+        scores, errors = [], []
+        for index, extra in zip(functions, kwargs, strict=True):
+            score, error = self.sandbox.call(index, prompt, completion, {**fields, **extra}, self.timeout_s)
+            scores.append(score)
+            errors.append(error)
+        return combine(scores, weights), scores, errors
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether half the threads are stuck in calls past their limit (never in the sandbox: it is killed)."""
+        return self.executor is not None and 2 * len(self.executor.unfinished) >= self.threads
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class TrackingExecutor(ThreadPoolExecutor):
+    """A thread pool that knows its unfinished calls: after scoring, those are calls stuck past their limit."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.unfinished: set[Future] = set()
+
+    def submit(self, *args: Any, **kwargs: Any) -> Future:
+        future = super().submit(*args, **kwargs)
+        self.unfinished.add(future)
+        future.add_done_callback(self.unfinished.discard)
+        return future

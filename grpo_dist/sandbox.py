@@ -1,0 +1,294 @@
+"""The reward sandbox: user reward code runs in a process of its own, never in the driver or a reward worker.
+
+Each reward worker (and the driver's pre-flight check) starts one `Sandbox`: a child process (`python -m
+grpo_dist.sandbox`) that imports the reward functions and scores one call at a time, asked and answered as JSON
+lines on pipes of its own (what the reward code prints goes to the worker's log). Before it serves a call it
+  - turns the network off where the machine allows it (a network namespace of its own, with no interface up);
+  - limits its memory (address space, `reward.sandbox_memory_mb`) and the CPU time of each call;
+  - may start no process and no thread (`reward.sandbox_processes: false`, the default), by a process limit of
+    zero; run as root, it first becomes the user `nobody`, whom that limit binds, keeping only the capability to
+    read files (so the interpreter and the reward modules stay importable wherever they are installed);
+  - dies with the worker that started it.
+A call that runs past `reward.timeout_s` is answered NaN and the sandbox killed with everything it started (its
+process group, and any process that left it, found by the mark in its environment); so is one whose sandbox died
+(`os._exit`, a crash, a limit), and the next call starts a new one. A function that raises scores NaN with the
+error's name and message as the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SANDBOX_MARK = "GRPO_DIST_SANDBOX"
+"""In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
+START_TIMEOUT_S = 120.0  # importing the reward modules
+PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER = 8, 36  # linux/prctl.h
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
+CAP_DAC_READ_SEARCH = 2  # linux/capability.h: read any file, search any directory
+CAPABILITY_VERSION_3 = 0x20080522
+NOBODY = 65534
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a sandbox may use (`reward.sandbox_*`)."""
+
+    memory_mb: int
+    cpu_s: float  # CPU time per call
+    processes: bool  # may start processes and threads
+    network: bool  # keeps the network
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not start: a reward function did not import, or the process did not come up."""
+
+
+class Sandbox:
+    """One sandbox process serving the reward functions `names` (built-in names or dotted paths), in order."""
+
+    def __init__(self, names: list[str], limits: Limits) -> None:
+        self.names, self.limits = names, limits
+        self.process: subprocess.Popen | None = None
+        self.buffer = b""
+        self.ended = False  # its answers' pipe closed: the process is gone
+        self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
+        if sys.platform.startswith("linux"):  # a process that leaves the sandbox's group is re-parented here
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self._start()
+
+    def call(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float):
+        """Function `index` on one completion: (score, None), or (NaN, why it has none)."""
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
+        try:
+            self._send(request)
+        except (BrokenPipeError, OSError):
+            return math.nan, self._lost(timeout_s, timed_out=False)
+        answer = self._receive(timeout_s)
+        if answer is None:
+            return math.nan, self._lost(timeout_s, timed_out=not self.ended)
+        if "error" in answer:
+            return math.nan, answer["error"]
+        return float(answer["value"]), None
+
+    def close(self) -> None:
+        """Kill the sandbox and everything it started, and wait until they are gone."""
+        if self.process is None:
+            return
+        import psutil
+
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.kill()
+        self.process.wait()
+        strays = _marked_children(os.getpid())  # left its group (setsid), re-parented here
+        for stray in strays:
+            with contextlib.suppress(psutil.Error):
+                stray.kill()
+        psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
+        self.process = None
+        self.buffer, self.ended = b"", False
+
+    def _start(self) -> None:
+        self.close()
+        threads = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
+        env = {**os.environ, **threads, SANDBOX_MARK: str(os.getpid()), "TOKENIZERS_PARALLELISM": "false"}
+        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, sys.path)])  # imports as this process would
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "grpo_dist.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        self._send({"functions": self.names, "limits": asdict(self.limits)})
+        ready = self._receive(START_TIMEOUT_S)
+        if ready is None:
+            why = _exit_reason(self.process.poll()) if self.process.poll() is not None else "no answer"
+            self.close()
+            raise SandboxError(f"the reward sandbox did not start: {why}")
+        if "error" in ready:
+            self.close()
+            raise SandboxError(ready["error"])
+        self.notes = ready["notes"]
+
+    def _lost(self, timeout_s: float, timed_out: bool) -> str:
+        """Kill a sandbox that ran past its bound or died in a call; the reason the call has no score."""
+        if timed_out:
+            why = f"timed out after {timeout_s:g}s"
+        else:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+            why = _exit_reason(self.process.poll())
+        self.close()
+        return f"{why} (the reward sandbox was killed with everything it started)" if timed_out else why
+
+    def _send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message, default=str).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def _receive(self, timeout_s: float) -> dict | None:
+        """The next answer, or None when none came within `timeout_s` or the process ended."""
+        deadline = time.monotonic() + timeout_s
+        out = self.process.stdout.fileno()
+        while b"\n" not in self.buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
+                return None
+            chunk = os.read(out, 1 << 16)
+            if not chunk:
+                self.ended = True
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "no answer"
+    if code < 0:
+        name = signal.Signals(-code).name
+        why = {
+            "SIGKILL": "killed (SIGKILL: out of memory, or killed from outside)",
+            "SIGXCPU": "out of CPU time",
+        }.get(name, f"crashed ({name})")
+        return f"the reward sandbox was {why}"
+    return f"the reward sandbox exited with code {code} (the reward called os._exit, or the interpreter died)"
+
+
+def _marked_children(owner: int) -> list:
+    """Processes under `owner` that carry the sandbox mark of `owner` (psutil processes)."""
+    import psutil
+
+    marked = []
+    for child in psutil.Process(owner).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.environ().get(SANDBOX_MARK) == str(owner):
+                marked.append(child)
+    return marked
+
+
+FAILURE_KINDS = ("timeout", "sandbox_died", "memory", "processes", "network", "raised")
+"""Why a reward call has no score, as counted in `reward_failures/why/<kind>`."""
+
+
+def failure_kind(reason: str) -> str:
+    """The kind of a failed call's reason (one of `FAILURE_KINDS`)."""
+    if reason.startswith("timed out"):
+        return "timeout"
+    if reason.startswith("the reward sandbox"):
+        return "sandbox_died"
+    for kind in ("memory", "processes", "network"):
+        if f"(the sandbox allows no {kind}" in reason or f"(the sandbox limits its {kind}" in reason:
+            return kind
+    return "raised"
+
+
+# The sandbox process itself.
+
+
+def _refused(error: BaseException, limits: Limits) -> str:
+    """What a limit of the sandbox had to do with `error`, to add to its message."""
+    if isinstance(error, MemoryError):
+        return f" (the sandbox limits its memory to {limits.memory_mb} MB: reward.sandbox_memory_mb)"
+    if not limits.processes and (
+        isinstance(error, BlockingIOError) or (isinstance(error, RuntimeError) and "new thread" in str(error))
+    ):
+        return " (the sandbox allows no processes or threads: reward.sandbox_processes)"
+    if not limits.network and isinstance(error, OSError) and error.errno in (errno.ENETUNREACH, errno.EADDRNOTAVAIL):
+        return " (the sandbox allows no network: reward.sandbox_network)"
+    return ""
+
+
+def _network_off() -> str | None:
+    """A network namespace of its own, with no interface up; why not, where the machine refuses."""
+    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(flags) != 0:
+        return f"the network stays on in the reward sandbox ({os.strerror(ctypes.get_errno())})"
+    return None
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _no_processes() -> None:
+    """No process and no thread beyond this one: a process limit of zero. The kernel never applies it to root, so
+    root first becomes `nobody`, keeping one capability: reading files (not writing them)."""
+    import resource
+
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        read = 1 << CAP_DAC_READ_SEARCH
+        if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
+            raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+
+
+def _serve() -> None:
+    import resource
+
+    from grpo_dist.actors import die_with_parent
+    from grpo_dist.rewards.registry import _to_score, resolve_reward
+
+    # The requests and answers keep the pipes; the reward code gets no input and prints to the log.
+    requests, answers = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)
+
+    def answer(message: dict) -> None:
+        answers.write(json.dumps(message).encode() + b"\n")
+        answers.flush()
+
+    setup = json.loads(requests.readline())
+    limits = Limits(**setup["limits"])
+    notes = [] if limits.network else [note for note in [_network_off()] if note]
+    memory = limits.memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    functions = []
+    for name in setup["functions"]:
+        try:
+            functions.append(resolve_reward(name))
+        except ValueError as err:
+            answer({"error": str(err)})
+            return
+    if not limits.processes:
+        _no_processes()
+    die_with_parent()  # after any change of user, which clears it
+    answer({"ready": True, "notes": notes})
+    for line in requests:
+        request = json.loads(line)
+        function = functions[request["call"]]
+        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(used + limits.cpu_s), hard))
+        try:
+            value = _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
+            answer({"value": value})
+        except BaseException as error:  # anything the reward raises, even SystemExit, is that call's failure
+            said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            answer({"error": said + _refused(error, limits)})
+
+
+if __name__ == "__main__":
+    _serve()

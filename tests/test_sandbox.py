@@ -1,0 +1,157 @@
+"""User reward code in the sandbox: each way reward code misbehaves (starting processes or threads, never returning,
+asking for far too much memory, using the network, ending its process) fails only its own completion, saying why and
+counted by kind; the sandbox is back for the next call; nothing it started outlives it. A real run with such a
+reward goes on to its end and leaves no process behind. The bundled `code_tests` reward runs the model's code there."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+
+import psutil
+import pytest
+from conftest import small_config
+from test_resume import training
+
+from grpo_dist.config import RewardConfig, RewardFunctionConfig, validate_config
+from grpo_dist.rewards.runner import RewardRunner
+from grpo_dist.sandbox import SANDBOX_MARK, failure_kind
+
+FIXTURES = "reward_fixtures"
+
+
+def sandboxed_processes() -> list[psutil.Process]:
+    """Every process on this machine that carries a sandbox's mark (a sandbox, or anything one started)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if SANDBOX_MARK in process.environ():
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def server():
+    """A local TCP server: a reward with the network would reach it."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        listening.settimeout(0.2)
+        yield listening
+
+
+def runner_of(names: list[str], **reward) -> RewardRunner:
+    functions = [RewardFunctionConfig(name=name) for name in names]
+    return RewardRunner(names, RewardConfig(functions=functions, **{"timeout_s": 2.0, **reward}))
+
+
+@pytest.mark.parametrize(
+    "name, kind, said",
+    [
+        ("forking_reward", "processes", "BlockingIOError"),
+        ("threading_reward", "processes", "can't start new thread"),
+        ("sleeping_reward", "timeout", "timed out after 2s (the reward sandbox was killed"),
+        ("hungry_reward", "memory", "MemoryError (the sandbox limits its memory to 1024 MB"),
+        ("networking_reward", "network", "Network is unreachable (the sandbox allows no network"),
+        ("quitting_reward", "sandbox_died", "the reward sandbox exited with code 3"),
+    ],
+)
+def test_a_misbehaving_reward_fails_its_completion_saying_why_and_the_next_call_is_scored(name, kind, said, server):
+    runner = runner_of([f"{FIXTURES}.{name}", f"{FIXTURES}.length_reward"], sandbox_memory_mb=1024)
+    try:
+        port = server.getsockname()[1]
+        total, scores, errors = runner.score([0], [1.0], [{"port": port}], "q", "abc", {})
+        assert math.isnan(total) and math.isnan(scores[0])
+        assert said in errors[0] and failure_kind(errors[0]) == kind, errors[0]
+        assert runner.score([1], [1.0], [{}], "q", "abcd", {})[0] == 4.0  # the sandbox serves on (or anew)
+        with pytest.raises(TimeoutError):
+            server.accept()  # nothing reached the network
+    finally:
+        runner.close()
+    assert sandboxed_processes() == []
+
+
+def test_with_processes_allowed_what_a_reward_starts_dies_with_the_sandbox():
+    runner = runner_of([f"{FIXTURES}.forking_reward"], sandbox_processes=True)
+    try:
+        assert runner.score([0], [1.0], [{}], "q", "abc", {})[0] == 1.0
+        started = [p for p in sandboxed_processes() if p.name() == "sleep"]
+        assert len(started) == 1  # `sleep 600`, started by the reward and left running
+    finally:
+        runner.close()
+    assert sandboxed_processes() == []
+
+
+def test_rewards_run_in_this_process_only_when_the_sandbox_is_off():
+    inside = runner_of([f"{FIXTURES}.forking_reward"], sandbox=False)  # the process limit is the sandbox's
+    try:
+        assert inside.score([0], [1.0], [{}], "q", "abc", {})[0] == 1.0
+    finally:
+        inside.close()
+    for process in psutil.Process().children():
+        if process.name() == "sleep":
+            process.kill()
+
+
+SOLVED = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
+TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+
+
+@pytest.mark.parametrize(
+    "completion, score",
+    [
+        (SOLVED, 1.0),
+        ("```python\ndef add(a, b):\n    return a + b if a > 0 else 7\n```", 0.5),  # passes one test of two
+        ("```python\ndef add(a, b)\n    return a + b\n```", 0.0),  # does not parse
+        ("```python\ndef add(a, b):\n    while True:\n        pass\n```", 0.0),  # never returns: each test times out
+        ("```python\nimport os\nos.fork()\ndef add(a, b):\n    return a + b\n```", 0.0),  # refused a process
+        ("```python\nx = bytearray(64 << 30)\ndef add(a, b):\n    return a + b\n```", 0.0),  # refused the memory
+    ],
+    ids=["solved", "half", "syntax-error", "endless-loop", "fork", "memory"],
+)
+def test_code_tests_scores_the_fraction_of_tests_the_models_code_passes(completion, score):
+    runner = runner_of(["code_tests"], timeout_s=10.0)
+    try:
+        kwargs = {"timeout_per_test_s": 0.5}
+        total, _, errors = runner.score([0], [1.0], [kwargs], "Write add(a, b).", completion, {"tests": TESTS})
+        assert (total, errors) == (score, [None])
+    finally:
+        runner.close()
+
+
+def test_code_tests_refuses_to_run_outside_the_sandbox(tmp_path):
+    raw = small_config(tmp_path, reward={"sandbox": False, "functions": [{"name": "code_tests"}]})
+    with pytest.raises(ValueError, match="code_tests reward runs the model's code: it needs reward.sandbox=true"):
+        validate_config(raw)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path, server):
+    """One reward misbehaves each way once, across both reward workers; every other completion is scored."""
+    claims = tmp_path / "claims"
+    claims.mkdir(mode=0o777)
+    claims.chmod(0o777)  # the sandbox runs as `nobody` under root
+    misbehaving = {
+        "name": f"{FIXTURES}.misbehaving_reward",
+        "weight": 1.0,
+        "kwargs": {"state_dir": str(claims), "port": server.getsockname()[1]},
+    }
+    raw = small_config(tmp_path, run={"steps": 3})
+    raw["reward"].update(functions=[misbehaving], timeout_s=3, sandbox_memory_mb=1024)
+    with training(tmp_path, raw) as run:
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    why = {kind: sum(row[f"reward_failures/why/{kind}"] for row in rows)
+           for kind in ("processes", "timeout", "memory", "network", "sandbox_died", "raised")}  # fmt: skip
+    assert why == {"processes": 2, "timeout": 1, "memory": 1, "network": 1, "sandbox_died": 1, "raised": 0}
+    assert sorted(os.listdir(claims)) == [str(index) for index in range(6)]
+    with pytest.raises(TimeoutError):
+        server.accept()
+    assert sandboxed_processes() == []
+    assert subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True).stdout == b""
