@@ -228,21 +228,26 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def _no_processes() -> None:
+def _no_processes() -> str | None:
     """No process and no thread beyond this one: a process limit of zero. The kernel never applies it to root, so
-    root first becomes `nobody`, keeping one capability: reading files (not writing them)."""
+    root first becomes `nobody`, keeping one capability where it holds it: reading files (not writing them), so an
+    interpreter installed where only root may read stays importable. Why not, where the machine refuses."""
     import resource
 
     if os.geteuid() == 0:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        except OSError as err:
+            return f"reward code may start processes and threads here (cannot become nobody: {err.strerror})"
         read = 1 << CAP_DAC_READ_SEARCH
         if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
-            raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
+            libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
     resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    return None
 
 
 def _serve() -> None:
@@ -273,7 +278,7 @@ def _serve() -> None:
             answer({"error": str(err)})
             return
     if not limits.processes:
-        _no_processes()
+        notes += [note for note in [_no_processes()] if note]
     die_with_parent()  # after any change of user, which clears it
     answer({"ready": True, "notes": notes})
     for line in requests:
