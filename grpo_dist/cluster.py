@@ -7,6 +7,7 @@ into it, and resizes the generator pool on request.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from grpo_dist.config import Config
-from grpo_dist.faults import Bounds, FaultLog
+from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
@@ -65,6 +66,8 @@ def unreachable(address: str) -> str | None:
 
 
 RECONNECT_ATTEMPTS = 3  # a node going down takes its generators one after another
+
+log = logging.getLogger("grpo_dist")
 
 
 @dataclass
@@ -149,7 +152,18 @@ class Cluster:
         caller loads a checkpoint), then reconnect the transport."""
         self.learner.shutdown()
         self.generators.replace_unresponsive()  # one lost with the learner (the same node) must not stall the sync
-        self.learner = LearnerGroup.start(self.cfg, self.model_path, self.placement.learner_strategies())
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self.learner = LearnerGroup.start(self.cfg, self.model_path, self.placement.learner_strategies())
+                break
+            except LearnerLost as err:
+                if attempt == START_ATTEMPTS or isinstance(err, LearnerHung):
+                    raise
+                # Placed where a lost rank was, on a node Ray has not yet declared dead: its placement bundle
+                # moves to a live node once it has, so start the group again.
+                log.warning("%s; starting the learner group again (attempt %d of %d)", err, attempt + 1,
+                            START_ATTEMPTS)  # fmt: skip
+                time.sleep(RETRY_PAUSE_S)
         self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
         self.transport.connect()
 

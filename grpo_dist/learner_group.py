@@ -73,7 +73,11 @@ class LearnerGroup:
             for strategy in strategies
         ]
         group = cls(ranks, cfg)
-        group._setup()
+        try:
+            group._setup()
+        except BaseException:
+            group.shutdown()
+            raise
         return group
 
     def _setup(self) -> None:

@@ -4,6 +4,8 @@ as long as it keeps making progress, and given up once it stops."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -54,6 +56,9 @@ class Worker:
     def progress(self) -> int:
         return self.done
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 @pytest.fixture
 def workers(ray_cluster):
@@ -89,3 +94,21 @@ def test_an_out_of_memory_in_an_actor_is_a_fault_and_a_group_stops_waiting_at_it
     assert other.pending  # not waited for: its peers in a collective would wait on the failed one
     (bug,) = gather([failing.work.remote(0, 0.0, "bug")], Bound(60.0))
     assert bug.raised and bug.fault is None  # a bug, raised by the caller as such
+
+
+@pytest.mark.slow
+def test_a_role_out_of_restarts_stops_the_run_naming_the_actor_and_the_setting(workers):
+    from grpo_dist.faults import ActorPool, FaultLog, RunFailed
+
+    made = iter(workers)  # the pool's first actor, then its replacement
+    pool = ActorPool("worker", "worker_restarts", lambda slot: next(made), 1, FaultLog(), 1, Bound(60.0, "start"))
+    pool.wait_ready()
+    for allowed in (True, False):  # one restart is allowed: the first death is survived, the second is not
+        os.kill(ray.get(pool.actors[0].pid.remote()), signal.SIGKILL)
+        (outcome,) = pool.call("work", {0: (0, 0.0)}, Bound(60.0)).values()
+        assert outcome.fault.startswith("died")
+        if allowed:
+            pool.replace(0, outcome.fault)
+    with pytest.raises(RunFailed, match=r"worker 0 died .*; the run is out of worker restarts \(1\)"):
+        pool.replace(0, outcome.fault)
+    assert pool.faults.counts["worker_restarts"] == 1

@@ -18,7 +18,7 @@ import yaml
 from conftest import small_config
 from test_resume import grpo_dist, rows
 
-from grpo_dist.checkpoints import prunable
+from grpo_dist.checkpoints import Checkpoint, load_state, prunable
 from grpo_dist.data import split_task
 
 
@@ -30,8 +30,9 @@ def test_pruning_keeps_the_newest_written_and_the_resumed_from_whatever_their_st
     assert prunable(["step-000001", "step-000002", "step-000003"], 2, "step-000003", None) == ["step-000001"]
 
 
-def config(tmp_path: Path, name: str, steps: int, keep: int = 3, **checkpoint) -> Path:
-    """A run on a data file of its own (so that the data can change), a checkpoint every step."""
+def config(tmp_path: Path, name: str, steps: int, keep: int = 3, wandb: bool = False, **checkpoint) -> Path:
+    """A run on a data file of its own (so that the data can change), a checkpoint every step; `wandb`: logging
+    to W&B offline, into the run directory."""
     data = tmp_path / "data"
     if not (data / "train.jsonl").exists():
         split_task("last_digit", data, num_train=64, num_eval=8, seed=0)
@@ -39,6 +40,7 @@ def config(tmp_path: Path, name: str, steps: int, keep: int = 3, **checkpoint) -
                        checkpoint={"every_steps": 1, "keep": keep, **checkpoint})  # fmt: skip
     raw["data"] = {"path": str(data / "train.jsonl"), "max_prompt_tokens": 16, "prompts_per_step": 4}
     raw["model"]["path"] = str(tmp_path / "model")
+    raw["wandb"] = {"enabled": wandb, "mode": "offline"}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -52,7 +54,7 @@ def run(*args: str | Path) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tmp_path):
-    path = config(tmp_path, "killed", steps=100_000, keep=2)
+    path = config(tmp_path, "killed", steps=100_000, keep=2, wandb=True)
     run_dir = tmp_path / "outputs" / "killed"
     checkpoints = run_dir / "checkpoints"
     process = grpo_dist("train", str(path), "--resume", "auto", start_new_session=True)
@@ -84,6 +86,11 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
     steps = [row["step"] for row in rows(run_dir)]
     assert steps == list(range(1, last + 3))  # every step once: the rows after the checkpoint were dropped and redone
     assert not list(checkpoints.glob(".step-*.tmp"))  # what the killed write left is cleared by the next one
+    # W&B goes on in the same run: two sessions (killed, resumed) of one run id, the one the checkpoint holds
+    sessions = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(sessions) == 2 and {session.name.rsplit("-", 1)[1] for session in sessions} == {
+        load_state(Checkpoint(checkpoints / latest))["wandb_id"]
+    }
 
 
 @pytest.mark.slow
@@ -113,6 +120,13 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
     assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4]
     assert (checkpoints / "latest").read_text().strip() == "step-000004"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000004"]
+
+    # --resume PATH: an older checkpoint than the latest, named
+    path.write_text(path.read_text().replace("steps: 4", "steps: 5"))
+    code, out = run(path, "--resume", str(checkpoints / "step-000001"))
+    assert code == 0, out[-3000:]
+    assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
+    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5]
 
     # other data under the same checkpoint: refused before anything starts, unless allowed
     train = tmp_path / "data" / "train.jsonl"

@@ -66,7 +66,22 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
     resumed run trains on as the uninterrupted one does."""
     whole = grpo_dist("train", write_config(tmp_path, "whole", k))
     assert whole.wait(timeout=600) == 0
+    run_dir = killed_at_its_checkpoint_and_resumed(tmp_path, k)
 
+    expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
+    assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]  # no step duplicated or missing
+    assert [row["rollout/weight_version"] for row in got] == ([0, 0, 1, 2, 3, 4] if k else [0, 1, 2, 3, 4, 5])
+    for want, have in zip(expected, got, strict=True):
+        for key in COMPARED:
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
+    # keep: 1, and the checkpoint the run resumed from, which pruning never deletes (named in resumed-from)
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == ["latest", "resumed-from", "step-000003", "step-000006"]
+
+
+def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int) -> Path:
+    """A 6-step run (checkpoint at step 3) whose driver is SIGKILLed once the checkpoint is written, then resumed
+    with `--resume` to its end; its run directory."""
     interrupted = grpo_dist("train", write_config(tmp_path, "resumed", k), start_new_session=True)
     run_dir = tmp_path / "outputs" / "resumed"
     deadline = time.monotonic() + 600
@@ -81,16 +96,18 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     assert "after step 3" in out
+    return run_dir
 
-    expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
-    assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]  # no step duplicated or missing
-    assert [row["rollout/weight_version"] for row in got] == ([0, 0, 1, 2, 3, 4] if k else [0, 1, 2, 3, 4, 5])
-    for want, have in zip(expected, got, strict=True):
-        for key in COMPARED:
-            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
-    # keep: 1, and the checkpoint the run resumed from, which pruning never deletes (named in resumed-from)
-    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert kept == ["latest", "resumed-from", "step-000003", "step-000006"]
+
+def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(tmp_path):
+    """At k = 2 the generators may hold weights older than the checkpoint's when it is written; the resumed run's
+    start from the checkpoint's, so its batches may be fresher than the uninterrupted run's, never staler than k."""
+    got = rows(killed_at_its_checkpoint_and_resumed(tmp_path, 2))
+    assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]
+    assert all(row["staleness/max"] <= 2 for row in got)
+    versions = [row["rollout/weight_version"] for row in got]
+    assert versions == sorted(versions)  # no batch from weights older than an earlier step's
+    assert max(row["staleness/max"] for row in got) >= 1  # the bound was in play: some batches were stale
 
 
 def test_resume_refuses_a_changed_group_size(tmp_path):
