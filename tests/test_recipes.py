@@ -34,6 +34,8 @@ SHRINK = [
     "learner.micro_batch_size=8",
     "learner.lr=1e-3",
     "wandb.enabled=false",
+    "checkpoint.every_steps=0",  # what is checked is in the metrics: no checkpoint, no final policy written
+    "run.save_final=false",
 ]
 EXTRA = {"dapo": ["algorithm.overlong_buffer=2", "algorithm.max_sampling_rounds=2"]}
 # The largest spread (max - min) of the ratio over one sequence's tokens: 0 exactly when the ratio is per sequence.
