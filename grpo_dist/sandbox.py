@@ -56,15 +56,17 @@ class SandboxError(RuntimeError):
 
 
 class Sandbox:
-    """One sandbox process serving the reward functions `names` (built-in names or dotted paths), in order."""
+    """One sandbox process serving the reward functions `names` (built-in names or dotted paths), in order.
+    `reap`: this process (a reward worker, which does nothing else) becomes the one a process that leaves the
+    sandbox's group is re-parented to, so that `close` finds and kills it too."""
 
-    def __init__(self, names: list[str], limits: Limits) -> None:
+    def __init__(self, names: list[str], limits: Limits, reap: bool = False) -> None:
         self.names, self.limits = names, limits
         self.process: subprocess.Popen | None = None
         self.buffer = b""
         self.ended = False  # its answers' pipe closed: the process is gone
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
-        if sys.platform.startswith("linux"):  # a process that leaves the sandbox's group is re-parented here
+        if reap and sys.platform.startswith("linux"):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._start()
 

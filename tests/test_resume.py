@@ -137,7 +137,10 @@ def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_p
     raw = small_config(tmp_path, run={"name": "stopped", "steps": 50}, checkpoint={"every_steps": 1000})
     # Weight 0, the rewards unchanged: instant until `slow` exists, then it creates `scoring` and takes 0.5 s per
     # completion, so the step being scored when the signal comes is still being scored when the signal lands.
-    gate = {"name": "reward_fixtures.slow_once_asked", "weight": 0.0, "kwargs": {"signal_dir": str(tmp_path)}}
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    signals.chmod(0o777)  # the reward writes here from its sandbox, which runs as `nobody` under root
+    gate = {"name": "reward_fixtures.slow_once_asked", "weight": 0.0, "kwargs": {"signal_dir": str(signals)}}
     raw["reward"]["functions"].append(gate)
     path = tmp_path / "stopped.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -149,8 +152,8 @@ def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_p
             while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
                 assert run.poll() is None and time.monotonic() < deadline, "the run ended before its second step"
                 time.sleep(0.2)
-            (tmp_path / "slow").touch()
-            while not (tmp_path / "scoring").exists():
+            (signals / "slow").touch()
+            while not (signals / "scoring").exists():
                 assert run.poll() is None and time.monotonic() < deadline, "no step was scored after the second"
                 time.sleep(0.05)
             run.send_signal(signal.SIGTERM)

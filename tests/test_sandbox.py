@@ -46,8 +46,9 @@ def server():
 
 
 def runner_of(names: list[str], **reward) -> RewardRunner:
+    """A runner as a reward worker has one (this process re-parents what leaves the sandbox's group)."""
     functions = [RewardFunctionConfig(name=name) for name in names]
-    return RewardRunner(names, RewardConfig(functions=functions, **{"timeout_s": 2.0, **reward}))
+    return RewardRunner(names, RewardConfig(functions=functions, **{"timeout_s": 2.0, **reward}), reap=True)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +119,8 @@ def test_code_tests_scores_the_fraction_of_tests_the_models_code_passes(completi
     runner = runner_of(["code_tests"], timeout_s=10.0)
     try:
         kwargs = {"timeout_per_test_s": 0.5}
-        total, _, errors = runner.score([0], [1.0], [kwargs], "Write add(a, b).", completion, {"tests": TESTS})
+        fields = {"tests": TESTS, "difficulty": "easy"}  # a field it does not read is ignored
+        total, _, errors = runner.score([0], [1.0], [kwargs], "Write add(a, b).", completion, fields)
         assert (total, errors) == (score, [None])
     finally:
         runner.close()

@@ -18,7 +18,7 @@ class RewardWorker:
 
         die_with_parent()
         self.functions = reward.functions
-        self.runner = RewardRunner([spec.name for spec in reward.functions] + [judge], reward)
+        self.runner = RewardRunner([spec.name for spec in reward.functions] + [judge], reward, reap=True)
         self.judge = judge
         self.done = 0  # completions scored: the heartbeat of a share
 

@@ -17,16 +17,16 @@ log = logging.getLogger("grpo_dist")
 
 class RewardRunner:
     """The reward functions `names` (built-ins or dotted paths), ready to score; raises `ValueError` naming the
-    first that does not resolve."""
+    first that does not resolve. `reap`: see `Sandbox` (a reward worker's runner)."""
 
-    def __init__(self, names: list[str], reward: RewardConfig) -> None:
+    def __init__(self, names: list[str], reward: RewardConfig, reap: bool = False) -> None:
         self.names, self.timeout_s = names, reward.timeout_s
         self.sandbox: Sandbox | None = None
         self.executor = None
         if reward.sandbox:
             limits = Limits(reward.sandbox_memory_mb, reward.timeout_s, reward.sandbox_processes,
                             reward.sandbox_network)  # fmt: skip
-            self.sandbox = Sandbox(names, limits)
+            self.sandbox = Sandbox(names, limits, reap)
             for note in self.sandbox.notes:
                 log.warning(note)
         else:
