@@ -51,9 +51,10 @@ class RunFailed(RuntimeError):
 
 
 class ActorFault(RuntimeError):
-    """Raised by an actor's own code when its process lives but can no longer do its work: `kind` is "engine died"
-    (its vLLM engine core is gone), "out of memory" or "device error" (the accelerator failed: a CUDA, cuBLAS or
-    NCCL error, an ECC fault). Callers treat it as the actor's death, not as a bug."""
+    """What an error from an actor whose process lives means when the actor can no longer do its work (`as_fault`
+    reads it from the error; an actor may also raise it): `kind` is "engine died" (its vLLM engine core is gone),
+    "out of memory" or "device error" (the accelerator failed: a CUDA, cuBLAS or NCCL error, an ECC fault).
+    Callers treat it as the actor's death, not as a bug."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
@@ -196,16 +197,17 @@ def gather_progressing(
     slow call that keeps making progress is waited for as long as it takes."""
     moved = [time.monotonic()] * len(refs)  # when each call's actor last showed progress
     counts: list[Any] = [None] * len(refs)
+    finished: dict[int, Outcome] = {}  # fetched once, as each call finishes
     hung: set[int] = set()
     tick = Bound(min(HEARTBEAT_S, bound.seconds), bound.setting)
-    while True:
-        waiting = [index for index in range(len(refs)) if index not in hung]
-        results = gather([refs[index] for index in waiting], tick, fail_fast=fail_fast)
-        outcomes = dict(zip(waiting, results, strict=True))
-        unfinished = [index for index, outcome in outcomes.items() if outcome.pending]
-        failed = any(not outcome.ok and not outcome.pending for outcome in outcomes.values())
-        if not unfinished or (fail_fast and (failed or hung)):
+    while unfinished := [index for index in range(len(refs)) if index not in finished and index not in hung]:
+        for index, outcome in zip(unfinished, gather([refs[i] for i in unfinished], tick, fail_fast=fail_fast),
+                                  strict=True):  # fmt: skip
+            if not outcome.pending:
+                finished[index] = outcome
+        if fail_fast and (hung or any(not outcome.ok for outcome in finished.values())):
             break
+        unfinished = [index for index in unfinished if index not in finished]
         beats = gather([actors[index].progress.remote() for index in unfinished], tick)
         now = time.monotonic()
         for index, beat in zip(unfinished, beats, strict=True):
@@ -213,7 +215,7 @@ def gather_progressing(
                 counts[index], moved[index] = beat.value, now
         hung.update(index for index in unfinished if now - moved[index] > bound.seconds)
     stalled = Outcome(fault=f"made no progress for {bound}", pending=True)
-    return [stalled if index in hung or outcomes[index].pending else outcomes[index] for index in range(len(refs))]
+    return [finished.get(index, stalled) for index in range(len(refs))]
 
 
 def _outcome(ref: ray.ObjectRef, fetch: bool) -> Outcome:

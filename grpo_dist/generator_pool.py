@@ -57,12 +57,16 @@ class Request:
 
 @dataclass
 class Lost:
-    """A request lost with its generator, and why: the actor died or hung, or (`engine`) its process lives but its
-    engine or device failed."""
+    """A request lost with its generator, and why: the actor died or hung, or its engine or device failed."""
 
     request: Request
     why: str
-    engine: bool = False
+    kind: str | None = None  # an `ActorFault`'s kind: its process lives, its engine or device failed
+
+
+def restart_counter(kind: str | None) -> str:
+    """The `faults/*` counter of a generator replaced after a fault of `kind`."""
+    return "engine_restarts" if kind else "generator_restarts"
 
 
 @dataclass
@@ -165,9 +169,8 @@ class GeneratorPool:
         for requests in by_actor.values():
             first = requests[0]
             if self.actors[first.request.slot] is first.request.actor:
-                counter = "engine_restarts" if first.engine else None
                 self.pool.replace(first.request.slot, f"{first.why} while generating {len(requests)} prompts",
-                                  "generating them again", counter)  # fmt: skip
+                                  "generating them again", restart_counter(first.kind))  # fmt: skip
                 replaced = True
         return replaced
 
@@ -237,7 +240,7 @@ class GeneratorPool:
                                   self.bounds.probe)  # fmt: skip
         lost = {slot: outcome for slot, outcome in outcomes.items() if outcome.fault is not None}
         for slot, outcome in lost.items():
-            self.pool.replace(slot, outcome.fault, counter="engine_restarts" if outcome.kind else None)
+            self.pool.replace(slot, outcome.fault, counter=restart_counter(outcome.kind))
         return bool(lost)
 
     def shutdown(self) -> None:
@@ -333,7 +336,7 @@ class Generation:
             if outcome.raised:
                 raise outcome.error
             if outcome.fault:
-                lost.append(Lost(request, outcome.fault, engine=outcome.kind is not None))
+                lost.append(Lost(request, outcome.fault, outcome.kind))
                 continue
             self.done[request.prompt_index] = outcome.value
             self.pool._answered(request, outcome.value, self.greedy)

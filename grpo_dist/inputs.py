@@ -34,55 +34,52 @@ class Inputs:
 def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
     """Build or check the model, read and tokenise the data, resolve the rewards: fail here, not in an actor.
     `scratch`: where to build what the config asks to be built, instead of its own paths (a dry run)."""
-    check_rewards(cfg)
-    model_path = prepare_model(cfg, scratch)
-    if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
-        check_plan(cfg, model_path)
-    tokenizer = load_tokenizer(model_path)
-    check_lengths(cfg)
-    train_path, eval_path = prepare_data(cfg, scratch)
-    train, skipped = read_prompts(cfg, train_path, tokenizer)
-    if len(train) < cfg.data.prompts_per_step:
-        raise ConfigError(
-            f"data.prompts_per_step ({cfg.data.prompts_per_step}) is more than the {len(train)} usable training "
-            f"prompts of {train_path}: a step would repeat prompts; lower it or add data"
-        )
-    if skipped:
-        print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
-    print(f"first prompt, as the model reads it: {train[0].text!r}")
-    check_answer(cfg, train[0], "data.path")
-    if held_out:
-        check_answer(cfg, held_out[0], "data.eval_path")
+    rewards = check_rewards(cfg)
+    try:
+        model_path = prepare_model(cfg, scratch)
+        if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
+            check_plan(cfg, model_path)
+        tokenizer = load_tokenizer(model_path)
+        check_lengths(cfg)
+        train_path, eval_path = prepare_data(cfg, scratch)
+        train, skipped = read_prompts(cfg, train_path, tokenizer)
+        if len(train) < cfg.data.prompts_per_step:
+            raise ConfigError(
+                f"data.prompts_per_step ({cfg.data.prompts_per_step}) is more than the {len(train)} usable training "
+                f"prompts of {train_path}: a step would repeat prompts; lower it or add data"
+            )
+        if skipped:
+            print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+        held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
+        print(f"first prompt, as the model reads it: {train[0].text!r}")
+        check_answer(cfg, rewards, train[0], "data.path")
+        if held_out:
+            check_answer(cfg, rewards, held_out[0], "data.eval_path")
+    finally:
+        rewards.close()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return Inputs(model_path, pad, train, held_out)
 
 
-def check_rewards(cfg: Config) -> None:
-    """Every reward function the config names (training and `eval.reward`) resolves to a callable: imported where
-    they will run (the sandbox, by default), never in this process."""
-    runner(cfg, [spec.name for spec in cfg.reward.functions] + [cfg.eval.reward]).close()
-
-
-def runner(cfg: Config, names: list[str]) -> RewardRunner:
-    """The reward functions `names`, ready to score as the reward workers will."""
+def check_rewards(cfg: Config) -> RewardRunner:
+    """Every reward function the config names (training, then `eval.reward`) resolves to a callable: imported where
+    they will run (the sandbox, by default), never in this process. Returns them, ready to score as the reward
+    workers will (the caller closes it)."""
     try:
-        return RewardRunner(names, cfg.reward)
+        return RewardRunner([spec.name for spec in cfg.reward.functions] + [cfg.eval.reward], cfg.reward)
     except (ValueError, SandboxError) as err:
         raise ConfigError(str(err)) from None
 
 
-def check_answer(cfg: Config, record: PromptRecord, key: str) -> None:
-    """The reference answer of a dataset's first row, given as the completion, must score 1.0 with `eval.reward`:
-    otherwise the answer column or the reward's parser is wrong, and every step would learn from noise."""
+def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: str) -> None:
+    """The reference answer of a dataset's first row, given as the completion, must score 1.0 with `eval.reward`
+    (the last of `rewards`): otherwise the answer column or the reward's parser is wrong, and every step would learn
+    from noise. Bounded by reward.timeout_s."""
     if "answer" not in record.fields:
         return
     answer, name = record.fields["answer"], cfg.eval.reward
-    judge = runner(cfg, [name])
-    try:  # bounded by reward.timeout_s
-        score, _, errors = judge.score([0], [1.0], [{}], record.text, str(answer), record.fields)
-    finally:
-        judge.close()
+    judge = len(rewards.names) - 1
+    score, _, errors = rewards.score([judge], [1.0], [{}], record.text, str(answer), record.fields)
     if errors[0] is not None:
         raise ConfigError(f"eval.reward={name} failed on the first row of {key}: {errors[0]}")
     if score != 1.0:

@@ -132,7 +132,7 @@ class LearnerGroup:
         if self.training is None:
             return
         calls, self.training = self.training, None
-        results = self._wait(calls, "train", bound=self.bounds.train)
+        results = self._wait(calls, "train", bound=self.bounds.train, progressing=True)
         self.version += 1
         metrics = {key: sum(result[key] for result in results) for key in results[0] if key not in FROM_RANK_0}
         metrics.update({key: results[0][key] for key in FROM_RANK_0 if key in results[0]})
@@ -194,12 +194,13 @@ class LearnerGroup:
         ranks: Sequence[int] | None = None,
         bound: Bound | None = None,
         fetch=True,
+        progressing: bool = False,
     ) -> list[Any]:
         """Results of one call per rank (of `ranks`, all by default), in that order, within `bound` (by default the
         sync bound; a training step's is on its progress); fails naming the first rank that failed or hung."""
         bound = bound or self.bounds.sync
         ranks = list(ranks if ranks is not None else range(len(refs)))
-        if bound is self.bounds.train:
+        if progressing:
             outcomes = gather_progressing(refs, [self.ranks[rank] for rank in ranks], bound, fail_fast=True)
         else:  # the other ranks would wait on a failed one in the collective: stop at the first failure
             outcomes = gather(refs, bound, fetch=fetch, fail_fast=True)

@@ -75,6 +75,7 @@ class Learner:
         self.weight_version = 0
         self.rank = 0
         self.done = 0  # forward passes and optimizer steps finished: the heartbeat of a training step
+        self.fail_allocation_at = int(os.environ.get(FAIL_ALLOCATION_AT_STEP, 0))  # tests only (see faults.py)
 
     @ray.method(concurrency_group="heartbeat")
     def progress(self) -> int:
@@ -232,7 +233,7 @@ class Learner:
         for position, (select, share) in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(position == len(micro_batches) - 1)
             loss, metrics = self._micro_loss(batch.select(select), select, old_logprobs, ref_logprobs)
-            if os.environ.get(FAIL_ALLOCATION_AT_STEP) == str(self.weight_version + 1):
+            if self.fail_allocation_at == self.weight_version + 1:
                 torch.empty(1 << 60, dtype=torch.uint8, device=self.device)  # the allocator refuses it
             self.engine.backward(loss * (share * shard.world_size), scale_wrt_gas=False)
             self.done += 1
