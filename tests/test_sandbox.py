@@ -5,11 +5,13 @@ reward goes on to its end and leaves no process behind. The bundled `code_tests`
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
 import socket
 import subprocess
+import sys
 
 import psutil
 import pytest
@@ -18,7 +20,7 @@ from test_resume import training
 
 from grpo_dist.config import RewardConfig, RewardFunctionConfig, validate_config
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.sandbox import SANDBOX_MARK, failure_kind
+from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, failure_kind
 
 FIXTURES = "reward_fixtures"
 
@@ -43,6 +45,16 @@ def server():
         listening.listen()
         listening.settimeout(0.2)
         yield listening
+
+
+@pytest.fixture(autouse=True, scope="module")
+def reaping_only_here():
+    """The runners below make this process a subreaper, as a reward worker is; it must not stay one for the tests
+    that follow: a process they orphan (a Ray daemon's child, a job's driver) would be re-parented here and, never
+    reaped, stay a zombie that Ray's job supervisor waits on."""
+    yield
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
 def runner_of(names: list[str], **reward) -> RewardRunner:
