@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/grpo-dist train $(CONFIG)
-	$(VENV)/bin/grpo-dist plot outputs/quickstart/metrics.jsonl outputs/quickstart/reward_curve.png
+	$(VENV)/bin/grpo-dist plot outputs/quickstart/metrics.jsonl outputs/quickstart/run.png
 
 test: $(STAMP)
 	$(PY) -m pytest

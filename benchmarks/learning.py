@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-ACCURACY = re.compile(r"held-out accuracy (before|after) training: ([0-9.]+)")
+ACCURACY = re.compile(r"eval held_out (before|after) training: accuracy ([0-9.]+)")
 WARM_UP_ACCURACY = re.compile(r"held-out accuracy after warm-up: ([0-9.]+)")
 GAIN_TARGET, ACCURACY_TARGET = 0.3, 0.5
 HELD_OUT_GAIN_TARGET = 0.15  # warm start: GRPO's rise in held-out accuracy over the warmed-up model

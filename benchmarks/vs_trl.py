@@ -38,7 +38,7 @@ from grpo_dist.data.sources import read_source  # noqa: E402
 from grpo_dist.inputs import prepare_data  # noqa: E402
 from grpo_dist.rewards.registry import resolve_reward  # noqa: E402
 
-OWN_ACCURACY = re.compile(r"held-out accuracy after training: ([0-9.]+)")
+OWN_ACCURACY = re.compile(r"eval held_out after training: accuracy ([0-9.]+)")
 LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}
 REWARD_SCALING = {"grpo": "group", "dr_grpo": "none", "batch_std": "batch"}
 

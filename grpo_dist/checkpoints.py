@@ -26,6 +26,7 @@ import yaml
 
 from grpo_dist import manifest, safe_load
 from grpo_dist.config import Config, ConfigError
+from grpo_dist.console import bar
 from grpo_dist.storage import ObjectStore, upload_run_files
 
 LATEST = "latest"
@@ -111,14 +112,18 @@ def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any
     driver its config and, last, the run state that marks it complete; then `latest`, pruning and the run's files."""
     store, prefix = ObjectStore(cfg.object_store), checkpoints_key(cfg)
     key = f"{prefix}/{name}"
-    store.delete(key)  # what an upload cut short left
-    cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key)
-    _write_driver_files(cfg, partial, state)
-    store.upload(partial / "config.yaml", f"{key}/config.yaml")
-    store.upload(partial / STATE, f"{key}/{STATE}")
-    shutil.rmtree(partial, ignore_errors=True)
-    store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": store.sizes(key)}, sort_keys=True))
-    store.write_text(f"{prefix}/{LATEST}", name + "\n")
+    with bar(3, f"uploading {name}", "part") as shown:  # the learner's shards, the driver's files, the manifest
+        store.delete(key)  # what an upload cut short left
+        cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key)
+        shown.update()
+        _write_driver_files(cfg, partial, state)
+        store.upload(partial / "config.yaml", f"{key}/config.yaml")
+        store.upload(partial / STATE, f"{key}/{STATE}")
+        shutil.rmtree(partial, ignore_errors=True)
+        shown.update()
+        store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": store.sizes(key)}, sort_keys=True))
+        store.write_text(f"{prefix}/{LATEST}", name + "\n")
+        shown.update()
     steps = [child for child in store.children(prefix) if child.startswith("step-")]
     written_order = sorted(steps, key=lambda child: store.mtime(f"{prefix}/{child}/{STATE}"))
     for old in prunable(written_order, cfg.checkpoint.keep, name, _resumed_from(cfg)):

@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         help="continue the run in run.output_dir/run.name from its latest checkpoint (or from CHECKPOINT; `auto`: "
         "from its latest one if it has one, else start it)",
     )
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show what the libraries and actors print (vLLM, DeepSpeed, Ray, warnings) on the console too; it "
+        "always goes to verbose.log in the run directory",
+    )
     sft = commands.add_parser("sft", help="supervised warm-up writing model.path: grpo-dist sft CONFIG [overrides]")
     sft.add_argument("config", help="YAML config file with an sft section")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200")
@@ -53,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         "default": os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS", "").startswith("http") else None,
         "help": "the Ray job server, http://HEAD:8265 (default: RAY_ADDRESS when it is such a URL)",
     }
+    evaluate = commands.add_parser(
+        "eval", help="the config's eval sets on a checkpoint or saved policy: grpo-dist eval CONFIG --checkpoint PATH"
+    )
+    evaluate.add_argument("config", help="YAML config file (its eval sets, data, model shape and cluster)")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.max_prompts=50")
+    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint directory (checkpoints/step-NNNNNN) or a "
+                          "saved policy (final/, interrupted/, a Hugging Face model directory)")  # fmt: skip
+    evaluate.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     submit = commands.add_parser("submit", help="run CONFIG on a Ray cluster as a Ray job and follow its logs")
     submit.add_argument("config", help="YAML config file, inside the working directory")
     submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_generators=8")
@@ -74,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("setting", help="generators=N")
     reference = commands.add_parser("reference", help="print every config key with its default and meaning")
     reference.add_argument("--markdown", action="store_true", help="as the Markdown table of the README")
-    plot = commands.add_parser("plot", help="draw the reward curve of a metrics.jsonl as a PNG")
+    plot = commands.add_parser("plot", help="draw a run's reward, eval curves, time per phase and staleness as a PNG")
     plot.add_argument("metrics", help="path to metrics.jsonl")
     plot.add_argument("out", help="PNG to write")
     plan = commands.add_parser("plan", help="per-GPU memory of the learner ranks and engines: grpo-dist plan CONFIG")
@@ -129,14 +143,14 @@ def _run(args: argparse.Namespace) -> int:
         print(reference_markdown() if args.markdown else reference_text())
         return 0
     if args.command == "plot":
-        from grpo_dist.plot import plot_rewards, reward_summary, step_rewards
+        from grpo_dist.plot import plot_run, reward_summary, step_rewards
 
         if not Path(args.metrics).is_file():
             raise ConfigError(
                 f"{args.metrics}: no such metrics file (a run writes run.output_dir/run.name/metrics.jsonl)"
             )
         steps, rewards = step_rewards(args.metrics)
-        print(f"reward curve written to {plot_rewards(steps, rewards, args.out)}")
+        print(f"reward, eval, time per phase and staleness written to {plot_run(args.metrics, args.out)}")
         print(reward_summary(rewards))
         return 0
     if args.command == "scale":
@@ -176,6 +190,15 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         return _check_cluster(cfg, args.cluster) if args.cluster else 0
 
+    if args.command == "eval":
+        from grpo_dist.evaluation import evaluate_checkpoint
+
+        try:
+            evaluate_checkpoint(cfg, args.checkpoint, args.out)
+        except DatasetError as err:
+            print(f"grpo-dist: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "sft":
         from grpo_dist.sft import run_sft
 
@@ -191,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)  # preemption, `ray job stop`: the same clean stop as Ctrl-C
     try:
-        train(cfg, resume=args.resume)
+        train(cfg, resume=args.resume, verbose=args.verbose)
         print(f"run directory: {cfg.shown()}")
     except KeyboardInterrupt:
         print(
@@ -263,7 +286,8 @@ def _check_inputs(cfg: Config) -> None:
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     with tempfile.TemporaryDirectory(prefix="grpo-dist-check-") as scratch:
         inputs = prepare(cfg, scratch=Path(scratch))
-    print(f"inputs: {len(inputs.train)} training prompts, {len(inputs.held_out)} held-out, rewards "
+    sets = ", ".join(f"{each.name} ({len(each.prompts)} prompts)" for each in inputs.eval_sets) or "none"
+    print(f"inputs: {len(inputs.train)} training prompts, eval sets {sets}, rewards "
           f"{', '.join(spec.name for spec in cfg.reward.functions)} resolved")  # fmt: skip
 
 

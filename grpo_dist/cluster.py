@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from grpo_dist.config import Config
+from grpo_dist.console import bar
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
@@ -94,24 +95,31 @@ class Cluster:
         (errors surface here, with the actor named). On any failure nothing is left running."""
         placement, faults = place(cfg), FaultLog()
         started: list = []
+        shown = bar(4, "starting", "role")  # the learner group, the engines, the reward workers, the transport
         try:
             if probe is not None:
                 check_visible(probe, placement.learner_strategies(), Bounds.of(cfg).start)
             learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies())
             started.append(learner)
+            shown.update()
             generators = GeneratorPool(cfg, model_path, placement, faults)
             started.append(generators)
             rewards = RewardPool(cfg, placement, faults)
             started.append(rewards)
             generators.pool.wait_ready()
+            shown.update()
             rewards.pool.wait_ready()
+            shown.update()
             transport = make_transport(cfg, learner, generators.actors)
             transport.connect()
+            shown.update()
         except BaseException:
             for role in started:
                 role.shutdown()
             placement.remove()
             raise
+        finally:
+            shown.close()
         return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
 
     def sync_weights(self) -> None:

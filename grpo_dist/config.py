@@ -20,6 +20,7 @@ from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections
     ClusterConfig,
     DataConfig,
     EvalConfig,
+    EvalSetConfig,
     FaultsConfig,
     LearnerConfig,
     ModelConfig,
@@ -63,7 +64,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    """Held-out accuracy."""
+    """Evaluation before, during and after training: accuracy, pass@k, maj@k per eval set."""
     sft: SftConfig | None = None
     """Supervised warm-up on the task's solved rows (`grpo-dist sft CONFIG`) writing `model.path`; null: none."""
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -91,7 +92,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _model_code_in_the_sandbox(self) -> Config:
-        names = [spec.name for spec in self.reward.functions] + [self.eval.reward]
+        names = [spec.name for spec in self.reward.functions] + self.judges
         if "code_tests" in names and not self.reward.sandbox:
             raise ValueError("the code_tests reward runs the model's code: it needs reward.sandbox=true")
         return self
@@ -129,6 +130,12 @@ class Config(_Section):
                 "checkpoints go there, under <name>/checkpoints"
             )
         return self
+
+    @property
+    def judges(self) -> list[str]:
+        """The rewards that judge evaluation answers: `eval.reward`, then each eval set's own, each once."""
+        names = [self.eval.reward] + [spec.reward for spec in self.eval.sets if spec.reward]
+        return list(dict.fromkeys(names))
 
     @property
     def object_store(self) -> str | None:

@@ -386,11 +386,61 @@ class CheckpointConfig(_Section):
     """Let `--resume` go on over training data that changed since the checkpoint (otherwise an error)."""
 
 
+class EvalSetConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """The set's name, in its metrics (`eval/<name>/...`) and its console line."""
+    path: str | None = None
+    """Its prompts, in any layout `data.path` takes; null: the run's held-out prompts (`data.eval_path`, or the
+    bundled task's)."""
+    split: str = "test"
+    """The split of `path` (a `save_to_disk` directory of several splits, or a hub dataset)."""
+    subset: str | None = None
+    """The subset (configuration) of a hub dataset."""
+    fields: FieldsConfig | None = None
+    """Which columns hold the prompt and the answer; null: `data.fields`."""
+    k: int = Field(1, ge=1)
+    """Samples per prompt: pass@1 ... pass@k and maj@k are reported."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 is greedy decoding (one sample: k must be 1)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Longest completion, in tokens; null: `rollout.max_new_tokens`."""
+    reward: str | None = None
+    """The reward whose value 1.0 counts as correct (a built-in or a dotted path); null: `eval.reward`."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Prompts evaluated (the first ones); null: `eval.max_prompts`."""
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> EvalSetConfig:
+        if self.temperature == 0 and self.k > 1:
+            raise ValueError(
+                f"eval set {self.name}: k={self.k} samples at temperature 0 are one greedy answer {self.k} times; "
+                "set a temperature above 0 (e.g. 0.6) or k to 1"
+            )
+        return self
+
+
 class EvalConfig(_Section):
     reward: str = "math_answer"
-    """Reward function whose value 1.0 counts as a correct answer when measuring held-out accuracy."""
+    """Reward function whose value 1.0 counts as a correct answer (every eval set's unless it names its own)."""
     max_prompts: int = Field(200, ge=1)
-    """Held-out prompts scored (greedy decoding) before and after training."""
+    """Prompts of each eval set evaluated (the first ones), unless the set says otherwise."""
+    every: int = Field(0, ge=0)
+    """Evaluate every this many steps, besides before training and after it; 0: before and after only."""
+    sets: list[EvalSetConfig] = Field(default_factory=list)
+    """The eval sets; empty: one set `held_out`, the run's held-out prompts decoded greedily (k 1)."""
+    save_samples: bool = True
+    """Write every evaluation's judged samples to `eval_samples/step-NNNNNN.jsonl` in the run directory (set,
+    prompt, completion, the answer read from it, correct, length, truncated)."""
+
+    @model_validator(mode="after")
+    def _names_distinct(self) -> EvalConfig:
+        names = [spec.name for spec in self.sets]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"eval.sets: each set needs a name of its own (given more than once: {twice})")
+        return self
 
 
 class ClusterConfig(_Section):
@@ -415,10 +465,22 @@ class WandbConfig(_Section):
     """Log to Weights & Biases (offline, to the run directory, when no API key is set)."""
     project: str = "grpo-dist"
     """W&B project."""
-    run_name: str | None = None
+    entity: str | None = None
+    """W&B entity (team or user); null: the API key's default."""
+    name: str | None = None
     """W&B run name; defaults to `run.name`."""
+    group: str | None = None
+    """W&B group, to compare runs of one experiment side by side."""
+    tags: list[str] = Field(default_factory=list)
+    """W&B tags."""
+    notes: str | None = None
+    """W&B notes: a line on what this run tries."""
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
     """`auto` is online when WANDB_API_KEY is set and offline otherwise."""
+    table_every: int = Field(10, ge=0)
+    """Log a table of sampled completions every this many steps (and at the first); 0: none."""
+    table_rows: int = Field(32, ge=1)
+    """Rows of each completion table (the first groups of the step's batch, whole)."""
     finish_timeout_s: float = Field(120.0, gt=0)
     """The longest the run waits for W&B to finish uploading at its end; past it the run ends anyway, its W&B files
     kept in the run directory (`wandb sync` uploads them)."""

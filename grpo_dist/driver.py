@@ -19,11 +19,12 @@ from grpo_dist import checkpoints, control
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_ray
 from grpo_dist.config import Config
+from grpo_dist.console import Console, section, step_line
 from grpo_dist.data import PromptSampler
-from grpo_dist.evaluation import report_accuracy
+from grpo_dist.evaluation import evaluate
 from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
-from grpo_dist.metrics import MetricsSink, StepTimer, rollout_metrics, start_wandb
+from grpo_dist.metrics import MetricsSink, StepSamples, StepTimer, completion_rows, rollout_metrics, start_wandb
 from grpo_dist.recovery import (
     check_same_data,
     checkpoint_at_stop,
@@ -36,15 +37,27 @@ from grpo_dist.recovery import (
 )
 from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
 from grpo_dist.run_dir import discard_run_dir, publish_run_dir, resolve_paths, start_run_dir, write_probe
+from grpo_dist.throughput import throughput_metrics
 
 
-def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = False) -> Path:
+def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = False, verbose: bool = False) -> Path:
     """Run GRPO as configured; returns the run directory (metrics.jsonl, checkpoints/, final/). Starts Ray and the
     actors unless a running `cluster` is given. `resume`: continue from the run's latest checkpoint (True) or
-    from the checkpoint at a path."""
+    from the checkpoint at a path. `verbose`: the libraries' and actors' output on the console too, not only in
+    the run directory's verbose.log."""
     resolve_paths(cfg)
     checkpoint = find_checkpoint(cfg, resume)
     earlier = None if checkpoint else start_run_dir(cfg)
+    console = Console(verbose)
+    console.open(cfg.run_dir)
+    try:
+        return run_training(cfg, cluster, checkpoint, earlier, console)
+    finally:
+        console.close()
+
+
+def run_training(cfg: Config, cluster: Cluster | None, checkpoint, earlier, console: Console) -> Path:
+    """The run `train` set up: its inputs, its cluster, its steps."""
     try:
         inputs = prepare(cfg)
     except BaseException:
@@ -54,35 +67,33 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     check_same_data(cfg, checkpoint, sampler)
     own_cluster = cluster is None
-    cluster = cluster or start_cluster(cfg, inputs.model_path)
+    cluster = cluster or start_cluster(cfg, inputs.model_path, console)
+    console.take_actor_output()
     rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), step, cfg.wandb.finish_timeout_s)
-    if step == 0:
-        report_accuracy(cfg, cluster, inputs.held_out, "before training")
+    if step == 0 and inputs.eval_sets:
+        sink.log_eval(0, evaluate(cfg, cluster, inputs.eval_sets, "before training", eval_samples(cfg, 0)))
     at_step_start = (run_state(rollouts, sink), cluster.learner.version)
-    progress = tqdm(total=cfg.run.steps, initial=step, desc="grpo", unit="step", dynamic_ncols=True)
+    section(f"training: steps {step + 1}-{cfg.run.steps}, one line each")
     try:
         while step < cfg.run.steps:
             at_step_start = (run_state(rollouts, sink), cluster.learner.version)  # for a checkpoint if stopped now
             try:
                 apply_scale_request(cfg, cluster)
-                metrics = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
+                metrics, samples = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
                 step += 1
-                sink.log(step, {**metrics, "epoch": sampler.epoch})
-                show_progress(cfg, progress, metrics)
+                if eval_due(cfg, step) and inputs.eval_sets:
+                    metrics.update(evaluate_now(cfg, cluster, inputs.eval_sets, step))
+                sink.log(step, {**metrics, "epoch": sampler.epoch}, samples)
+                tqdm.write(step_line(step, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
                 if checkpoint_due(cfg, step):
-                    checkpoints.save(cfg, cluster, step, run_state(rollouts, sink))
+                    save_checkpoint(cfg, cluster, step, run_state(rollouts, sink))
             except LearnerLost as lost:
                 step = restart_learner(cfg, cluster, rollouts, sink, lost)
-                progress.n = step
-                progress.refresh()
         sink.close()
-        if cluster.generators.weight_version < cluster.learner.version:
-            cluster.sync_weights()  # the held-out evaluation samples the final policy
-        report_accuracy(cfg, cluster, inputs.held_out, "after training")
         if cfg.run.save_final:
-            print(f"final policy saved to {save_policy(cfg, cluster, 'final')}")
+            section(f"final policy saved to {save_policy(cfg, cluster, 'final')}")
     except BaseException as stop:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
         if isinstance(stop, KeyboardInterrupt) and step > 0:
             checkpoint_at_stop(cfg, cluster, step, *at_step_start)
@@ -90,26 +101,37 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
         raise
     finally:
         sink.close()
-        progress.close()
         publish_run_dir(cfg)
         if own_cluster:
             cluster.shutdown()
     return cfg.run_dir
 
 
-def start_cluster(cfg: Config, model_path: str) -> Cluster:
+def start_cluster(cfg: Config, model_path: str, console: Console | None = None) -> Cluster:
     """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
     aborts; the command line's stops cleanly); every learner node must see the run directory."""
+    started = time.perf_counter()
+    section(f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
+            f"and {cfg.reward.num_workers} reward worker(s)")  # fmt: skip
     on_sigterm = signal.getsignal(signal.SIGTERM)
     start_ray(cfg)
     if callable(on_sigterm):
         signal.signal(signal.SIGTERM, on_sigterm)
-    return Cluster.start(cfg, model_path, probe=write_probe(cfg))
+    if console is not None:
+        console.take_actor_output()  # what the actors print while they start, too
+    cluster = Cluster.start(cfg, model_path, probe=write_probe(cfg))
+    if console is not None:
+        console.open(cfg.run_dir)  # the libraries imported meanwhile
+    section(f"started in {time.perf_counter() - started:.1f} s")
+    return cluster
 
 
-def train_step(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_id: int, step: int) -> dict[str, float]:
+def train_step(
+    cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_id: int, step: int
+) -> tuple[dict[str, float], StepSamples]:
     """One GRPO step: take the step's groups (drawn ahead when `rollout.max_staleness` >= 1), compute advantages,
-    train while the next step's groups are generated and scored, sync the generators when the bound needs it."""
+    train while the next step's groups are generated and scored, sync the generators when the bound needs it.
+    Returns the step's metrics and its samples (for histograms, and the completion table when due)."""
     timer, started = StepTimer(), time.perf_counter()
     k, learner, generators = cfg.rollout.max_staleness, cluster.learner, cluster.generators
     rollout, sampling_metrics = rollouts.take(step, timer)
@@ -124,6 +146,7 @@ def train_step(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_
         rollouts.draw_ahead(step + 1, timer)
         train_metrics = learner.finish_train()
     queued = rollouts.queued_prompts()
+    samples = step_samples(cfg, step, rollout, advantages, learner.version - 1)
     if sync_due(k, generators.weight_version, learner.version):
         with timer("sync"):
             cluster.sync_weights()
@@ -140,7 +163,18 @@ def train_step(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, pad_token_
     metrics["time/generator_idle"] = max(0.0, metrics["time/step"] - metrics.get("time/generate", 0.0))
     metrics["queue/prompts"] = float(queued)
     metrics["tokens_per_s"] = metrics["tokens/generated"] / metrics["time/step"]
-    return metrics
+    metrics.update(throughput_metrics(metrics, len(learner.ranks)))
+    return metrics, samples
+
+
+def step_samples(cfg: Config, step: int, rollout, advantages, version: int) -> StepSamples:
+    """The step's rewards, lengths and advantages, and the first groups of its batch when a completion table is due
+    (`wandb.table_every`; staleness against `version`, the weights trained on)."""
+    every, names = cfg.wandb.table_every, [spec.name for spec in cfg.reward.functions]
+    due = bool(every) and (step == 1 or step % every == 0)
+    table = completion_rows(rollout, advantages, version, names, cfg.wandb.table_rows) if due else None
+    rewards = [score.total for score in rollout.scores]
+    return StepSamples(rewards, [len(c.token_ids) for c in rollout.completions], advantages.tolist(), table)
 
 
 def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
@@ -150,15 +184,32 @@ def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
         tqdm.write(f"scale: {line}")
 
 
+def eval_due(cfg: Config, step: int) -> bool:
+    every = cfg.eval.every
+    return step == cfg.run.steps or bool(every) and step % every == 0
+
+
+def evaluate_now(cfg: Config, cluster: Cluster, sets: list, step: int) -> dict[str, float]:
+    """The eval sets on the learner's weights of `step` (the generators synced first when behind), timed."""
+    started = time.perf_counter()
+    if cluster.generators.weight_version < cluster.learner.version:
+        cluster.sync_weights()
+    when = "after training" if step == cfg.run.steps else f"at step {step}"
+    metrics = evaluate(cfg, cluster, sets, when, eval_samples(cfg, step))
+    return {**metrics, "time/eval": time.perf_counter() - started}
+
+
+def eval_samples(cfg: Config, step: int) -> Path | None:
+    """Where an evaluation's judged samples go (`eval.save_samples`)."""
+    return cfg.run_dir / "eval_samples" / f"step-{step:06d}.jsonl" if cfg.eval.save_samples else None
+
+
 def checkpoint_due(cfg: Config, step: int) -> bool:
     every = cfg.checkpoint.every_steps
     return bool(every) and (step % every == 0 or step == cfg.run.steps)
 
 
-def show_progress(cfg: Config, progress: tqdm, metrics: dict[str, float]) -> None:
-    progress.update(1)
-    staleness = f" staleness={metrics['staleness/max']:.0f}" if cfg.rollout.max_staleness else ""
-    progress.set_postfix_str(
-        f"reward={metrics['reward/mean']:.3f} kl={metrics.get('kl', 0.0):.4f} tok/s={metrics['tokens_per_s']:.0f}"
-        + staleness
-    )
+def save_checkpoint(cfg: Config, cluster: Cluster, step: int, state: dict) -> None:
+    started = time.perf_counter()
+    where = checkpoints.save(cfg, cluster, step, state)
+    section(f"checkpoint of step {step} written to {where} ({time.perf_counter() - started:.1f} s)")

@@ -1,26 +1,146 @@
-"""Held-out accuracy: greedy completions of the held-out prompts, judged by `eval.reward` (1.0 = correct), before
-and after training. The generator pool samples them and the reward pool judges them, each under its own bounds;
-`grpo-dist sft`, which has no cluster, judges its warm-up the same way in its own process."""
+"""Evaluation: each eval set's prompts sampled k times on the generators and judged in the reward pool (1.0 =
+correct), each under its own bounds; before training, every `eval.every` steps and after the last one. Reported
+per set: mean accuracy, the unbiased pass@j for j = 1..k, maj@k where answers can be read, mean length and the
+share cut at max_tokens. `grpo-dist sft`, which has no cluster, judges its warm-up in its own sandbox.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+from tqdm import tqdm
+
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
-from grpo_dist.data import PromptRecord
+from grpo_dist.console import bar
+from grpo_dist.inputs import EvalSet
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.rollouts import generate, score_requests
-from grpo_dist.types import ScoreRequest
+from grpo_dist.rollouts import advancing, score_requests
+from grpo_dist.types import Sampling, ScoreRequest
+
+BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
-def report_accuracy(cfg: Config, cluster: Cluster, held_out: list[PromptRecord], when: str) -> float | None:
-    """Greedy accuracy on the held-out prompts (at most `eval.max_prompts`) on the generators; printed and
-    returned."""
-    if not held_out:
+def evaluate(
+    cfg: Config, cluster: Cluster, sets: list[EvalSet], when: str, samples_to: Path | None = None
+) -> dict[str, float]:
+    """Run every eval set on the generators (holding the weights to evaluate) and judge it in the reward pool;
+    one line printed per set; returns `eval/<set>/...` metrics. `samples_to`: a JSON Lines file to write every
+    judged sample to (its set, prompt, completion, answer read, correct, length, truncated)."""
+    metrics: dict[str, float] = {}
+    written = []
+    for each in sets:
+        sampling = Sampling(each.temperature, each.top_p, each.max_tokens)
+        seeds = eval_seeds(cfg.run.seed, each)
+        generation = cluster.generators.start(each.prompts, each.k, sampling, seeds)
+        with bar(len(each.prompts), f"eval {each.name}", "prompt") as shown:
+            for finished in advancing(cluster, generation):
+                shown.update(finished)
+        completions = generation.completions()
+        scores = cluster.rewards.score(score_requests(each.prompts, completions), judge=each.reward)
+        samples = [
+            Sample(score.total == 1.0, not math.isfinite(score.total), final_answer(c.text), len(c.token_ids),
+                   c.finish_reason == "length")
+            for c, score in zip(completions, scores, strict=True)
+        ]  # fmt: skip
+        found = set_metrics(each.name, each.k, [samples[i : i + each.k] for i in range(0, len(samples), each.k)])
+        metrics.update(found)
+        tqdm.write(describe(each, found, when))
+        written += [
+            {"set": each.name, "prompt_index": c.prompt_index, "prompt": each.prompts[c.prompt_index].text,
+             "completion": c.text, "answer": s.answer, "correct": s.correct, "unscored": s.unscored,
+             "length": s.length, "truncated": s.truncated}
+            for c, s in zip(completions, samples, strict=True)
+        ]  # fmt: skip
+    if samples_to is not None:
+        samples_to.parent.mkdir(parents=True, exist_ok=True)
+        samples_to.write_text("".join(json.dumps(row) + "\n" for row in written))
+    return metrics
+
+
+def eval_seeds(run_seed: int, each: EvalSet) -> list[int] | None:
+    """One sampling seed per prompt, the same at every evaluation of the run (the same prompts, the same draws:
+    what moves between evaluations is the policy); greedy decoding needs none."""
+    if each.temperature == 0:
         return None
-    prompts = held_out[: cfg.eval.max_prompts]
-    completions = generate(cluster, prompts, group_size=1, greedy=True)
-    scores = [score.total for score in cluster.rewards.score(score_requests(prompts, completions), judge=True)]
-    return show_accuracy(cfg, scores, when)
+    stream = random.Random(f"eval:{run_seed}:{each.name}")
+    return [stream.getrandbits(31) for _ in each.prompts]
+
+
+class Sample:
+    """One judged eval completion."""
+
+    __slots__ = ("correct", "unscored", "answer", "length", "truncated")
+
+    def __init__(self, correct: bool, unscored: bool, answer: str | None, length: int, truncated: bool) -> None:
+        self.correct, self.unscored, self.answer = correct, unscored, answer
+        self.length, self.truncated = length, truncated
+
+
+def set_metrics(name: str, k: int, groups: list[list[Sample]]) -> dict[str, float]:
+    """A set's metrics from its prompts' groups of k judged samples. A sample the judge failed on counts as
+    wrong (and in `unscored`)."""
+    samples = [sample for group in groups for sample in group]
+    prefix = f"eval/{name}"
+    metrics = {f"{prefix}/accuracy": sum(s.correct for s in samples) / len(samples)}
+    for j in range(1, k + 1):
+        metrics[f"{prefix}/pass@{j}"] = sum(pass_at_k(k, sum(s.correct for s in g), j) for g in groups) / len(groups)
+    if k > 1 and any(s.answer is not None for s in samples):
+        metrics[f"{prefix}/maj@{k}"] = sum(majority_correct(group) for group in groups) / len(groups)
+    metrics[f"{prefix}/length_mean"] = sum(s.length for s in samples) / len(samples)
+    metrics[f"{prefix}/truncated"] = sum(s.truncated for s in samples) / len(samples)
+    metrics[f"{prefix}/unscored"] = sum(s.unscored for s in samples) / len(samples)
+    return metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of the chance that at least one of k samples is correct, from n samples of which c
+    are (Chen et al., 2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(group: list[Sample]) -> bool:
+    """Whether the answer most samples give (the first to reach the top count, among those with an answer) is
+    judged correct; False when no sample has an answer."""
+    answered = [s for s in group if s.answer is not None]
+    if not answered:
+        return False
+    counts = Counter(s.answer for s in answered)
+    top = max(counts.values())
+    winner = next(s for s in answered if counts[s.answer] == top)
+    return winner.correct
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a completion gives, for majority voting: the last `\\boxed{...}`, else the last number (commas
+    dropped), else None."""
+    boxed = BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def describe(each: EvalSet, metrics: dict[str, float], when: str) -> str:
+    """`eval held_out before training: accuracy 0.120, pass@4 0.300, maj@4 0.150 (200 prompts x 4, ...)`."""
+    prefix = f"eval/{each.name}"
+    shown = [f"accuracy {metrics[f'{prefix}/accuracy']:.3f}"]
+    if each.k > 1:
+        shown.append(f"pass@{each.k} {metrics[f'{prefix}/pass@{each.k}']:.3f}")
+    if f"{prefix}/maj@{each.k}" in metrics:
+        shown.append(f"maj@{each.k} {metrics[f'{prefix}/maj@{each.k}']:.3f}")
+    samples = f" x {each.k} at temperature {each.temperature:g}" if each.k > 1 else ""
+    return (
+        f"eval {each.name} {when}: {', '.join(shown)} ({len(each.prompts)} prompts{samples}, judged by {each.reward})"
+    )
 
 
 def judge_accuracy(cfg: Config, requests: list[ScoreRequest], when: str) -> float:
@@ -40,3 +160,45 @@ def show_accuracy(cfg: Config, scores: list[float], when: str) -> float:
     accuracy = sum(score == 1.0 for score in scores) / len(scores)
     print(f"held-out accuracy {when}: {accuracy:.3f} ({len(scores)} prompts, judged by {cfg.eval.reward})")
     return accuracy
+
+
+def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[str, float]:
+    """`grpo-dist eval`: the config's eval sets on the policy at `path` (a checkpoint directory, verified, or a
+    saved policy: `final/`, `interrupted/`, any Hugging Face model directory), on a cluster of its own started in
+    a scratch directory (the run's directory is not touched). The metrics are printed, and written as JSON to
+    `out` when given."""
+    import tempfile
+
+    from grpo_dist import checkpoints
+    from grpo_dist.config import ConfigError
+    from grpo_dist.driver import start_cluster
+    from grpo_dist.inputs import prepare
+    from grpo_dist.run_dir import resolve_paths
+
+    if "://" in path or cfg.object_store:
+        raise ConfigError(f"--checkpoint {path}: grpo-dist eval reads a checkpoint on a path; copy it from the store")
+    policy = Path(path).resolve()
+    hugging_face = (policy / "config.json").is_file()
+    checkpoint = None if hugging_face else checkpoints.find(cfg, str(policy))
+    with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:
+        cfg.run.output_dir, cfg.checkpoint.dir, cfg.wandb.enabled = scratch, None, False
+        if hugging_face:
+            cfg.model.path, cfg.model.tiny = str(policy), None
+        resolve_paths(cfg)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        inputs = prepare(cfg, scratch=Path(scratch) / "inputs")
+        if not inputs.eval_sets:
+            raise ConfigError("nothing to evaluate: set eval.sets, or data.eval_path (or data.task) for a held-out set")
+        cluster = start_cluster(cfg, inputs.model_path)
+        try:
+            if checkpoint is not None:
+                step = checkpoints.load_state(checkpoint)["step"]
+                cluster.learner.load_checkpoint(str(checkpoint.path / "learner"), version=step)
+                cluster.sync_weights()
+            metrics = evaluate(cfg, cluster, inputs.eval_sets, f"of {policy}")
+        finally:
+            cluster.shutdown()
+    if out:
+        Path(out).write_text(json.dumps({"policy": str(policy), **metrics}, indent=1) + "\n")
+        print(f"eval metrics written to {out}")
+    return metrics

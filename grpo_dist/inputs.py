@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_dist.config import Config, ConfigError
+from grpo_dist.config import Config, ConfigError, EvalSetConfig
 from grpo_dist.data import PromptRecord, encode_prompts, split_task
 from grpo_dist.data.sources import read_source
 from grpo_dist.hub import HUB_ID, snapshot
@@ -22,13 +22,26 @@ from grpo_dist.sandbox import SandboxError
 
 
 @dataclass
+class EvalSet:
+    """One eval set, resolved: its settings with the config's defaults filled in, and its prompts."""
+
+    name: str
+    k: int  # samples per prompt
+    temperature: float  # 0: greedy
+    top_p: float
+    max_tokens: int
+    reward: str  # the judge: 1.0 is correct
+    prompts: list[PromptRecord]  # at most the set's max_prompts
+
+
+@dataclass
 class Inputs:
     """Everything a run reads, checked and tokenised."""
 
     model_path: str  # absolute path of the Hugging Face model directory every actor loads
     pad_token_id: int
     train: list[PromptRecord]
-    held_out: list[PromptRecord]
+    eval_sets: list[EvalSet]  # empty when there are no held-out prompts and no eval sets
 
 
 def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
@@ -52,33 +65,70 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
             print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
         print(f"first prompt, as the model reads it: {train[0].text!r}")
-        check_answer(cfg, rewards, train[0], "data.path")
-        if held_out:
-            check_answer(cfg, rewards, held_out[0], "data.eval_path")
+        check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
+        eval_sets = read_eval_sets(cfg, held_out, tokenizer)
+        for each, key in eval_sets:
+            check_answer(cfg, rewards, each.prompts[0], key, each.reward)
     finally:
         rewards.close()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return Inputs(model_path, pad, train, held_out)
+    return Inputs(model_path, pad, train, [each for each, _ in eval_sets])
+
+
+def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) -> list[tuple[EvalSet, str]]:
+    """Each eval set with its prompts, and the key its prompts come from (for errors); `eval.sets` empty: the
+    held-out prompts, decoded greedily, as the set `held_out`. A set must have prompts and room for its
+    completions in `rollout.max_model_len`."""
+    specs = cfg.eval.sets or ([EvalSetConfig(name="held_out")] if held_out else [])
+    sets = []
+    for number, spec in enumerate(specs):
+        key = f"eval.sets.{number}.path" if cfg.eval.sets else "data.eval_path"
+        if spec.path is None:
+            prompts = held_out
+            if not prompts:
+                raise ConfigError(
+                    f"eval.sets.{number} ({spec.name}) has no path and the run has no held-out prompts "
+                    "(data.eval_path, or data.task): give the set a path"
+                )
+            key = "data.eval_path"
+        else:
+            rows = read_source(spec.path, spec.split, spec.subset, spec.fields or cfg.data.fields, key)
+            prompts, _ = encode_prompts(
+                rows, tokenizer, cfg.data.max_prompt_tokens, cfg.data.system_prompt, cfg.data.chat_template
+            )
+            if not prompts:
+                raise ConfigError(f"{key}: {spec.path} holds no prompt within data.max_prompt_tokens")
+        max_tokens = spec.max_tokens or cfg.rollout.max_new_tokens
+        if cfg.data.max_prompt_tokens + max_tokens > cfg.rollout.max_model_len:
+            raise ConfigError(
+                f"eval set {spec.name}: data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + its max_tokens "
+                f"({max_tokens}) exceeds rollout.max_model_len ({cfg.rollout.max_model_len})"
+            )
+        reward = spec.reward or cfg.eval.reward
+        limit = spec.max_prompts or cfg.eval.max_prompts
+        each = EvalSet(spec.name, spec.k, spec.temperature, spec.top_p, max_tokens, reward, prompts[:limit])
+        sets.append((each, key))
+    return sets
 
 
 def check_rewards(cfg: Config) -> RewardRunner:
-    """Every reward function the config names (training, then `eval.reward`) resolves to a callable: imported where
-    they will run (the sandbox, by default), never in this process. Returns them, ready to score as the reward
+    """Every reward function the config names (training, then the eval judges) resolves to a callable: imported
+    where they will run (the sandbox, by default), never in this process. Returns them, ready to score as the reward
     workers will (the caller closes it)."""
     try:
-        return RewardRunner([spec.name for spec in cfg.reward.functions] + [cfg.eval.reward], cfg.reward)
+        return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, cfg.reward)
     except (ValueError, SandboxError) as err:
         raise ConfigError(str(err)) from None
 
 
-def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: str) -> None:
-    """The reference answer of a dataset's first row, given as the completion, must score 1.0 with `eval.reward`
-    (the last of `rewards`): otherwise the answer column or the reward's parser is wrong, and every step would learn
-    from noise. Bounded by reward.timeout_s."""
+def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: str, name: str) -> None:
+    """The reference answer of a dataset's first row, given as the completion, must score 1.0 with the judge `name`
+    (one of `rewards`' eval judges): otherwise the answer column or the reward's parser is wrong, and every step
+    would learn from noise. Bounded by reward.timeout_s."""
     if "answer" not in record.fields:
         return
-    answer, name = record.fields["answer"], cfg.eval.reward
-    judge = len(rewards.names) - 1
+    answer = record.fields["answer"]
+    judge = len(cfg.reward.functions) + cfg.judges.index(name)
     score, _, errors = rewards.score([judge], [1.0], [{}], record.text, str(answer), record.fields)
     if errors[0] is not None:
         raise ConfigError(f"eval.reward={name} failed on the first row of {key}: {errors[0]}")

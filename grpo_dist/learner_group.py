@@ -24,7 +24,8 @@ from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing
 from grpo_dist.storage import ObjectStore
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
-FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy")
+FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy", "learner/peak_flops")
+MAX_OVER_RANKS = ("memory/learner_gb",)
 
 
 class LearnerGroupError(RuntimeError):
@@ -134,8 +135,10 @@ class LearnerGroup:
         calls, self.training = self.training, None
         results = self._wait(calls, "train", bound=self.bounds.train, progressing=True)
         self.version += 1
-        metrics = {key: sum(result[key] for result in results) for key in results[0] if key not in FROM_RANK_0}
+        summed = [key for key in results[0] if key not in FROM_RANK_0 + MAX_OVER_RANKS]
+        metrics = {key: sum(result[key] for result in results) for key in summed}
         metrics.update({key: results[0][key] for key in FROM_RANK_0 if key in results[0]})
+        metrics.update({key: max(result[key] for result in results) for key in MAX_OVER_RANKS if key in results[0]})
         self.trained = metrics
 
     @property

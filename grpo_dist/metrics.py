@@ -1,4 +1,6 @@
-"""Per-step metrics: what a rollout batch looked like, and where they go (console, metrics.jsonl, W&B)."""
+"""Per-step metrics: what a rollout batch looked like, and where they go: metrics.jsonl, eval.jsonl and
+completions.jsonl in the run directory, and W&B (every key against the training step, histograms, completion tables).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +12,17 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from grpo_dist.config import Config
 from grpo_dist.types import Completion, Score
+
+if TYPE_CHECKING:
+    from grpo_dist.rollouts import Rollout
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -52,48 +58,108 @@ def rollout_metrics(
     return metrics
 
 
+def completion_rows(rollout: Rollout, advantages: torch.Tensor, version: int, names: list[str], limit: int):
+    """The first groups of a step's batch, whole, up to `limit` rows: what the W&B completion table shows and
+    `completions.jsonl` keeps (prompt, completion, reward per function, advantage, staleness, generator)."""
+    per_group = max(1, len(rollout.completions) // max(1, len(rollout.prompts)))
+    count = max(per_group, limit // per_group * per_group)
+    rows = []
+    for index, (c, score) in enumerate(zip(rollout.completions[:count], rollout.scores[:count], strict=True)):
+        rows.append({
+            "prompt": rollout.prompts[c.prompt_index].text,
+            "completion": c.text,
+            "reward": _json_number(score.total),
+            **{f"reward/{name}": _json_number(value) for name, value in zip(names, score.per_function, strict=True)},
+            "advantage": _json_number(advantages[index].item()),
+            "staleness": version - c.weight_version,
+            "generator": c.generator,
+            "length": len(c.token_ids),
+            "finish_reason": c.finish_reason,
+        })  # fmt: skip
+    return rows
+
+
+@dataclass
+class StepSamples:
+    """The values of a step's W&B histograms, and its completion table's rows when one is due."""
+
+    rewards: list[float]
+    lengths: list[int]
+    advantages: list[float]
+    table: list[dict] | None = None
+
+
 log = logging.getLogger("grpo_dist")
+
+STEP_KEY = "train/step"
+"""W&B's x-axis: the training step, logged with every row (W&B's own step only grows, so steps a resumed or
+restarted run does again would otherwise be dropped)."""
 
 
 class MetricsSink:
-    """Writes one JSON object per step to `metrics.jsonl` (flushed every step) and mirrors it to W&B."""
+    """Writes one JSON object per step to `metrics.jsonl` (flushed every step), each evaluation to `eval.jsonl` and
+    each completion table to `completions.jsonl`, and mirrors them to W&B."""
+
+    FILES = ("metrics.jsonl", "eval.jsonl", "completions.jsonl")
 
     def __init__(
         self, run_dir: Path, wandb_run: Any | None, after_step: int = 0, finish_timeout_s: float = 120.0
     ) -> None:
         """`after_step`: a resumed run's last checkpointed step; rows after it (steps done again) are dropped.
         `finish_timeout_s`: the longest `close` waits for W&B to finish (`wandb.finish_timeout_s`)."""
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        if after_step and self.path.exists():
+        if after_step:
             self._keep_until(after_step)
-        self.file = self.path.open("a")
+        self.files = {name: (run_dir / name).open("a") for name in self.FILES}
+        self.file = self.files["metrics.jsonl"]
         self.wandb_run = wandb_run
         self.finish_timeout_s = finish_timeout_s
 
     def rewind(self, step: int) -> None:
         """Drop the rows after `step`: the run goes back to it (a learner group restarted from a checkpoint)."""
-        self.file.close()
+        for file in self.files.values():
+            file.close()
         self._keep_until(step)
-        self.file = self.path.open("a")
+        self.files = {name: (self.run_dir / name).open("a") for name in self.FILES}
+        self.file = self.files["metrics.jsonl"]
 
     def _keep_until(self, step: int) -> None:
-        rows = self.path.read_text().splitlines()
-        self.path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= step))
+        for name in self.FILES:
+            path = self.run_dir / name
+            if path.exists():
+                rows = path.read_text().splitlines()
+                path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= step))
 
     @property
     def wandb_id(self) -> str | None:
         return None if self.wandb_run is None else self.wandb_run.id
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{key: _json_number(value) for key, value in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+    def log(self, step: int, metrics: dict[str, float], samples: StepSamples | None = None) -> None:
+        """A step's metrics (its evaluation's `eval/*` among them, when it had one), histograms and table."""
+        self._write("metrics.jsonl", {"step": step, **{key: _json_number(value) for key, value in metrics.items()}})
+        evaluation = {key: value for key, value in metrics.items() if key.startswith("eval/")}
+        if evaluation:
+            self._write("eval.jsonl", {"step": step, **{key: _json_number(v) for key, v in evaluation.items()}})
+        for row in (samples.table or []) if samples else []:
+            self._write("completions.jsonl", {"step": step, **row})
         if self.wandb_run is not None:
-            self.wandb_run.log(metrics, step=step)
+            self.wandb_run.log({**metrics, **_wandb_media(samples), STEP_KEY: step})
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation outside a step (before training: step 0)."""
+        self._write("eval.jsonl", {"step": step, **{key: _json_number(value) for key, value in metrics.items()}})
+        if self.wandb_run is not None:
+            self.wandb_run.log({**metrics, STEP_KEY: step})
+
+    def _write(self, name: str, record: dict) -> None:
+        self.files[name].write(json.dumps(record) + "\n")
+        self.files[name].flush()
 
     def close(self) -> None:
         """Idempotent: the driver closes the sink after training and again on the way out."""
-        self.file.close()
+        for file in self.files.values():
+            file.close()
         if self.wandb_run is not None:
             run, self.wandb_run = self.wandb_run, None
             finishing = threading.Thread(target=run.finish, name="wandb-finish", daemon=True)
@@ -106,23 +172,47 @@ class MetricsSink:
                 )  # fmt: skip
 
 
+def _wandb_media(samples: StepSamples | None) -> dict[str, Any]:
+    """Histograms of the step's rewards, lengths and advantages, and its completion table when due."""
+    if samples is None:
+        return {}
+    import wandb
+
+    media = {}
+    for key, values in (("rewards", samples.rewards), ("lengths", samples.lengths),
+                        ("advantages", samples.advantages)):  # fmt: skip
+        finite = [value for value in values if math.isfinite(value)]
+        if finite:
+            media[f"histograms/{key}"] = wandb.Histogram(finite)
+    if samples.table:
+        columns = list(samples.table[0])
+        media["completions"] = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in samples.table])
+    return media
+
+
 def _json_number(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def start_wandb(cfg: Config, run_dir: Path, run_id: str | None = None) -> Any | None:
     """A W&B run (offline into the run directory when no API key is set), or None when disabled; `run_id`
-    continues that run (a resumed one)."""
-    mode = cfg.wandb.mode
+    continues that run (a resumed one). Says where to watch it: the run's page, or the offline directory and how
+    to upload it."""
+    settings = cfg.wandb
+    mode = settings.mode
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    if not cfg.wandb.enabled or mode == "disabled":
+    if not settings.enabled or mode == "disabled":
         return None
     import wandb
 
-    return wandb.init(
-        project=cfg.wandb.project,
-        name=cfg.wandb.run_name or cfg.run.name,
+    run = wandb.init(
+        project=settings.project,
+        entity=settings.entity,
+        name=settings.name or cfg.run.name,
+        group=settings.group,
+        tags=settings.tags or None,
+        notes=settings.notes,
         config=cfg.model_dump(mode="json"),
         dir=str(run_dir),
         mode=mode,
@@ -130,6 +220,15 @@ def start_wandb(cfg: Config, run_dir: Path, run_id: str | None = None) -> Any | 
         resume="allow" if run_id else None,
         settings=wandb.Settings(silent=True),
     )
+    run.define_metric(STEP_KEY)
+    run.define_metric("*", step_metric=STEP_KEY)
+    again = " (continued)" if run_id else ""
+    if mode == "online":
+        print(f"W&B run{again}: {run.url}", flush=True)
+    else:
+        offline_dir = Path(run.dir).parent
+        print(f"W&B run{again} {run.id}, offline: {offline_dir} (upload: wandb sync {offline_dir})", flush=True)
+    return run
 
 
 class StepTimer:

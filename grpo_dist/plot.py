@@ -1,4 +1,6 @@
-"""Reward curve of a run, drawn from its metrics.jsonl, and the before/after summary `make demo` prints."""
+"""A run's picture, drawn from its metrics.jsonl (and the eval.jsonl beside it): the reward curve, each eval set's
+curves, the time each phase of a step took, and staleness; and the first/last-10-step summary `make demo`
+prints."""
 
 from __future__ import annotations
 
@@ -62,5 +64,71 @@ def plot_rewards(steps: list[int], rewards: list[float], out_path: str | Path, w
     figure.tight_layout()
     out_path = Path(out_path)
     figure.savefig(out_path, dpi=120)
+    plt.close(figure)
+    return out_path
+
+
+PHASES = ("generate", "reward", "train", "sync", "eval")  # time/<phase>, as the driver's step timer names them
+
+
+def eval_curves(eval_path: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """{`eval/<set>/<metric>`: (steps, values)} for each set's accuracy and pass@k / maj@k, from an eval.jsonl."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    if not Path(eval_path).is_file():
+        return curves
+    for row in read_metrics(eval_path):
+        for key, value in row.items():
+            shown = key.endswith("/accuracy") or "/pass@" in key or "/maj@" in key
+            if key.startswith("eval/") and shown and value is not None:
+                steps, values = curves.setdefault(key, ([], []))
+                steps.append(row["step"])
+                values.append(value)
+    return curves
+
+
+def plot_run(metrics_path: str | Path, out_path: str | Path, window: int = 10) -> Path:
+    """Four panels: mean reward and its moving average; each eval set's accuracy, highest pass@k and maj@k; the
+    seconds each phase of a step took; the mean and highest staleness of the samples trained on."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    figure, ((reward, evals), (times, stale)) = plt.subplots(2, 2, figsize=(12, 7))
+    steps, rewards = step_rewards(metrics_path)
+    reward.plot(steps, rewards, alpha=0.35, label="mean reward")
+    reward.plot(steps, moving_average(rewards, window), label=f"moving average ({window} steps)")
+    reward.set_title("reward")
+    curves = eval_curves(Path(metrics_path).with_name("eval.jsonl"))
+    highest = {}  # per set, its largest k's pass@ and maj@ only
+    for key in curves:
+        name, _, metric = key.removeprefix("eval/").rpartition("/")
+        kind, _, k = metric.partition("@")
+        if k and int(k) >= highest.get((name, kind), (0, ""))[0]:
+            highest[(name, kind)] = (int(k), key)
+    for key in [key for key in curves if key.endswith("/accuracy")] + [key for _, key in highest.values()]:
+        evals.plot(*curves[key], marker="o", label=key.removeprefix("eval/"))
+    evals.set_title("evaluation" if curves else "evaluation (none logged: eval.jsonl)")
+    for phase in PHASES:
+        points = [(row["step"], row[f"time/{phase}"]) for row in rows if row.get(f"time/{phase}") is not None]
+        if points:
+            sparse = len(points) < len(rows) / 2  # a phase of some steps only (eval): points, not a line
+            times.plot(*zip(*points, strict=True), label=phase, marker="o" if sparse else None,
+                       linestyle="none" if sparse else "-")  # fmt: skip
+    times.set_title("seconds per step, by phase")
+    for key in ("staleness/mean", "staleness/max"):
+        points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+        if points:
+            stale.plot(*zip(*points, strict=True), label=key.partition("/")[2])
+    stale.set_title("staleness (weight versions behind the learner)")
+    for axes in (reward, evals, times, stale):
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(loc="best", fontsize=8)
+    figure.tight_layout()
+    out_path = Path(out_path)
+    figure.savefig(out_path, dpi=100)
     plt.close(figure)
     return out_path

@@ -42,12 +42,12 @@ class RewardPool:
         return (
             ray.remote(concurrency_groups={"heartbeat": 1})(RewardWorker)  # `progress` answers while it scores
             .options(num_cpus=reward.num_cpus, scheduling_strategy=self.placement.reward_strategy(slot))
-            .remote(reward, self.cfg.eval.reward)
+            .remote(reward, self.cfg.judges)
         )
 
-    def score(self, requests: list[ScoreRequest], judge: bool = False) -> list[Score]:
+    def score(self, requests: list[ScoreRequest], judge: str | None = None) -> list[Score]:
         """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored.
-        `judge`: by the held-out judge (`eval.reward`) alone; its failures are not counted as the training
+        `judge`: by that eval reward (one of `Config.judges`) alone; its failures are not counted as the training
         rewards' are."""
         shards = split(len(requests), len(self.pool.actors))
         scored: dict[int, list[Score]] = {}
@@ -71,7 +71,7 @@ class RewardPool:
                                f"{attempts} times", _count(span))  # fmt: skip
             scored[slot] = [self._lost() for _ in range(_count(span))]
         scores = [score for slot in sorted(scored) for score in scored[slot]]
-        if not judge:
+        if judge is None:
             self.failures.observe(scores)
         return scores
 

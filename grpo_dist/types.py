@@ -26,6 +26,18 @@ class Completion:
     sampled by more than one (a weight update came while it was generated)."""
     newest_weight_version: int | None = None
     """The newest version that sampled any of its tokens, when that is not `weight_version`; else None."""
+    generator: int | None = None
+    """The slot of the generator that sampled it (set by the generator pool)."""
+
+
+@dataclass
+class Sampling:
+    """How an evaluation samples (driver -> generator); training samples as `rollout` says."""
+
+    temperature: float
+    """0: greedy."""
+    top_p: float
+    max_tokens: int
 
 
 @dataclass

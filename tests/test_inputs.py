@@ -64,7 +64,7 @@ def test_check_catches_what_train_would_fail_on_and_writes_nothing(tmp_path):
     config.write_text(yaml.safe_dump(small_config(tmp_path)))
     result = subprocess.run(check, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
-    assert "inputs: 64 training prompts, 8 held-out" in result.stdout
+    assert "inputs: 64 training prompts, eval sets held_out (8 prompts)" in result.stdout
     assert not (tmp_path / "model").exists() and not (tmp_path / "outputs").exists()
 
 

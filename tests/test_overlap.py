@@ -17,6 +17,7 @@ from test_resume import grpo_dist, training
 
 from grpo_dist import control
 from grpo_dist.config import ConfigError, load_config, validate_config
+from grpo_dist.types import Sampling
 
 
 def test_off_policy_correction_is_on_by_default_once_samples_can_be_stale(tmp_path):
@@ -312,7 +313,7 @@ def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, t
         )
         assert in_engine is True  # rollout.enforce_eager null on a CPU: eager (CUDA graphs are for GPUs)
         for version in range(1, 4):
-            calls = [generator.generate.remote([1 + index, 2], 16, False, index, index) for index in range(8)]
+            calls = [generator.generate.remote([1 + index, 2], 16, None, index, index) for index in range(8)]
             time.sleep(0.2)  # let sampling begin
             ray_cluster.get(generator.load_weights.remote(weights, version), timeout=300)
             completions = [c for group in ray_cluster.get(calls, timeout=300) for c in group]
@@ -322,7 +323,8 @@ def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, t
             if spanning:
                 break
         assert spanning, "no completion was under way when the weights were loaded"
-        (after,) = ray_cluster.get(generator.generate.remote([1, 2], 1, True, 0), timeout=300)
+        greedy = Sampling(temperature=0.0, top_p=1.0, max_tokens=8)
+        (after,) = ray_cluster.get(generator.generate.remote([1, 2], 1, greedy, 0), timeout=300)
         assert (after.weight_version, after.newest_weight_version) == (version, None)
     finally:
         ray_cluster.kill(generator)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from grpo_dist.plot import moving_average, plot_rewards, reward_summary, step_rewards
+from grpo_dist.plot import eval_curves, moving_average, plot_rewards, plot_run, reward_summary, step_rewards
 
 
 def test_summary_and_curve_from_metrics(tmp_path):
@@ -22,3 +22,23 @@ def test_summary_and_curve_from_metrics(tmp_path):
 def test_moving_average_uses_fewer_values_at_the_start():
     # window 2: [1], [1, 3], [3, 5] -> 1, 2, 4
     assert moving_average([1.0, 3.0, 5.0], window=2) == [1.0, 2.0, 4.0]
+
+
+def test_a_runs_picture_holds_its_eval_curves_phases_and_staleness(tmp_path):
+    metrics, evaluations = tmp_path / "metrics.jsonl", tmp_path / "eval.jsonl"
+    metrics.write_text("".join(
+        json.dumps({"step": step, "reward/mean": 0.1 * step, "time/generate": 1.0, "time/train": 2.0,
+                    "staleness/mean": 0.5, "staleness/max": 1}) + "\n"
+        for step in range(1, 5)
+    ))  # fmt: skip
+    evaluations.write_text("".join(
+        json.dumps({"step": step, "eval/sampled/accuracy": 0.2 * step, "eval/sampled/pass@1": 0.2 * step,
+                    "eval/sampled/pass@4": 0.5, "eval/sampled/maj@4": 0.3, "eval/sampled/length_mean": 2.0}) + "\n"
+        for step in (0, 2, 4)
+    ))  # fmt: skip
+    curves = eval_curves(evaluations)
+    # the curves drawn: accuracy, pass@ and maj@ of each set; lengths are not a curve of the panel
+    assert set(curves) == {"eval/sampled/accuracy", "eval/sampled/pass@1", "eval/sampled/pass@4", "eval/sampled/maj@4"}
+    assert curves["eval/sampled/accuracy"] == ([0, 2, 4], [0.0, 0.4, 0.8])
+    png = plot_run(metrics, tmp_path / "run.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -70,7 +70,7 @@ def cluster_of(generation, events, score=None, learner_done_after: int | None = 
         polls.append(1)
         return learner_done_after is not None and len(polls) >= learner_done_after
 
-    def start(prompts, group_size, greedy=False, seeds=None):
+    def start(prompts, group_size, evaluation=None, seeds=None):
         generation.prompts = list(prompts)
         return generation
 

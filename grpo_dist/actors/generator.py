@@ -17,7 +17,7 @@ import tempfile
 
 from grpo_dist.actors import die_with_parent
 from grpo_dist.config import RolloutConfig
-from grpo_dist.types import Completion
+from grpo_dist.types import Completion, Sampling
 
 ENGINE_MARK = "GRPO_DIST_ENGINE"
 """Set in a generator's environment, so the engine processes vLLM starts from it die with it
@@ -63,6 +63,7 @@ class Generator:
         self.weight_version = 0
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
+        self.stats = EngineStats()
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=model_path,
@@ -83,6 +84,7 @@ class Generator:
                 disable_log_stats=True,
             ),
             usage_context=UsageContext.LLM_CLASS,  # batch sizes for offline batches, as `vllm.LLM` has
+            stat_loggers=[self.stats.logger_factory()],  # vLLM's own schedulers' statistics, and no console log
         )
 
     async def start(self) -> None:
@@ -95,18 +97,24 @@ class Generator:
         await self._sample([0], SamplingParams(max_tokens=2, temperature=0.0, logprobs=0))
 
     async def generate(
-        self, prompt_token_ids: list[int], group_size: int, greedy: bool, prompt_index: int, seed: int | None = None
+        self,
+        prompt_token_ids: list[int],
+        group_size: int,
+        evaluation: Sampling | None,
+        prompt_index: int,
+        seed: int | None = None,
     ) -> list[Completion]:
-        """One prompt's group: `group_size` samples (one greedy one with `greedy`), tagged `prompt_index`. With
-        `seed` the samples use seed, seed + 1, ... (vLLM's per-request seeds), so the same weights give the same
-        completions whichever generator draws them."""
+        """One prompt's group: `group_size` samples, tagged `prompt_index`, sampled as `rollout` says or, for an
+        evaluation, as `evaluation` says. With `seed` the samples use seed, seed + 1, ... (vLLM's per-request
+        seeds), so the same weights give the same completions whichever generator draws them."""
         from vllm import SamplingParams
 
+        sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
         params = SamplingParams(
-            n=1 if greedy else group_size,
-            temperature=0.0 if greedy else self.rollout.temperature,
-            top_p=1.0 if greedy else self.rollout.top_p,
-            max_tokens=self.rollout.max_new_tokens,
+            n=group_size,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
             logprobs=0,
             seed=seed,
         )
@@ -187,6 +195,21 @@ class Generator:
         await self.engine.finish_weight_update()
         await self._resume(weight_version)
 
+    async def engine_stats(self) -> dict[str, float]:
+        """vLLM's scheduler statistics since the last call (KV-cache use, running and waiting requests at their
+        highest, preemptions), and the memory this engine holds: the GPU's in use (what vLLM reserved, with
+        whatever else runs on it), or on a CPU the resident memory of this process."""
+        import psutil
+        import torch
+
+        found = self.stats.take()
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            found["memory_gb"] = (total - free) / 1e9
+        else:
+            found["memory_gb"] = psutil.Process().memory_info().rss / 1e9
+        return found
+
     async def current_weight_version(self) -> int:
         """The weights it holds; raises vLLM's `EngineDeadError` when its engine core is gone (the probe that finds
         a generator whose process lives but whose engine died: `faults.as_fault`)."""
@@ -200,3 +223,54 @@ class Generator:
         output = await self._sample(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
         steps = output.prompt_logprobs[1:]  # the first token has no logprob
         return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
+
+
+class EngineStats:
+    """What vLLM's scheduler reports at every engine step, kept as highest values (KV-cache use, running and
+    waiting requests) and a count (preemptions) until taken; fed by a stat logger vLLM calls (`logger_factory`)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.kv_cache_usage = self.running = self.waiting = 0.0
+        self.preemptions = 0.0
+        self.steps = 0
+
+    def take(self) -> dict[str, float]:
+        found = {
+            "kv_cache_usage_max": self.kv_cache_usage,
+            "running_max": self.running,
+            "waiting_max": self.waiting,
+            "preemptions": self.preemptions,
+            "engine_steps": float(self.steps),
+        }
+        self._reset()
+        return found
+
+    def record(self, scheduler, iteration) -> None:
+        if scheduler is not None:
+            self.kv_cache_usage = max(self.kv_cache_usage, float(scheduler.kv_cache_usage))
+            self.running = max(self.running, float(scheduler.num_running_reqs))
+            self.waiting = max(self.waiting, float(scheduler.num_waiting_reqs))
+            self.steps += 1
+        if iteration is not None:
+            self.preemptions += iteration.num_preempted_reqs
+
+    def logger_factory(self):
+        """A factory of vLLM stat loggers (one per engine) that feed this."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class Feed(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                stats.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Feed

@@ -20,6 +20,7 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
 import ray
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
+from grpo_dist.throughput import flop_params, peak_flops, step_flops
 
 
 def free_port() -> int:
@@ -111,6 +113,10 @@ class Learner:
         self.engine = self._deepspeed_engine(model)
         self.device = self.engine.device
         self.reference = self._reference() if self.algo.kl_coef > 0 else None
+        shape = model.config
+        self.shape = (flop_params(self.engine.module), shape.num_hidden_layers, shape.hidden_size)
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.peak_flops = peak_flops(device_name, self.bf16)
         return torch.get_num_threads()
 
     def _threads(self, local_world_size: int) -> int:
@@ -209,6 +215,8 @@ class Learner:
         rank calls it with its own shard). Metrics are this rank's share of the whole batch's: the group sums
         them over the ranks. Bumps the weight version."""
         started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         batch = shard.batch.to(self.device)
         reuse = self.algo.ppo_epochs > 1 or len(shard.mini_batches) > 1
         if self.algo.old_logprobs == "sampler":
@@ -223,8 +231,28 @@ class Learner:
         self.weight_version += 1
         metrics = {key: sum(step[key] for step in history) / len(history) for key in history[0]}
         metrics["lr"] = self.engine.get_lr()[0]
+        metrics.update(self._work(shard, old_logprobs is not None and self.algo.old_logprobs != "sampler"))
         metrics["time/learner_busy"] = time.perf_counter() - started
         return metrics
+
+    def _work(self, shard: TrainShard, old_pass: bool) -> dict[str, float]:
+        """The tokens this rank trained on (its rows, not the placeholder of a rank without any), the model FLOPs
+        of the passes it made over them (`grpo_dist.throughput`), and the most memory it held: the device's peak
+        allocation on a GPU, the process's resident memory on a CPU."""
+        rows = sorted({row for rows in shard.mini_batches for row in rows})
+        lengths = shard.batch.attention_mask[rows].sum(dim=1).tolist()
+        forwards = int(old_pass) + int(self.reference is not None)
+        flops = step_flops(lengths, *self.shape, passes=self.algo.ppo_epochs, forwards=forwards)
+        if self.device.type == "cuda":
+            memory = torch.cuda.max_memory_allocated(self.device)
+        else:
+            memory = psutil.Process().memory_info().rss
+        return {
+            "tokens/trained": float(sum(lengths)),
+            "learner/flops": flops,
+            "learner/peak_flops": self.peak_flops,
+            "memory/learner_gb": memory / 1e9,
+        }
 
     def _update(self, batch: TrainBatch, shard: TrainShard, index: int, old_logprobs, ref_logprobs):
         """One optimizer step over mini-batch `index`, accumulated over micro-batches."""

@@ -1,4 +1,4 @@
-"""Reward worker actor: scores completions with the configured functions (or judges them with `eval.reward`), never
+"""Reward worker actor: scores completions with the configured functions (or judges them with an eval reward), never
 failing on user code, which runs in its sandbox process (`grpo_dist.sandbox`) unless `reward.sandbox` is off."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from grpo_dist.types import Score, ScoreRequest
 
 
 class RewardWorker:
-    """Holds the reward functions, ready in a `RewardRunner`: the training ones, then the held-out judge."""
+    """Holds the reward functions, ready in a `RewardRunner`: the training ones, then the eval judges."""
 
-    def __init__(self, reward: RewardConfig, judge: str) -> None:
+    def __init__(self, reward: RewardConfig, judges: list[str]) -> None:
         from grpo_dist.rewards.runner import RewardRunner
 
         die_with_parent()
         self.functions = reward.functions
-        self.runner = RewardRunner([spec.name for spec in reward.functions] + [judge], reward, reap=True)
-        self.judge = judge
+        self.runner = RewardRunner([spec.name for spec in reward.functions] + judges, reward, reap=True)
+        self.judges = judges
         self.done = 0  # completions scored: the heartbeat of a share
 
     @ray.method(concurrency_group="heartbeat")
@@ -28,12 +28,13 @@ class RewardWorker:
         on a share is on this count not moving (`faults.gather_progressing`)."""
         return self.done
 
-    def score(self, requests: list[ScoreRequest], judge: bool = False) -> tuple[list[Score], bool]:
-        """Score each request (`judge`: by the held-out judge alone, weight 1); a function that fails leaves that
+    def score(self, requests: list[ScoreRequest], judge: str | None = None) -> tuple[list[Score], bool]:
+        """Score each request (`judge`: by that eval reward alone, weight 1); a function that fails leaves that
         completion unscored (NaN), saying why. Also returns whether so many calls are stuck past their time limit
         that the worker should be replaced."""
-        if judge:
-            names, functions, weights, kwargs = [self.judge], [len(self.functions)], [1.0], [{}]
+        if judge is not None:
+            functions = [len(self.functions) + self.judges.index(judge)]
+            names, weights, kwargs = [judge], [1.0], [{}]
         else:
             names = [spec.name for spec in self.functions]
             functions = list(range(len(self.functions)))

@@ -14,18 +14,18 @@ weights up to k updates older than the learner's when it trains on them.
 """
 
 from grpo_dist.rollouts.advantages import compute_advantages
-from grpo_dist.rollouts.collect import collect_rollout, generate, score_requests
+from grpo_dist.rollouts.collect import advancing, collect_rollout, score_requests
 from grpo_dist.rollouts.queue import RolloutQueue
 from grpo_dist.rollouts.rollout import Rollout
 from grpo_dist.rollouts.staleness import bound_staleness, sync_due
 
 __all__ = [
     "Rollout",
+    "advancing",
     "RolloutQueue",
     "bound_staleness",
     "collect_rollout",
     "compute_advantages",
-    "generate",
     "score_requests",
     "sync_due",
 ]

@@ -12,11 +12,13 @@ batch grows as `Refill` asks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord, PromptSampler
+from grpo_dist.generator_pool import Generation
 from grpo_dist.metrics import StepTimer
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.rollouts.dynamic_sampling import Refill, prompt_seeds
@@ -98,19 +100,17 @@ def update_in_flight(cfg: Config, cluster: Cluster, timer: StepTimer) -> bool:
     return True
 
 
-def generate(
-    cluster: Cluster, prompts: list[PromptRecord], group_size: int, greedy: bool = False, seeds: list[int] | None = None
-) -> list[Completion]:
-    """All prompts' groups, in prompt order (evaluation, or a batch without scoring); a lost generator is replaced
-    and brought into the weight transport, and its prompts generated again."""
-    generation = cluster.generators.start(prompts, group_size, greedy, seeds)
+def advancing(cluster: Cluster, generation: Generation) -> Iterator[int]:
+    """Drive a started generation to its end, a lost generator replaced and brought into the weight transport;
+    yields how many groups each wait finished (for a progress bar). Cancelled if left unfinished."""
     try:
         while not generation.finished:
-            if generation.advance().replaced:
+            advanced = generation.advance()
+            if advanced.replaced:
                 cluster.reconnect()
+            yield len(advanced.groups)
     finally:
         generation.cancel()
-    return generation.completions()
 
 
 class Scoring:

@@ -1,0 +1,128 @@
+"""What an evaluation reports, from judged samples: accuracy, the unbiased pass@k, maj@k, lengths; the answers read
+for majority voting; the eval-set settings refused before anything starts. And what the learner's model FLOPs are
+counted as, and what the console shows of a step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import small_config
+
+from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.console import Console, step_line
+from grpo_dist.evaluation import Sample, final_answer, majority_correct, pass_at_k, set_metrics
+from grpo_dist.throughput import flop_params, forward_flops, peak_flops, step_flops, throughput_metrics
+
+
+def test_pass_at_k_is_the_unbiased_estimate():
+    # n = 4 samples, c = 1 correct: pass@1 = 1/4; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6; pass@3 = 1 - 1/4; pass@4 = 1
+    assert [pass_at_k(4, 1, k) for k in (1, 2, 3, 4)] == [0.25, 0.5, 0.75, 1.0]
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # C(3,2) / C(5,2)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+
+
+def sample(correct: bool, answer: str | None = None, length: int = 3, truncated: bool = False) -> Sample:
+    return Sample(correct, False, answer, length, truncated)
+
+
+def test_a_sets_metrics_from_its_judged_groups():
+    groups = [
+        [sample(True, "5"), sample(False, "3"), sample(False, "3"), sample(False, "7")],  # majority 3: wrong
+        [sample(True, "2"), sample(True, "2"), sample(False, "9", length=4, truncated=True), sample(False, None)],
+    ]
+    found = set_metrics("digits", 4, groups)
+    assert found["eval/digits/accuracy"] == 3 / 8
+    assert found["eval/digits/pass@1"] == pytest.approx((1 / 4 + 2 / 4) / 2)
+    assert found["eval/digits/pass@2"] == pytest.approx((0.5 + (1 - 1 / 6)) / 2)  # c=2: 1 - C(2,2)/C(4,2)
+    assert found["eval/digits/pass@4"] == 1.0
+    assert found["eval/digits/maj@4"] == 0.5  # the first group's majority (3) is wrong, the second's (2) right
+    assert found["eval/digits/length_mean"] == (3 * 7 + 4) / 8
+    assert found["eval/digits/truncated"] == 1 / 8
+    assert "eval/digits/pass@5" not in found
+
+
+def test_majority_takes_the_first_answer_to_reach_the_top_count_and_needs_an_answer():
+    assert majority_correct([sample(False, "1"), sample(True, "2"), sample(True, "2"), sample(False, "1")]) is False
+    assert majority_correct([sample(True, None), sample(True, None)]) is False
+    assert majority_correct([sample(False, None), sample(True, "4")]) is True
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("first \\boxed{3}, then \\boxed{4}", "4"),
+        ("it costs 1,234 dollars", "1234"),
+        ("7 3 9 then 5.", "5"),
+        ("-2.5 or 3/4", "3/4"),
+        ("no number here", None),
+    ],
+)
+def test_the_answer_read_for_voting(text, answer):
+    assert final_answer(text) == answer
+
+
+def test_eval_sets_that_cannot_run_are_refused_naming_the_set(tmp_path):
+    def check(sets):
+        validate_config(small_config(tmp_path, eval={"sets": sets}))
+
+    with pytest.raises(ConfigError, match="eval set sampled: k=4 samples at temperature 0"):
+        check([{"name": "sampled", "k": 4}])
+    with pytest.raises(ConfigError, match="given more than once: \\['a'\\]"):
+        check([{"name": "a"}, {"name": "a", "temperature": 1.0, "k": 2}])
+    with pytest.raises(ConfigError, match="eval.sets.0.name"):
+        check([{"name": "has space"}])
+
+
+def test_model_flops_are_counted_from_the_shape():
+    # one sequence of 10 tokens, N = 1000, 2 layers of width 8: 2*1000*10 + 2*2*8*100 = 23200 per forward
+    assert forward_flops([10], 1000, 2, 8) == 23200
+    # two training passes (3 forwards each) and a reference forward
+    assert step_flops([10, 10], 1000, 2, 8, passes=2, forwards=1) == 2 * 23200 * 7
+    assert peak_flops("NVIDIA H100 80GB HBM3", bf16=True) == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", bf16=False) == 0.0 and peak_flops(None, bf16=True) == 0.0
+    found = throughput_metrics(
+        {"tokens/generated": 100, "time/generate": 2, "tokens/trained": 300, "time/learner_busy": 3,
+         "learner/flops": 6e12, "learner/peak_flops": 1e12},
+        num_ranks=2,
+    )  # fmt: skip
+    assert found == {
+        "throughput/generated_tokens_per_s": 50,
+        "throughput/trained_tokens_per_s": 100,
+        "throughput/learner_flops_per_s": 1e12,
+        "throughput/mfu": 1.0,
+    }
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_flop_parameters_leave_out_the_embedding_lookup(tied):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=tied)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    # tied: the one matrix is the output projection too; untied: the input embedding's 100 x 64 is left out
+    assert flop_params(model) == (total if tied else total - 100 * 64)
+
+
+def test_a_step_is_one_line_and_library_logs_go_to_the_file(tmp_path, capsys):
+    metrics = {"reward/mean": 0.5, "kl": 0.001, "tokens_per_s": 1234.4, "time/step": 2.06, "staleness/max": 1.0}
+    assert (
+        step_line(3, 100, metrics, staleness=True)
+        == "step   3/100  reward 0.500  kl 0.0010  1234 tok/s  2.1 s  staleness 1"
+    )
+    console = Console(verbose=False)
+    console.open(tmp_path)
+    try:
+        logging.getLogger("vllm").warning("a library warning")
+        import warnings
+
+        warnings.warn("a Python warning", UserWarning, stacklevel=1)
+    finally:
+        console.close()
+    shown = capsys.readouterr()
+    assert "a library warning" not in shown.out + shown.err and "a Python warning" not in shown.out + shown.err
+    logged = (tmp_path / "verbose.log").read_text()
+    assert "a library warning" in logged and "a Python warning" in logged

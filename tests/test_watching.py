@@ -1,0 +1,134 @@
+"""Watching a run, asserted from the files it writes: the quick start (its eval sets: the held-out prompts greedy,
+and sampled k = 4 times) evaluating every 2 steps, W&B offline; then resumed from an earlier checkpoint; then its
+final policy evaluated on its own by `grpo-dist eval`; then drawn by `grpo-dist plot`. The console before step 1
+fits on one screen, the actors' and libraries' output going to verbose.log."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from test_resume import grpo_dist, rows
+from transformers import AutoModelForCausalLM
+from wandb_files import history, records, table
+
+from grpo_dist.throughput import flop_params
+
+pytestmark = pytest.mark.slow
+
+SCREEN = 40  # lines: what a terminal shows at once
+
+
+def run(*args: str) -> str:
+    process = grpo_dist(*args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out[-4000:]
+    return out
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
+    config = str(REPO / "configs" / "quickstart.yaml")
+    settings = [
+        f"run.output_dir={tmp_path / 'outputs'}", f"model.path={tmp_path / 'model'}", "run.steps=4",
+        "data.prompts_per_step=8", "data.task.num_train=200", "data.task.num_eval=16",
+        "eval.every=2", "eval.max_prompts=16", "checkpoint.every_steps=3",
+        "wandb.mode=offline", "wandb.table_every=2", "wandb.table_rows=20", "wandb.group=watching",
+        "wandb.tags=[smoke]",
+    ]  # fmt: skip
+    out = run("train", config, *settings)
+    run_dir = tmp_path / "outputs" / "quickstart"
+
+    # The console: sections and one line per step; before step 1, one screen; no actor output on it.
+    lines = out.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/4"))
+    assert first_step <= SCREEN, "\n".join(lines[:first_step])
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/4", "2/4", "3/4", "4/4"]
+    assert not [line for line in lines if "pid=" in line]  # Ray prefixes what an actor prints with its pid
+    assert "pid=" in (run_dir / "verbose.log").read_text()  # ... and it went to the log file
+
+    # Evaluation: before training (step 0), every 2 steps; pass@j recomputed from the judged samples by hand.
+    evaluations = jsonl(run_dir / "eval.jsonl")
+    assert [row["step"] for row in evaluations] == [0, 2, 4]
+    for row in evaluations:
+        samples = jsonl(run_dir / "eval_samples" / f"step-{row['step']:06d}.jsonl")
+        correct = defaultdict(list)
+        for each in samples:
+            correct[(each["set"], each["prompt_index"])].append(each["correct"])
+        greedy = [c for (name, _), c in correct.items() if name == "held_out"]
+        sampled = [c for (name, _), c in correct.items() if name == "sampled"]
+        assert (
+            len(greedy) == len(sampled) == 16 and {len(c) for c in greedy} == {1} and {len(c) for c in sampled} == {4}
+        )
+        assert row["eval/held_out/accuracy"] == pytest.approx(sum(c[0] for c in greedy) / 16)
+        for j in range(1, 5):
+            by_hand = sum(1 - math.comb(4 - sum(c), j) / math.comb(4, j) for c in sampled) / 16
+            assert row[f"eval/sampled/pass@{j}"] == pytest.approx(by_hand)
+        assert 0 <= row["eval/sampled/maj@4"] <= 1 and "eval/held_out/maj@1" not in row
+    learned = [row["eval/sampled/accuracy"] for row in evaluations]
+    assert len(set(learned)) > 1  # the policy moved between evaluations: the numbers are its own
+
+    # metrics.jsonl: the eval keys at the eval steps only, throughput, memory and engine statistics every step.
+    steps = rows(run_dir)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    n, layers, hidden, longest = flop_params(model), model.config.num_hidden_layers, model.config.hidden_size, 34
+    assert [row["step"] for row in steps] == [1, 2, 3, 4]
+    assert [row["step"] for row in steps if "eval/sampled/pass@4" in row] == [2, 4]
+    assert [row["step"] for row in steps if "time/eval" in row] == [2, 4]
+    for row in steps:
+        assert row["tokens/trained"] > row["tokens/generated"] > 0  # the prompts are trained on too
+        assert row["throughput/generated_tokens_per_s"] > 0 and row["throughput/trained_tokens_per_s"] > 0
+        assert row["throughput/learner_flops_per_s"] > 0 and "throughput/mfu" not in row  # a CPU: no peak known
+        # one training pass (no reference: kl_coef 0): 6 N a token, plus attention, over sequences of <= 34 tokens
+        tokens = row["tokens/trained"]
+        assert 6 * n * tokens <= row["learner/flops"] <= tokens * (6 * n + 6 * layers * hidden * longest)
+        assert row["memory/learner_gb"] > 0.1 and row["memory/engine_gb"] > 0.1
+        assert row["engine/running_max"] >= 1 and 0 < row["engine/kv_cache_usage_max"] <= 1
+
+    # The completion table: at step 1 and every 2 steps, one whole group (16 rows, capped at 20).
+    table_rows = jsonl(run_dir / "completions.jsonl")
+    assert sorted({row["step"] for row in table_rows}) == [1, 2, 4]
+    assert [sum(row["step"] == step for row in table_rows) for step in (1, 2, 4)] == [16, 16, 16]
+    columns = {"prompt", "completion", "reward", "reward/regex_format", "reward/math_answer", "advantage",
+               "staleness", "generator"}  # fmt: skip
+    assert columns <= set(table_rows[0]) and table_rows[0]["generator"] == 0 and table_rows[0]["staleness"] == 0
+
+    # W&B (offline): every row against the training step, the run's group and tags, histograms, the table.
+    (session,) = (run_dir / "wandb").glob("offline-run-*")
+    logged = history(session)
+    assert [row["train/step"] for row in logged] == [0, 1, 2, 3, 4]
+    assert [row["train/step"] for row in logged if "eval/sampled/pass@4" in row] == [0, 2, 4]
+    assert all(row["histograms/rewards/_type"] == "histogram" for row in logged[1:])
+    logged_table = table(session, logged[2], "completions")
+    assert len(logged_table["data"]) == 16 and "advantage" in logged_table["columns"]
+    (started,) = [r.run for r in records(next(session.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "run"]
+    assert (started.run_group, list(started.tags)) == ("watching", ["smoke"])
+    run_id = started.run_id
+
+    # Resumed from the step-3 checkpoint to step 5: step 4 is done again; W&B continues the same run and shows it.
+    out = run("train", config, *settings[:2], "run.steps=5", *settings[3:], "--resume",
+              str(run_dir / "checkpoints" / "step-000003"))  # fmt: skip
+    assert f"W&B run (continued) {run_id}, offline" in out
+    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5]
+    assert [row["step"] for row in jsonl(run_dir / "eval.jsonl")] == [0, 2, 4, 5]
+    (again,) = [s for s in (run_dir / "wandb").glob("offline-run-*") if s != session]
+    assert again.name.endswith(run_id)
+    assert [row["train/step"] for row in history(again)] == [4, 5]  # the redone step is there
+
+    # The final policy evaluated on its own: the same greedy answers as the run's evaluation after training.
+    out = run("eval", config, *settings, "--checkpoint", str(run_dir / "final"), "--out", str(tmp_path / "e.json"))
+    standalone = json.loads((tmp_path / "e.json").read_text())
+    after = jsonl(run_dir / "eval.jsonl")[-1]
+    assert standalone["eval/held_out/accuracy"] == after["eval/held_out/accuracy"]
+    assert f"eval held_out of {run_dir / 'final'}: accuracy" in out
+
+    out = run("plot", str(run_dir / "metrics.jsonl"), str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
