@@ -126,3 +126,28 @@ def test_a_step_is_one_line_and_library_logs_go_to_the_file(tmp_path, capsys):
     assert "a library warning" not in shown.out + shown.err and "a Python warning" not in shown.out + shown.err
     logged = (tmp_path / "verbose.log").read_text()
     assert "a library warning" in logged and "a Python warning" in logged
+
+
+def test_the_weights_flops_are_what_torch_counts_and_training_is_three_forwards():
+    """torch's FLOP counter on a forward and a training pass of a small Qwen2 (its fused CPU attention kernel is
+    not counted: the weights' matmuls are, which is what 2 N per token estimates; N also holds the biases and
+    norms, a fraction of a percent here)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    input_ids = torch.randint(0, 512, (4, 64))  # [B, T]
+    with FlopCounterMode(display=False) as forward:
+        model(input_ids=input_ids)
+    with FlopCounterMode(display=False) as training:
+        model(input_ids=input_ids).logits.square().mean().backward()
+    weights_only = forward_flops([64] * 4, flop_params(model), layers=0, hidden=128)  # no attention term
+    assert weights_only == pytest.approx(forward.get_total_flops(), rel=0.01)
+    assert training.get_total_flops() == 3 * forward.get_total_flops()
+    assert step_flops([64] * 4, flop_params(model), 2, 128, passes=1, forwards=0) == 3 * forward_flops(
+        [64] * 4, flop_params(model), 2, 128
+    )
