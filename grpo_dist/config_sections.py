@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -467,8 +467,8 @@ class WandbConfig(_Section):
     """W&B project."""
     entity: str | None = None
     """W&B entity (team or user); null: the API key's default."""
-    name: str | None = None
-    """W&B run name; defaults to `run.name`."""
+    name: str | None = Field(None, validation_alias=AliasChoices("name", "run_name"))
+    """W&B run name; defaults to `run.name` (`run_name`, its earlier key, is read too)."""
     group: str | None = None
     """W&B group, to compare runs of one experiment side by side."""
     tags: list[str] = Field(default_factory=list)

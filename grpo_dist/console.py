@@ -32,6 +32,7 @@ class Console:
         self.verbose = verbose
         self.file: TextIO | None = None
         self.handler: logging.Handler | None = None
+        self.console_handler = logging.StreamHandler(sys.stderr)  # verbose: for loggers that have no console one
 
     def open(self, run_dir: Path) -> None:
         """Send the libraries' logs and Python's warnings to `run_dir/verbose.log` (and not to the console unless
@@ -48,6 +49,8 @@ class Console:
             logger = logging.getLogger(name)
             if not self.verbose:
                 logger.handlers = [h for h in logger.handlers if not _to_console(h)]
+            elif not any(_to_console(h) for h in logger.handlers):
+                logger.addHandler(self.console_handler)  # what Python would have printed, printed still
             if self.handler not in logger.handlers:
                 logger.addHandler(self.handler)
             logger.propagate = False
@@ -79,6 +82,7 @@ class Console:
             return
         for name in LIBRARY_LOGGERS:
             logging.getLogger(name).removeHandler(self.handler)
+            logging.getLogger(name).removeHandler(self.console_handler)
         logging.captureWarnings(False)
         self.file.flush()
 

@@ -72,25 +72,26 @@ def run_training(cfg: Config, cluster: Cluster | None, checkpoint, earlier, cons
     rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), step, cfg.wandb.finish_timeout_s)
-    if step == 0 and inputs.eval_sets:
-        sink.log_eval(0, evaluate(cfg, cluster, inputs.eval_sets, "before training", eval_samples(cfg, 0)))
     at_step_start = (run_state(rollouts, sink), cluster.learner.version)
-    section(f"training: steps {step + 1}-{cfg.run.steps}, one line each")
     try:
+        if step == 0 and inputs.eval_sets:
+            sink.log_eval(0, evaluate_now(cfg, cluster, inputs.eval_sets, 0))
+        section(f"training: steps {step + 1}-{cfg.run.steps}, one line each")
         while step < cfg.run.steps:
-            at_step_start = (run_state(rollouts, sink), cluster.learner.version)  # for a checkpoint if stopped now
             try:
                 apply_scale_request(cfg, cluster)
                 metrics, samples = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
-                step += 1
+                sink.log(step + 1, {**metrics, "epoch": sampler.epoch}, samples)
+                tqdm.write(step_line(step + 1, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
+                if checkpoint_due(cfg, step + 1):
+                    save_checkpoint(cfg, cluster, step + 1, run_state(rollouts, sink))
+                step += 1  # done: logged, and checkpointed when due
+                at_step_start = (run_state(rollouts, sink), cluster.learner.version)  # for a checkpoint if stopped
                 if eval_due(cfg, step) and inputs.eval_sets:
-                    metrics.update(evaluate_now(cfg, cluster, inputs.eval_sets, step))
-                sink.log(step, {**metrics, "epoch": sampler.epoch}, samples)
-                tqdm.write(step_line(step, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
-                if checkpoint_due(cfg, step):
-                    save_checkpoint(cfg, cluster, step, run_state(rollouts, sink))
+                    sink.log_eval(step, evaluate_now(cfg, cluster, inputs.eval_sets, step))
             except LearnerLost as lost:
                 step = restart_learner(cfg, cluster, rollouts, sink, lost)
+                at_step_start = (run_state(rollouts, sink), cluster.learner.version)
         sink.close()
         if cfg.run.save_final:
             section(f"final policy saved to {save_policy(cfg, cluster, 'final')}")
@@ -107,9 +108,9 @@ def run_training(cfg: Config, cluster: Cluster | None, checkpoint, earlier, cons
     return cfg.run_dir
 
 
-def start_cluster(cfg: Config, model_path: str, console: Console | None = None) -> Cluster:
+def start_cluster(cfg: Config, model_path: str, console: Console | None = None, probe: bool = True) -> Cluster:
     """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
-    aborts; the command line's stops cleanly); every learner node must see the run directory."""
+    aborts; the command line's stops cleanly); with `probe`, every learner node must see the run directory."""
     started = time.perf_counter()
     section(f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
             f"and {cfg.reward.num_workers} reward worker(s)")  # fmt: skip
@@ -119,7 +120,7 @@ def start_cluster(cfg: Config, model_path: str, console: Console | None = None) 
         signal.signal(signal.SIGTERM, on_sigterm)
     if console is not None:
         console.take_actor_output()  # what the actors print while they start, too
-    cluster = Cluster.start(cfg, model_path, probe=write_probe(cfg))
+    cluster = Cluster.start(cfg, model_path, probe=write_probe(cfg) if probe else None)
     if console is not None:
         console.open(cfg.run_dir)  # the libraries imported meanwhile
     section(f"started in {time.perf_counter() - started:.1f} s")
@@ -194,7 +195,7 @@ def evaluate_now(cfg: Config, cluster: Cluster, sets: list, step: int) -> dict[s
     started = time.perf_counter()
     if cluster.generators.weight_version < cluster.learner.version:
         cluster.sync_weights()
-    when = "after training" if step == cfg.run.steps else f"at step {step}"
+    when = "before training" if step == 0 else "after training" if step == cfg.run.steps else f"at step {step}"
     metrics = evaluate(cfg, cluster, sets, when, eval_samples(cfg, step))
     return {**metrics, "time/eval": time.perf_counter() - started}
 

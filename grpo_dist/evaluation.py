@@ -18,12 +18,12 @@ from tqdm import tqdm
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
 from grpo_dist.console import bar
+from grpo_dist.data.prepare import last_boxed
 from grpo_dist.inputs import EvalSet
 from grpo_dist.rewards.runner import RewardRunner
 from grpo_dist.rollouts import advancing, score_requests
 from grpo_dist.types import Sampling, ScoreRequest
 
-BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
@@ -122,9 +122,9 @@ def majority_correct(group: list[Sample]) -> bool:
 def final_answer(text: str) -> str | None:
     """The answer a completion gives, for majority voting: the last `\\boxed{...}`, else the last number (commas
     dropped), else None."""
-    boxed = BOXED.findall(text)
-    if boxed:
-        return boxed[-1].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
     numbers = NUMBER.findall(text)
     return numbers[-1].replace(",", "") if numbers else None
 
@@ -164,9 +164,9 @@ def show_accuracy(cfg: Config, scores: list[float], when: str) -> float:
 
 def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[str, float]:
     """`grpo-dist eval`: the config's eval sets on the policy at `path` (a checkpoint directory, verified, or a
-    saved policy: `final/`, `interrupted/`, any Hugging Face model directory), on a cluster of its own started in
-    a scratch directory (the run's directory is not touched). The metrics are printed, and written as JSON to
-    `out` when given."""
+    saved policy: `final/`, `interrupted/`, any Hugging Face model directory; on a path every learner node sees),
+    on a cluster of its own started in a scratch directory (the run's directory is not touched). The metrics are
+    printed, and written as JSON to `out` when given."""
     import tempfile
 
     from grpo_dist import checkpoints
@@ -175,13 +175,13 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     from grpo_dist.inputs import prepare
     from grpo_dist.run_dir import resolve_paths
 
-    if "://" in path or cfg.object_store:
+    if "://" in path:
         raise ConfigError(f"--checkpoint {path}: grpo-dist eval reads a checkpoint on a path; copy it from the store")
     policy = Path(path).resolve()
     hugging_face = (policy / "config.json").is_file()
-    checkpoint = None if hugging_face else checkpoints.find(cfg, str(policy))
     with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:
         cfg.run.output_dir, cfg.checkpoint.dir, cfg.wandb.enabled = scratch, None, False
+        checkpoint = None if hugging_face else checkpoints.find(cfg, str(policy))
         if hugging_face:
             cfg.model.path, cfg.model.tiny = str(policy), None
         resolve_paths(cfg)
@@ -189,7 +189,7 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
         inputs = prepare(cfg, scratch=Path(scratch) / "inputs")
         if not inputs.eval_sets:
             raise ConfigError("nothing to evaluate: set eval.sets, or data.eval_path (or data.task) for a held-out set")
-        cluster = start_cluster(cfg, inputs.model_path)
+        cluster = start_cluster(cfg, inputs.model_path, probe=False)  # nothing is written on the learner nodes
         try:
             if checkpoint is not None:
                 step = checkpoints.load_state(checkpoint)["step"]

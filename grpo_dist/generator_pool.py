@@ -226,11 +226,13 @@ class GeneratorPool:
         self.placement.remove_generator(joining.index)
 
     def step_metrics(self) -> dict[str, float]:
-        """`generators/count` and `/joining` (asked for, not yet in the pool), and each generator's completions and
-        tokens per second (of the time it had requests under way) since the last call; the engines' own statistics
-        (`engine/*`: the highest KV-cache use, running and waiting requests of any engine, preemptions of all) and
-        the most memory an engine holds (`memory/engine_gb`)."""
+        """`generators/count` and `/joining` (asked for, not yet in the pool), `generators/tokens` (the completion
+        tokens the pool generated since the last call), each generator's completions and tokens per second (of the
+        time it had requests under way) since the last call; the engines' own statistics (`engine/*`: the highest
+        KV-cache use, running and waiting requests of any engine, preemptions of all, an evaluation's requests
+        included) and the most memory an engine holds (`memory/engine_gb`)."""
         metrics = {"generators/count": float(len(self.actors)), "generators/joining": float(len(self.joining))}
+        metrics["generators/tokens"] = float(sum(self.tokens.values()))  # all the pool generated since the last call
         for slot in range(len(self.actors)):
             metrics[f"generators/{slot}/completions"] = float(self.completions[slot])
             metrics[f"generators/{slot}/tokens_per_s"] = (
@@ -243,7 +245,8 @@ class GeneratorPool:
             for key in ("kv_cache_usage_max", "running_max", "waiting_max"):
                 metrics[f"engine/{key}"] = max(each[key] for each in found)
             metrics["engine/preemptions"] = sum(each["preemptions"] for each in found)
-            metrics["memory/engine_gb"] = max(each["memory_gb"] for each in found)
+            if held := [each["memory_gb"] for each in found if "memory_gb" in each]:
+                metrics["memory/engine_gb"] = max(held)
         return metrics
 
     def replace_unresponsive(self) -> bool:

@@ -136,18 +136,15 @@ class MetricsSink:
         return None if self.wandb_run is None else self.wandb_run.id
 
     def log(self, step: int, metrics: dict[str, float], samples: StepSamples | None = None) -> None:
-        """A step's metrics (its evaluation's `eval/*` among them, when it had one), histograms and table."""
+        """A step's metrics, histograms and completion table."""
         self._write("metrics.jsonl", {"step": step, **{key: _json_number(value) for key, value in metrics.items()}})
-        evaluation = {key: value for key, value in metrics.items() if key.startswith("eval/")}
-        if evaluation:
-            self._write("eval.jsonl", {"step": step, **{key: _json_number(v) for key, v in evaluation.items()}})
         for row in (samples.table or []) if samples else []:
             self._write("completions.jsonl", {"step": step, **row})
         if self.wandb_run is not None:
             self.wandb_run.log({**metrics, **_wandb_media(samples), STEP_KEY: step})
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """An evaluation outside a step (before training: step 0)."""
+        """An evaluation of the weights of `step` (0: before training), against that step in W&B."""
         self._write("eval.jsonl", {"step": step, **{key: _json_number(value) for key, value in metrics.items()}})
         if self.wandb_run is not None:
             self.wandb_run.log({**metrics, STEP_KEY: step})

@@ -100,7 +100,7 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, window: int = 10) -
     reward.plot(steps, rewards, alpha=0.35, label="mean reward")
     reward.plot(steps, moving_average(rewards, window), label=f"moving average ({window} steps)")
     reward.set_title("reward")
-    curves = eval_curves(Path(metrics_path).with_name("eval.jsonl"))
+    curves = eval_curves(Path(metrics_path).with_name("eval.jsonl"))  # each evaluation's row
     highest = {}  # per set, its largest k's pass@ and maj@ only
     for key in curves:
         name, _, metric = key.removeprefix("eval/").rpartition("/")
@@ -110,8 +110,10 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, window: int = 10) -
     for key in [key for key in curves if key.endswith("/accuracy")] + [key for _, key in highest.values()]:
         evals.plot(*curves[key], marker="o", label=key.removeprefix("eval/"))
     evals.set_title("evaluation" if curves else "evaluation (none logged: eval.jsonl)")
+    evaluations = read_metrics(eval_path) if (eval_path := Path(metrics_path).with_name("eval.jsonl")).is_file() else []
     for phase in PHASES:
-        points = [(row["step"], row[f"time/{phase}"]) for row in rows if row.get(f"time/{phase}") is not None]
+        timed = evaluations if phase == "eval" else rows  # an evaluation's time is in its own row
+        points = [(row["step"], row[f"time/{phase}"]) for row in timed if row.get(f"time/{phase}") is not None]
         if points:
             sparse = len(points) < len(rows) / 2  # a phase of some steps only (eval): points, not a line
             times.plot(*zip(*points, strict=True), label=phase, marker="o" if sparse else None,

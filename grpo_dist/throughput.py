@@ -7,23 +7,24 @@ Model FLOPs are counted from the model's shape, not measured: a forward pass ove
 training pass (forward and backward) costs three forward passes (as in the PaLM paper's appendix B). A step counts
 each pass it makes: `algorithm.ppo_epochs` training passes, plus one forward each for the reference's and the old
 policy's logprobs when it computes them. Activation recomputation (gradient checkpointing) is not counted: MFU is
-the useful work done, not the work the hardware did.
+the useful work done, not the work the hardware did. N counts every parameter: for a mixture of experts, more than
+a token meets.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
-PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak per device, by a substring of torch.cuda.get_device_name()
-    "H200": 989e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10": 125e12,
-}
+PEAK_BF16_FLOPS = (  # dense bf16 tensor-core peak per device, by a pattern of torch.cuda.get_device_name(), in order
+    (r"\bH100\b.*\bPCIe\b", 756e12),
+    (r"\bH[12]00\b.*\bNVL\b", 835e12),
+    (r"\bH100\b|\bH200\b|\bH800\b", 989e12),
+    (r"\bA100\b|\bA800\b", 312e12),
+    (r"\bL40S\b", 362e12),
+    (r"\bL40\b", 181e12),
+    (r"\bL4\b", 121e12),
+)
 
 
 def peak_flops(device_name: str | None, bf16: bool) -> float:
@@ -31,10 +32,7 @@ def peak_flops(device_name: str | None, bf16: bool) -> float:
     no MFU is reported, only FLOP/s)."""
     if not device_name or not bf16:
         return 0.0
-    for marker, flops in PEAK_BF16_FLOPS.items():
-        if marker in device_name:
-            return flops
-    return 0.0
+    return next((flops for pattern, flops in PEAK_BF16_FLOPS if re.search(pattern, device_name)), 0.0)
 
 
 def flop_params(model) -> int:
@@ -57,11 +55,13 @@ def step_flops(lengths: Iterable[int], params: int, layers: int, hidden: int, pa
 
 
 def throughput_metrics(metrics: dict[str, float], num_ranks: int) -> dict[str, float]:
-    """From a step's metrics: generated tokens per second of generation, trained tokens per second of training,
-    the learner's model FLOP/s per rank and, where the device's peak is known, its MFU."""
+    """From a step's metrics: the tokens the generators produced during the step's generation per second of it
+    (with `rollout.max_staleness` >= 1 that generation is the next step's batch), trained tokens per second of
+    training, the learner's model FLOP/s per rank and, where the device's peak is known, its MFU."""
     found = {}
     if metrics.get("time/generate"):
-        found["throughput/generated_tokens_per_s"] = metrics["tokens/generated"] / metrics["time/generate"]
+        generated = metrics.get("generators/tokens", metrics["tokens/generated"])
+        found["throughput/generated_tokens_per_s"] = generated / metrics["time/generate"]
     busy = metrics.get("time/learner_busy")
     if busy:
         found["throughput/trained_tokens_per_s"] = metrics["tokens/trained"] / busy

@@ -53,6 +53,7 @@ def test_majority_takes_the_first_answer_to_reach_the_top_count_and_needs_an_ans
     [
         ("so the answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
         ("first \\boxed{3}, then \\boxed{4}", "4"),
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}"),  # braces nested twice
         ("it costs 1,234 dollars", "1234"),
         ("7 3 9 then 5.", "5"),
         ("-2.5 or 3/4", "3/4"),
@@ -81,6 +82,8 @@ def test_model_flops_are_counted_from_the_shape():
     # two training passes (3 forwards each) and a reference forward
     assert step_flops([10, 10], 1000, 2, 8, passes=2, forwards=1) == 2 * 23200 * 7
     assert peak_flops("NVIDIA H100 80GB HBM3", bf16=True) == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", bf16=True) == 756e12 and peak_flops("NVIDIA L40", bf16=True) == 181e12
+    assert peak_flops("NVIDIA L4", bf16=True) == 121e12 and peak_flops("NVIDIA A10G", bf16=True) == 0.0
     assert peak_flops("NVIDIA H100 80GB HBM3", bf16=False) == 0.0 and peak_flops(None, bf16=True) == 0.0
     found = throughput_metrics(
         {"tokens/generated": 100, "time/generate": 2, "tokens/trained": 300, "time/learner_busy": 3,
@@ -126,6 +129,14 @@ def test_a_step_is_one_line_and_library_logs_go_to_the_file(tmp_path, capsys):
     assert "a library warning" not in shown.out + shown.err and "a Python warning" not in shown.out + shown.err
     logged = (tmp_path / "verbose.log").read_text()
     assert "a library warning" in logged and "a Python warning" in logged
+    console = Console(verbose=True)  # --verbose: on the console as well
+    console.open(tmp_path)
+    try:
+        logging.getLogger("torch").warning("a verbose warning")
+    finally:
+        console.close()
+    assert "a verbose warning" in capsys.readouterr().err
+    assert "a verbose warning" in (tmp_path / "verbose.log").read_text()
 
 
 def test_the_weights_flops_are_what_torch_counts_and_training_is_three_forwards():

@@ -73,16 +73,16 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
             by_hand = sum(1 - math.comb(4 - sum(c), j) / math.comb(4, j) for c in sampled) / 16
             assert row[f"eval/sampled/pass@{j}"] == pytest.approx(by_hand)
         assert 0 <= row["eval/sampled/maj@4"] <= 1 and "eval/held_out/maj@1" not in row
+        assert row["time/eval"] > 0
     learned = [row["eval/sampled/accuracy"] for row in evaluations]
     assert len(set(learned)) > 1  # the policy moved between evaluations: the numbers are its own
 
-    # metrics.jsonl: the eval keys at the eval steps only, throughput, memory and engine statistics every step.
+    # metrics.jsonl: a row per step (an evaluation has its own, above); throughput, memory and engine statistics.
     steps = rows(run_dir)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     n, layers, hidden, longest = flop_params(model), model.config.num_hidden_layers, model.config.hidden_size, 34
     assert [row["step"] for row in steps] == [1, 2, 3, 4]
-    assert [row["step"] for row in steps if "eval/sampled/pass@4" in row] == [2, 4]
-    assert [row["step"] for row in steps if "time/eval" in row] == [2, 4]
+    assert not [key for row in steps for key in row if key.startswith("eval/") or key == "time/eval"]
     for row in steps:
         assert row["tokens/trained"] > row["tokens/generated"] > 0  # the prompts are trained on too
         assert row["throughput/generated_tokens_per_s"] > 0 and row["throughput/trained_tokens_per_s"] > 0
@@ -104,10 +104,14 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
     # W&B (offline): every row against the training step, the run's group and tags, histograms, the table.
     (session,) = (run_dir / "wandb").glob("offline-run-*")
     logged = history(session)
-    assert [row["train/step"] for row in logged] == [0, 1, 2, 3, 4]
-    assert [row["train/step"] for row in logged if "eval/sampled/pass@4" in row] == [0, 2, 4]
-    assert all(row["histograms/rewards/_type"] == "histogram" for row in logged[1:])
-    logged_table = table(session, logged[2], "completions")
+    assert [row["train/step"] for row in logged] == [0, 1, 2, 2, 3, 4, 4]  # each step, then its evaluation
+    evaluated = [row for row in logged if "eval/sampled/pass@4" in row]
+    assert [row["train/step"] for row in evaluated] == [0, 2, 4]
+    assert [row["eval/sampled/pass@4"] for row in evaluated] == [row["eval/sampled/pass@4"] for row in evaluations]
+    trained = [row for row in logged if "reward/mean" in row]
+    assert [row["train/step"] for row in trained] == [1, 2, 3, 4]
+    assert all(row["histograms/rewards/_type"] == "histogram" for row in trained)
+    logged_table = table(session, trained[1], "completions")  # step 2
     assert len(logged_table["data"]) == 16 and "advantage" in logged_table["columns"]
     (started,) = [r.run for r in records(next(session.glob("run-*.wandb"))) if r.WhichOneof("record_type") == "run"]
     assert (started.run_group, list(started.tags)) == ("watching", ["smoke"])
@@ -121,7 +125,7 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
     assert [row["step"] for row in jsonl(run_dir / "eval.jsonl")] == [0, 2, 4, 5]
     (again,) = [s for s in (run_dir / "wandb").glob("offline-run-*") if s != session]
     assert again.name.endswith(run_id)
-    assert [row["train/step"] for row in history(again)] == [4, 5]  # the redone step is there
+    assert [row["train/step"] for row in history(again)] == [4, 4, 5, 5]  # the redone step 4 is there
 
     # The final policy evaluated on its own: the same greedy answers as the run's evaluation after training.
     out = run("eval", config, *settings, "--checkpoint", str(run_dir / "final"), "--out", str(tmp_path / "e.json"))

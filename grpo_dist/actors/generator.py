@@ -197,16 +197,18 @@ class Generator:
 
     async def engine_stats(self) -> dict[str, float]:
         """vLLM's scheduler statistics since the last call (KV-cache use, running and waiting requests at their
-        highest, preemptions), and the memory this engine holds: the GPU's in use (what vLLM reserved, with
-        whatever else runs on it), or on a CPU the resident memory of this process."""
+        highest, preemptions), and the memory this engine holds: the in-use memory of the GPU this actor was
+        given (what vLLM reserved, with whatever else runs on it), or on a CPU the resident memory of this
+        process. With tensor parallelism the engine's workers hold its GPUs, and no memory is reported."""
         import psutil
+        import ray
         import torch
 
         found = self.stats.take()
-        if torch.cuda.is_available():
+        if ray.get_gpu_ids():
             free, total = torch.cuda.mem_get_info()
             found["memory_gb"] = (total - free) / 1e9
-        else:
+        elif not torch.cuda.is_available():
             found["memory_gb"] = psutil.Process().memory_info().rss / 1e9
         return found
 
