@@ -213,7 +213,7 @@ def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_repla
 
     # One function and the judge -> 8 threads; each request leaves one call sleeping past the 0.1 s limit.
     slow = RewardFunctionConfig(name=f"{FIXTURES}.slow_reward", kwargs={"delay_s": 3.0})
-    worker = RewardWorker(RewardConfig(functions=[slow], timeout_s=0.1, sandbox=False), judge="math_answer")
+    worker = RewardWorker(RewardConfig(functions=[slow], timeout_s=0.1, sandbox=False), judges=["math_answer"])
     request = ScoreRequest("q", "7", {})
     scores, exhausted = worker.score([request] * 3)
     assert not exhausted and scores[0].failures == {f"{FIXTURES}.slow_reward": "timed out after 0.1s"}
