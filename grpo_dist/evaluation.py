@@ -11,6 +11,7 @@ import math
 import random
 import re
 from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -52,12 +53,12 @@ def evaluate(
         found = set_metrics(each.name, each.k, [samples[i : i + each.k] for i in range(0, len(samples), each.k)])
         metrics.update(found)
         tqdm.write(describe(each, found, when))
-        written += [
-            {"set": each.name, "prompt_index": c.prompt_index, "prompt": each.prompts[c.prompt_index].text,
-             "completion": c.text, "answer": s.answer, "correct": s.correct, "unscored": s.unscored,
-             "length": s.length, "truncated": s.truncated}
-            for c, s in zip(completions, samples, strict=True)
-        ]  # fmt: skip
+        if samples_to is not None:
+            written += [
+                {"set": each.name, "prompt_index": c.prompt_index, "prompt": each.prompts[c.prompt_index].text,
+                 "completion": c.text, **asdict(sample)}
+                for c, sample in zip(completions, samples, strict=True)
+            ]  # fmt: skip
     if samples_to is not None:
         samples_to.parent.mkdir(parents=True, exist_ok=True)
         samples_to.write_text("".join(json.dumps(row) + "\n" for row in written))
@@ -73,14 +74,15 @@ def eval_seeds(run_seed: int, each: EvalSet) -> list[int] | None:
     return [stream.getrandbits(31) for _ in each.prompts]
 
 
+@dataclass(slots=True)
 class Sample:
     """One judged eval completion."""
 
-    __slots__ = ("correct", "unscored", "answer", "length", "truncated")
-
-    def __init__(self, correct: bool, unscored: bool, answer: str | None, length: int, truncated: bool) -> None:
-        self.correct, self.unscored, self.answer = correct, unscored, answer
-        self.length, self.truncated = length, truncated
+    correct: bool
+    unscored: bool  # the judge failed on it (counted wrong)
+    answer: str | None  # what majority voting reads from it
+    length: int  # tokens
+    truncated: bool  # cut at max_tokens
 
 
 def set_metrics(name: str, k: int, groups: list[list[Sample]]) -> dict[str, float]:

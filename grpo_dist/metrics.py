@@ -112,7 +112,6 @@ class MetricsSink:
         if after_step:
             self._keep_until(after_step)
         self.files = {name: (run_dir / name).open("a") for name in self.FILES}
-        self.file = self.files["metrics.jsonl"]
         self.wandb_run = wandb_run
         self.finish_timeout_s = finish_timeout_s
 
@@ -122,7 +121,6 @@ class MetricsSink:
             file.close()
         self._keep_until(step)
         self.files = {name: (self.run_dir / name).open("a") for name in self.FILES}
-        self.file = self.files["metrics.jsonl"]
 
     def _keep_until(self, step: int) -> None:
         for name in self.FILES:
