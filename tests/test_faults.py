@@ -220,10 +220,10 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
 
 def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path, monkeypatch):
     """One run, two learner faults.
-    - Once step 1 is logged, the learner rank's process is slowed about twentyfold (stopped 0.475 s of every 0.5 s,
-      as a machine shared with other work would) for steps 2 and 3: they last several times their usual length and
-      longer than `faults.train_timeout_s`, and go on to the end without a restart, because their micro-batches
-      keep finishing.
+    - Once step 1 is logged, the learner rank's process is slowed (stopped 0.475 s of every 0.5 s, as a machine shared
+      with other work would; measured tenfold to twentyfold here) for steps 2 and 3: a step of 260 micro-batches
+      then lasts several times its usual length and longer than `faults.train_timeout_s`, and goes on to the end
+      without a restart, because its micro-batches keep finishing.
     - Then each learner rank asks for more memory than the machine has inside training step 4 (a real allocation
       failure in a real step): the learner group is restarted from the step-3 checkpoint, step 4 fails the same
       way again, and the run stops, naming the settings that make a step smaller."""
@@ -232,7 +232,7 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
     raw = small_config(
         tmp_path,
         run={"steps": 6},
-        data={"prompts_per_step": 16},  # 64 completions: a step of about 130 passes of one completion each
+        data={"prompts_per_step": 32},  # 128 completions: a step of about 260 passes of one completion each
         learner={"lr": 1e-2, "micro_batch_size": 1, "zero_stage": 2},
         checkpoint={"every_steps": 1, "keep": 2},
         faults={"train_timeout_s": bound_s},
