@@ -58,8 +58,9 @@ class TrainBatch:
 def collate(
     completions: list[Completion], advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool = False
 ) -> TrainBatch:
-    """Pad prompt+completion sequences into one batch; completion tokens are marked for the loss, except those of
-    completions cut at the length limit when `mask_truncated` (DAPO's overlong filtering)."""
+    """Pad prompt+completion sequences into one batch; completion tokens are marked for the loss (of a multi-turn
+    trajectory, only those the model sampled: its `mask`), except those of completions cut at the length limit
+    when `mask_truncated` (DAPO's overlong filtering)."""
     if len(completions) != advantages.shape[0]:
         raise ValueError(f"{len(completions)} completions but {advantages.shape[0]} advantages")
     length = max(len(c.prompt_token_ids) + len(c.token_ids) for c in completions)
@@ -73,7 +74,9 @@ def collate(
         end = start + len(completion.token_ids)
         input_ids[row, :end] = torch.tensor(completion.prompt_token_ids + completion.token_ids)
         attention_mask[row, :end] = 1
-        completion_mask[row, start:end] = 0.0 if mask_truncated and completion.finish_reason == "length" else 1.0
+        if not (mask_truncated and completion.finish_reason == "length"):
+            sampled = 1.0 if completion.mask is None else torch.tensor(completion.mask, dtype=torch.float)
+            completion_mask[row, start:end] = sampled
         sampling_logprobs[row, start:end] = torch.tensor(completion.logprobs)
     versions = {c.weight_version for c in completions}
     return TrainBatch(input_ids, attention_mask, completion_mask, sampling_logprobs, advantages.float(), min(versions))

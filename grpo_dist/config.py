@@ -19,9 +19,11 @@ from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
+    EnvironmentConfig,
     EvalConfig,
     EvalSetConfig,
     FaultsConfig,
+    JudgeConfig,
     LearnerConfig,
     ModelConfig,
     RayConfig,
@@ -65,6 +67,9 @@ class Config(_Section):
     """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Evaluation before, during and after training: accuracy, pass@k, maj@k per eval set."""
+    environment: EnvironmentConfig | None = None
+    """Agentic rollouts: each completion is a multi-turn trajectory in this environment, with tools; null: one
+    turn per completion."""
     sft: SftConfig | None = None
     """Supervised warm-up on the task's solved rows (`grpo-dist sft CONFIG`) writing `model.path`; null: none."""
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -95,6 +100,16 @@ class Config(_Section):
         names = [spec.name for spec in self.reward.functions] + self.judges
         if "code_tests" in names and not self.reward.sandbox:
             raise ValueError("the code_tests reward runs the model's code: it needs reward.sandbox=true")
+        return self
+
+    @model_validator(mode="after")
+    def _judge_is_a_reward(self) -> Config:
+        named = [spec.name for spec in self.reward.functions].count("judge")
+        if self.reward.judge is not None and named != 1:
+            raise ValueError("reward.judge is set: list its verdict once in reward.functions, as {name: judge, weight: "
+                             "...}")  # fmt: skip
+        if self.reward.judge is None and named:
+            raise ValueError("reward.functions names `judge`, and reward.judge (its model, prompt, verdict) is not set")
         return self
 
     @model_validator(mode="after")
@@ -129,6 +144,26 @@ class Config(_Section):
                 f"checkpoint.dir must be null with an object-store run.output_dir ({self.run.output_dir}): the "
                 "checkpoints go there, under <name>/checkpoints"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _trajectories_fit(self) -> Config:
+        environment = self.environment
+        if environment is None:
+            return self
+        if environment.max_total_tokens > self.rollout.max_model_len:
+            raise ValueError(
+                f"environment.max_total_tokens ({environment.max_total_tokens}) is above rollout.max_model_len "
+                f"({self.rollout.max_model_len}), the engine's context: lower the one or raise the other"
+            )
+        if self.data.max_prompt_tokens >= environment.max_total_tokens:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) leaves no room for a turn under "
+                f"environment.max_total_tokens ({environment.max_total_tokens})"
+            )
+        if self.data.chat_template is False:
+            raise ValueError("an environment's conversations are rendered by the chat template: data.chat_template "
+                             "cannot be false with an environment")  # fmt: skip
         return self
 
     @property

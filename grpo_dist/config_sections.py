@@ -42,6 +42,9 @@ class TinyModelConfig(_Section):
     """MLP width."""
     characters: str | None = None
     """The tokenizer's characters, one token each; null means all of printable ASCII."""
+    chat_template: bool = False
+    """Give the tokenizer the built-in chat template (roles, tool turns, each turn ended by the end-of-sequence
+    token): what an environment's multi-turn conversations need."""
 
     @model_validator(mode="after")
     def _head_dim_is_64(self) -> TinyModelConfig:
@@ -69,9 +72,10 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["last_digit", "add", "add_multi"] = "last_digit"
-    """Bundled synthetic task: `last_digit` (answer the prompt's last digit), `add` (single-digit sums) or
-    `add_multi` (sums of two numbers below 100)."""
+    name: Literal["last_digit", "add", "add_multi", "multiply"] = "last_digit"
+    """Bundled synthetic task: `last_digit` (answer the prompt's last digit), `add` (single-digit sums),
+    `add_multi` (sums of two numbers below 100) or `multiply` (products of 2-digit numbers, with tool-use
+    transcripts for an environment with the `calculator`)."""
     num_train: int = Field(2000, ge=1)
     """Training prompts to generate."""
     num_eval: int = Field(200, ge=1)
@@ -174,17 +178,52 @@ class RolloutConfig(_Section):
 
 class RewardFunctionConfig(_Section):
     name: str
-    """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`, `regex_format`) or the
-    dotted path of a user function `(prompt, completion, **fields) -> float`."""
+    """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`, `regex_format`,
+    `code_tests`, `environment`, `tool_use`), `judge` (the verdict of `reward.judge`), or the dotted path of a user
+    function `(prompt, completion, **fields) -> float`."""
     weight: float = 1.0
     """Weight of this function in the combined reward."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed on every call."""
 
 
+class JudgeConfig(_Section):
+    model: str
+    """The judge: a Hugging Face causal LM (a local directory or a hub id), frozen, served by vLLM engines of its
+    own. Its verdict is the reward function `judge` (list it in `reward.functions`, with its weight)."""
+    prompt: str = "Question: {prompt}\nAnswer: {completion}\nReference: {answer}\nScore the answer from 0 to 10."
+    """What the judge reads, as a user message through its chat template (raw when it has none): `{prompt}`,
+    `{completion}` (a trajectory's last turn) and any field of the row (`{answer}`) are filled in."""
+    verdict: str = r"(-?[0-9]+(?:\.[0-9]+)?)"
+    """A regular expression whose first group, in the judge's reply, is its score (the first match)."""
+    scale: float = Field(10.0, gt=0)
+    """The score is divided by this (a 0-10 verdict becomes 0-1). A reply with no match is unscored."""
+    max_tokens: int = Field(64, ge=1)
+    """Longest judge reply; it is decoded greedily."""
+    max_model_len: int = Field(2048, ge=8)
+    """The judge engine's context."""
+    num_engines: int = Field(1, ge=1)
+    """Judge engines; a step's completions are split between them."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs per judge engine."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per judge engine (0 on a CPU machine)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Judge engine dtype."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of each GPU a judge engine may take."""
+    cpu_kv_cache_gib: float = Field(0.25, gt=0)
+    """KV-cache size per judge engine on the CPU backend, in GiB."""
+    max_restarts: int = Field(3, ge=0)
+    """Judge engines that die may be replaced this many times in a run (each is counted in `faults/judge_restarts`);
+    a batch a lost engine held is judged again once, then left unscored."""
+
+
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(min_length=1)
     """Reward functions, combined by weighted sum."""
+    judge: JudgeConfig | None = None
+    """An LLM judge: the reward function `judge` is its verdict on each completion. null: none."""
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """Weighted-sum the rewards then compute advantages, or compute each function's advantages then weighted-sum
     them (one reward's scale cannot drown another's)."""
@@ -369,7 +408,43 @@ class SftConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate of the warm-up (betas and gradient clipping as in `learner`)."""
     answer_field: str = "answer"
-    """Field of each training row holding its solved completion."""
+    """Field of each training row holding its solved completion (or, as a list of chat messages, its solved
+    conversation: a tool-use transcript whose assistant turns are learned)."""
+    rows: int | None = Field(None, ge=1)
+    """Warm up on the first this many training rows only (a few solved examples); null: all of them."""
+
+
+class EnvironmentConfig(_Section):
+    name: str = "tools"
+    """The environment each trajectory runs in: `tools` (the plain tool-use loop: tool calls answered by their
+    results, done at a turn without one) or the dotted path of your `grpo_dist.agents.Environment` subclass."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    tools: list[str] | None = None
+    """Tools offered to the model: built-in (`calculator`) or dotted paths of functions; null: the environment's
+    own `tools`."""
+    agent: str | None = None
+    """Bring your own agent: the dotted path of `async def agent(client, row) -> reward`, run for each trajectory with
+    an `openai.AsyncOpenAI` client of the generator's chat-completions endpoint (its calls are the trajectory;
+    the agent runs its own tools). null: the environment's tool loop."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """An agent running longer is stopped; its trajectory keeps the calls made so far, cut (truncated)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a turn: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`),
+    `none`, or the dotted path of a function `(text) -> list[ToolCall]`."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per trajectory; one still calling tools at the last is cut (truncated)."""
+    max_total_tokens: int = Field(256, ge=2)
+    """Prompt, turns and observations together (at most `rollout.max_model_len`); each turn samples at most
+    `rollout.max_new_tokens`."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """A tool call running longer is answered with a time-out error; its sandbox is killed with what it started."""
+    tool_workers: int = Field(4, ge=1)
+    """Tool sandboxes per generator: tool calls running at once (a slow one holds back only its trajectory)."""
+    sandbox_memory_mb: int = Field(2048, ge=256)
+    """Address space of each tool sandbox."""
+    sandbox_network: bool = False
+    """Let tools use the network (off: a network namespace of their own)."""
 
 
 class CheckpointConfig(_Section):

@@ -156,7 +156,7 @@ def train_step(
     metrics.update(
         sampling_metrics, **staleness, **train_metrics, **timer.times, weight_version=generators.weight_version
     )
-    metrics.update(cluster.rewards.failures.end_step(), **cluster.faults.metrics(), **generators.step_metrics())
+    metrics.update(cluster.rewards.step_metrics(), **cluster.faults.metrics(), **generators.step_metrics())
     metrics["reward/shaped_mean"] = rewards.nanmean().item()
     metrics["rollout/groups"] = float(len(rollout.prompts))
     metrics["time/step"] = time.perf_counter() - started
@@ -175,7 +175,7 @@ def step_samples(cfg: Config, step: int, rollout, advantages, version: int) -> S
     due = bool(every) and (step == 1 or step % every == 0)
     table = completion_rows(rollout, advantages, version, names, cfg.wandb.table_rows) if due else None
     rewards = [score.total for score in rollout.scores]
-    return StepSamples(rewards, [len(c.token_ids) for c in rollout.completions], advantages.tolist(), table)
+    return StepSamples(rewards, [c.sampled_tokens for c in rollout.completions], advantages.tolist(), table)
 
 
 def apply_scale_request(cfg: Config, cluster: Cluster) -> None:

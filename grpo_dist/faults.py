@@ -31,8 +31,8 @@ log = logging.getLogger("grpo_dist")
 START_ATTEMPTS = 5  # for a replacement whose actor dies while starting (placed on a node not yet known dead)
 RETRY_PAUSE_S = 5.0
 COUNTERS = (
-    "generator_restarts", "engine_restarts", "reward_worker_restarts", "learner_restarts", "regenerated", "rescored",
-    "unscored",
+    "generator_restarts", "engine_restarts", "reward_worker_restarts", "learner_restarts", "judge_restarts",
+    "regenerated", "rescored", "unscored",
 )  # fmt: skip
 """Every `faults/*` metric, logged from step 1 so that each has a curve."""
 

@@ -114,7 +114,7 @@ class GeneratorPool:
         return (
             ray.remote(Generator)
             .options(**generator_resources(cfg), scheduling_strategy=self.placement.generator_strategy(slot))
-            .remote(self.model_path, cfg.rollout, cfg.run.seed + slot, wire_backend(cfg))
+            .remote(self.model_path, cfg.rollout, cfg.run.seed + slot, wire_backend(cfg), cfg.environment)
         )
 
     @property
@@ -323,8 +323,9 @@ class Generation:
             if count >= self.depth:
                 return
             index = self.queue.popleft()
-            prompt, seed = self.prompts[index].token_ids, self.seeds and self.seeds[index]
-            call = actors[slot].generate.remote(prompt, self.group_size, self.evaluation, index, seed)
+            record, seed = self.prompts[index], self.seeds and self.seeds[index]
+            row = record.row if self.pool.cfg.environment is not None else None  # a trajectory starts from its row
+            call = actors[slot].generate.remote(record.token_ids, self.group_size, self.evaluation, index, seed, row)
             self.running[call] = Request(slot, index, time.monotonic(), actors[slot])
             under_way[slot] += 1
 

@@ -65,6 +65,8 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
             print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
         print(f"first prompt, as the model reads it: {train[0].text!r}")
+        if cfg.environment is not None:
+            check_environment(cfg, tokenizer, train[0])
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
         eval_sets = read_eval_sets(cfg, held_out, tokenizer)
         for each, key in eval_sets:
@@ -93,9 +95,8 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
             key = "data.eval_path"
         else:
             rows = read_source(spec.path, spec.split, spec.subset, spec.fields or cfg.data.fields, key)
-            prompts, _ = encode_prompts(
-                rows, tokenizer, cfg.data.max_prompt_tokens, cfg.data.system_prompt, cfg.data.chat_template
-            )
+            prompts, _ = encode_prompts(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.data.system_prompt,
+                                        cfg.data.chat_template, template_tools(cfg))  # fmt: skip
             if not prompts:
                 raise ConfigError(f"{key}: {spec.path} holds no prompt within data.max_prompt_tokens")
         max_tokens = spec.max_tokens or cfg.rollout.max_new_tokens
@@ -142,6 +143,29 @@ def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: 
         )
 
 
+def check_environment(cfg: Config, tokenizer: Any, record: PromptRecord) -> None:
+    """The environment, its tools and its tool parser resolve, the chat template renders an observation after a
+    turn, the first row starts an episode within `data.max_prompt_tokens`, and the tools import in their sandbox."""
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.agents.render import TemplateError
+    from grpo_dist.sandbox import Sandbox
+
+    try:
+        loop = AgentLoop(cfg.environment, tokenizer, cfg.rollout.max_new_tokens)
+        first = loop.first_tokens(record.row)
+        loop.renderer.observation([{"role": "tool", "content": "0"}])
+        if loop.specs:
+            Sandbox([spec.path for spec in loop.specs], loop.tools.limits, kind="tools").close()
+    except (ValueError, TemplateError, SandboxError) as error:
+        raise ConfigError(f"environment: {error}") from None
+    except Exception as error:  # the user's environment failing on its first row
+        raise ConfigError(f"environment {cfg.environment.name}: reset of the first row of data.path raised "
+                          f"{type(error).__name__}: {error}") from None  # fmt: skip
+    if len(first) > cfg.data.max_prompt_tokens:
+        raise ConfigError(f"environment {cfg.environment.name}: the first row's first messages take {len(first)} "
+                          f"tokens, more than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")  # fmt: skip
+
+
 def check_lengths(cfg: Config) -> None:
     if cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:
         raise ConfigError(
@@ -162,7 +186,20 @@ def read_prompts(cfg: Config, location: str, tokenizer: Any, held_out: bool = Fa
     data = cfg.data
     split, key = (data.eval_split, "data.eval_path") if held_out else (data.split, "data.path")
     rows = read_source(location, split, data.subset, data.fields, key)
-    return encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template)
+    return encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template,
+                          template_tools(cfg))  # fmt: skip
+
+
+def template_tools(cfg: Config) -> list[dict] | None:
+    """The chat template's `tools` of a run with an environment (its prompts show them), else None."""
+    if cfg.environment is None:
+        return None
+    from grpo_dist.agents.episode import tool_specs
+
+    try:
+        return [spec.chat_template_entry for spec in tool_specs(cfg.environment)]
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def prepare_model(cfg: Config, scratch: Path | None = None) -> str:
@@ -186,9 +223,12 @@ def model_directory(cfg: Config, path: Path, key: str, scratch: Path | None = No
     `model.tiny` asks for one."""
     if cfg.model.tiny is not None and not path.exists():
         from grpo_dist.models import build_tiny_model
+        from grpo_dist.models.tiny import CHAT_TEMPLATE
 
         path = path if scratch is None else scratch / "model"
-        build_tiny_model(path, seed=cfg.run.seed, **cfg.model.tiny.model_dump(exclude_none=True))
+        sizes = cfg.model.tiny.model_dump(exclude_none=True, exclude={"chat_template"})
+        template = CHAT_TEMPLATE if cfg.model.tiny.chat_template else None
+        build_tiny_model(path, seed=cfg.run.seed, chat_template=template, **sizes)
         print(f"built a random-init tiny model at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")

@@ -45,7 +45,7 @@ def rollout_metrics(
     """Reward, per-function reward, advantage and length statistics of one rollout batch."""
     totals = torch.tensor([score.total for score in scores])  # [B]
     per_function = torch.tensor([score.per_function for score in scores])  # [B, F]
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float)  # [B]
+    lengths = torch.tensor([c.sampled_tokens for c in completions], dtype=torch.float)  # [B]
     metrics = {**_stats("reward", totals), **_stats("advantage", advantages), **_stats("response_length", lengths)}
     for column, name in enumerate(reward_names):
         metrics[f"reward/{name}"] = _stats("r", per_function[:, column])["r/mean"]
@@ -55,7 +55,35 @@ def rollout_metrics(
     )
     metrics["tokens/generated"] = float(lengths.sum())
     metrics["rollout/weight_version"] = float(min(c.weight_version for c in completions))
-    return metrics
+    return metrics | episode_metrics(completions)
+
+
+def episode_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Of multi-turn trajectories: turns, tool calls, tool errors and tool seconds per trajectory (mean), the
+    slowest trajectory's tool seconds, the share of tool calls that failed, and the share of trajectories cut."""
+    episodes = [c.episode for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    count, calls = len(episodes), sum(e.tool_calls for e in episodes)
+    return {
+        "agent/turns": sum(e.turns for e in episodes) / count,
+        "agent/tool_calls": calls / count,
+        "agent/tool_errors": sum(e.tool_errors for e in episodes) / count,
+        "agent/tool_error_fraction": sum(e.tool_errors for e in episodes) / calls if calls else 0.0,
+        "agent/tool_seconds": sum(e.tool_seconds for e in episodes) / count,
+        "agent/tool_seconds_max": max(e.tool_seconds for e in episodes),
+        "agent/truncated_fraction": sum(e.truncated for e in episodes) / count,
+        "agent/diverged_fraction": sum(e.diverged for e in episodes) / count,
+    }
+
+
+def conversation(completion: Completion) -> str:
+    """What the completion table shows of a completion: its text, or a trajectory's whole conversation after its
+    first messages, one `role: content` line a message."""
+    if completion.episode is None:
+        return completion.text
+    first = next((i for i, m in enumerate(completion.episode.messages) if m["role"] == "assistant"), 0)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in completion.episode.messages[first:])
 
 
 def completion_rows(rollout: Rollout, advantages: torch.Tensor, version: int, names: list[str], limit: int):
@@ -67,13 +95,14 @@ def completion_rows(rollout: Rollout, advantages: torch.Tensor, version: int, na
     for index, (c, score) in enumerate(zip(rollout.completions[:count], rollout.scores[:count], strict=True)):
         rows.append({
             "prompt": rollout.prompts[c.prompt_index].text,
-            "completion": c.text,
+            "completion": conversation(c),
             "reward": _json_number(score.total),
             **{f"reward/{name}": _json_number(value) for name, value in zip(names, score.per_function, strict=True)},
             "advantage": _json_number(advantages[index].item()),
             "staleness": version - c.weight_version,
             "generator": c.generator,
-            "length": len(c.token_ids),
+            "length": c.sampled_tokens,
+            **({"turns": c.episode.turns, "tool_calls": c.episode.tool_calls} if c.episode else {}),
             "finish_reason": c.finish_reason,
         })  # fmt: skip
     return rows

@@ -36,6 +36,11 @@ class RewardPool:
             "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
             cfg.faults.max_reward_worker_restarts, self.bounds.start,
         )  # fmt: skip
+        self.judge = None
+        if cfg.reward.judge is not None:
+            from grpo_dist.judge_pool import JudgePool
+
+            self.judge = JudgePool(cfg, faults)
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         reward = self.cfg.reward
@@ -48,7 +53,10 @@ class RewardPool:
     def score(self, requests: list[ScoreRequest], judge: str | None = None) -> list[Score]:
         """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored.
         `judge`: by that eval reward (one of `Config.judges`) alone; its failures are not counted as the training
-        rewards' are."""
+        rewards' are. With an LLM judge its verdicts are asked first and handed to the reward function `judge`."""
+        if self.judge is not None and (judge or "judge") == "judge":
+            requests = [ScoreRequest(request.prompt, request.completion, {**request.fields, **_verdict(*found)})
+                        for request, found in zip(requests, self.judge.score(requests), strict=True)]  # fmt: skip
         shards = split(len(requests), len(self.pool.actors))
         scored: dict[int, list[Score]] = {}
         attempts = 1 + self.cfg.faults.rescore_attempts
@@ -79,8 +87,19 @@ class RewardPool:
         why = f"the reward worker died or hung while running these functions: {', '.join(self.names)}"
         return Score(math.nan, [math.nan] * len(self.names), {name: why for name in self.names})
 
+    def step_metrics(self) -> dict[str, float]:
+        """This step's `reward_failures/*` (see `RewardFailures.end_step`) and the judge's `judge/seconds`."""
+        return self.failures.end_step() | (self.judge.step_metrics() if self.judge is not None else {})
+
     def shutdown(self) -> None:
         self.pool.shutdown()
+        if self.judge is not None:
+            self.judge.shutdown()
+
+
+def _verdict(score: float, why: str | None) -> dict:
+    """The fields that carry a judge's verdict to the reward function `judge`."""
+    return {"judge_score": None if why else score, "judge_failure": why}
 
 
 class RewardFailures:

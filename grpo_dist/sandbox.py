@@ -1,4 +1,5 @@
-"""The reward sandbox: user reward code runs in a process of its own, never in the driver or a reward worker.
+"""The sandbox: user reward code runs in a process of its own, never in the driver or a reward worker; an
+environment's tools likewise run in sandboxes of their generator (`kind="tools"`, `grpo_dist.agents.tools`).
 
 Each reward worker (and the driver's pre-flight check) starts one `Sandbox`: a child process (`python -m
 grpo_dist.sandbox`) that imports the reward functions and scores one call at a time, asked and answered as JSON
@@ -60,8 +61,10 @@ class Sandbox:
     `reap`: this process (a reward worker, which does nothing else) becomes the one a process that leaves the
     sandbox's group is re-parented to, so that `close` finds and kills it too."""
 
-    def __init__(self, names: list[str], limits: Limits, reap: bool = False) -> None:
-        self.names, self.limits = names, limits
+    def __init__(self, names: list[str], limits: Limits, reap: bool = False, kind: str = "rewards") -> None:
+        """`kind`: `rewards` (reward functions, `call`) or `tools` (an environment's tools, `call_tool`)."""
+        self.names, self.limits, self.kind = names, limits, kind
+        self.label = "reward" if kind == "rewards" else "tool"  # in what it says
         self.process: subprocess.Popen | None = None
         self.buffer = b""
         self.ended = False  # its answers' pipe closed: the process is gone
@@ -85,6 +88,19 @@ class Sandbox:
         if "error" in answer:
             return math.nan, answer["error"]
         return float(answer["value"]), None
+
+    def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
+        """Tool `index` with `arguments`: (its result as text, None), or (None, why it has none)."""
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        try:
+            self._send({"tool": index, "arguments": arguments})
+        except (BrokenPipeError, OSError):
+            return None, self._lost(timeout_s, timed_out=False)
+        answer = self._receive(timeout_s)
+        if answer is None:
+            return None, self._lost(timeout_s, timed_out=not self.ended)
+        return answer.get("result"), answer.get("error")
 
     def close(self) -> None:
         """Kill the sandbox and everything it started, and wait until they are gone."""
@@ -113,12 +129,12 @@ class Sandbox:
             [sys.executable, "-m", "grpo_dist.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
             start_new_session=True,
         )  # fmt: skip
-        self._send({"functions": self.names, "limits": asdict(self.limits)})
+        self._send({"functions": self.names, "kind": self.kind, "limits": asdict(self.limits)})
         ready = self._receive(START_TIMEOUT_S)
         if ready is None:
-            why = _exit_reason(self.process.poll()) if self.process.poll() is not None else "no answer"
+            why = _exit_reason(self.process.poll(), self.label) if self.process.poll() is not None else "no answer"
             self.close()
-            raise SandboxError(f"the reward sandbox did not start: {why}")
+            raise SandboxError(f"the {self.label} sandbox did not start: {why}")
         if "error" in ready:
             self.close()
             raise SandboxError(ready["error"])
@@ -131,9 +147,9 @@ class Sandbox:
         else:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=5)
-            why = _exit_reason(self.process.poll())
+            why = _exit_reason(self.process.poll(), self.label)
         self.close()
-        return f"{why} (the reward sandbox was killed with everything it started)" if timed_out else why
+        return f"{why} (the {self.label} sandbox was killed with everything it started)" if timed_out else why
 
     def _send(self, message: dict) -> None:
         self.process.stdin.write(json.dumps(message, default=str).encode() + b"\n")
@@ -156,7 +172,7 @@ class Sandbox:
         return json.loads(line)
 
 
-def _exit_reason(code: int | None) -> str:
+def _exit_reason(code: int | None, label: str = "reward") -> str:
     if code is None:
         return "no answer"
     if code < 0:
@@ -165,8 +181,8 @@ def _exit_reason(code: int | None) -> str:
             "SIGKILL": "killed (SIGKILL: out of memory, or killed from outside)",
             "SIGXCPU": "out of CPU time",
         }.get(name, f"crashed ({name})")
-        return f"the reward sandbox was {why}"
-    return f"the reward sandbox exited with code {code} (the reward called os._exit, or the interpreter died)"
+        return f"the {label} sandbox was {why}"
+    return f"the {label} sandbox exited with code {code} (the {label} called os._exit, or the interpreter died)"
 
 
 def _marked_children(owner: int) -> list:
@@ -256,6 +272,7 @@ def _serve() -> None:
     import resource
 
     from grpo_dist.actors import die_with_parent
+    from grpo_dist.agents.tools import resolve_tool
     from grpo_dist.rewards.registry import _to_score, resolve_reward
 
     # The requests and answers keep the pipes; the reward code gets no input and prints to the log.
@@ -272,10 +289,11 @@ def _serve() -> None:
     notes = [] if limits.network else [note for note in [_network_off()] if note]
     memory = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resolve = resolve_reward if setup.get("kind", "rewards") == "rewards" else resolve_tool
     functions = []
     for name in setup["functions"]:
         try:
-            functions.append(resolve_reward(name))
+            functions.append(resolve(name))
         except ValueError as err:
             answer({"error": str(err)})
             return
@@ -285,14 +303,17 @@ def _serve() -> None:
     answer({"ready": True, "notes": notes})
     for line in requests:
         request = json.loads(line)
-        function = functions[request["call"]]
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         _, hard = resource.getrlimit(resource.RLIMIT_CPU)
         resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(used + limits.cpu_s), hard))
         try:
-            value = _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
-            answer({"value": value})
-        except BaseException as error:  # anything the reward raises, even SystemExit, is that call's failure
+            if "tool" in request:
+                found = functions[request["tool"]](**request["arguments"])
+                answer({"result": found if isinstance(found, str) else json.dumps(found, default=str)})
+            else:
+                function = functions[request["call"]]
+                answer({"value": _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))})
+        except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
             said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             answer({"error": said + _refused(error, limits)})
 

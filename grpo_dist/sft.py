@@ -39,7 +39,8 @@ class Example:
     """One solved training row, tokenised."""
 
     prompt_ids: list[int]  # the prompt after the chat template
-    completion_ids: list[int]  # the answer, then the end-of-sequence token
+    completion_ids: list[int]  # the answer, then the end-of-sequence token; of a transcript, its turns after the prompt
+    targets: list[int] | None = None  # of a transcript: 1 on the assistant's tokens (learned), 0 on observations
 
 
 def run_sft(cfg: Config, overwrite: bool = False) -> Path:
@@ -55,6 +56,8 @@ def run_sft(cfg: Config, overwrite: bool = False) -> Path:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
     print(f"supervised warm-up of {base} on {len(examples)} solved rows of {train_path}")
+    if cfg.environment is not None:  # held-out accuracy needs the episodes: `grpo-dist train`'s step-0 evaluation
+        held_out = []
     _report_accuracy(cfg, model, tokenizer, held_out, "before warm-up")
     _train(cfg, model, examples, tokenizer.pad_token_id or 0)
     _report_accuracy(cfg, model, tokenizer, held_out, "after warm-up")
@@ -85,11 +88,14 @@ def _examples(cfg: Config, train_path: str, tokenizer: Any) -> list[Example]:
     """Each training row's prompt and solved completion; a row without the answer field is named and refused."""
     data = cfg.data
     field = "answer" if cfg.sft.answer_field == data.fields.answer else cfg.sft.answer_field  # mapped to `answer`
-    rows = read_source(train_path, data.split, data.subset, data.fields, "data.path")
+    rows = read_source(train_path, data.split, data.subset, data.fields, "data.path")[: cfg.sft.rows]
     for number, row in enumerate(rows, start=1):
-        if not isinstance(row.get(field), str | int | float):
+        if not isinstance(row.get(field), str | int | float | list):
             raise DatasetError(f"{train_path}: row {number}: no {field!r} field to learn from (sft.answer_field)")
     records, _ = encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template)
+    if isinstance(rows[0][field], list):
+        return [_transcript(cfg, tokenizer, rows[record.index][field], f"{train_path}: row {record.index + 1}")
+                for record in records]  # fmt: skip
     eos = [tokenizer.eos_token_id]
     return [
         Example(
@@ -98,6 +104,32 @@ def _examples(cfg: Config, train_path: str, tokenizer: Any) -> list[Example]:
         )
         for record in records
     ]
+
+
+def _transcript(cfg: Config, tokenizer: Any, messages: list[dict], where: str) -> Example:
+    """A solved conversation, tokenised as a trajectory is (`grpo_dist.agents.render`): its messages before the
+    first assistant turn as the prompt, then each assistant turn (learned) and the observations between them (not
+    learned, their tokens rendered as in an episode)."""
+    from grpo_dist.agents.render import Renderer
+    from grpo_dist.data.dataset import prompt_turns
+    from grpo_dist.inputs import template_tools
+
+    first = next((i for i, message in enumerate(messages) if message.get("role") == "assistant"), None)
+    if not first or messages[-1].get("role") != "assistant":
+        raise DatasetError(f"{where}: a transcript must open with the prompt's messages and end on an assistant turn")
+    renderer = Renderer(tokenizer, template_tools(cfg) or [])
+    prompt = renderer.first(prompt_turns({"messages": messages[:first]}, cfg.data.system_prompt))
+    tokens, targets, observed = [], [], []
+    for message in messages[first:]:
+        if message["role"] != "assistant":
+            observed.append(message)
+            continue
+        if observed:
+            part = renderer.observation(observed)
+            tokens, targets, observed = tokens + part, targets + [0] * len(part), []
+        part = renderer.turn(message["content"])
+        tokens, targets = tokens + part, targets + [1] * len(part)
+    return Example(prompt, tokens, targets)
 
 
 def _train(cfg: Config, model: torch.nn.Module, examples: list[Example], pad_id: int) -> None:
@@ -131,7 +163,10 @@ def _completion_loss(model: torch.nn.Module, batch: list[Example], pad_id: int) 
         tokens = ex.prompt_ids + ex.completion_ids
         input_ids[row, : len(tokens)] = torch.tensor(tokens)
         attention_mask[row, : len(tokens)] = 1
-        labels[row, len(ex.prompt_ids) : len(tokens)] = torch.tensor(ex.completion_ids)
+        learned = torch.tensor(ex.completion_ids)
+        if ex.targets is not None:
+            learned[torch.tensor(ex.targets) == 0] = -100
+        labels[row, len(ex.prompt_ids) : len(tokens)] = learned
     device = next(model.parameters()).device
     return model(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), labels=labels.to(device)

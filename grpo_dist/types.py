@@ -28,6 +28,38 @@ class Completion:
     """The newest version that sampled any of its tokens, when that is not `weight_version`; else None."""
     generator: int | None = None
     """The slot of the generator that sampled it (set by the generator pool)."""
+    mask: list[int] | None = None
+    """[T] with an environment: 1 on the tokens the model sampled (trained), 0 on the observation tokens between its
+    turns (whose `logprobs` are 0); None: every token was sampled."""
+    episode: Episode | None = None
+    """With an environment: how the multi-turn trajectory went; `text` is then the model's last turn."""
+
+    @property
+    def sampled_tokens(self) -> int:
+        """How many of `token_ids` the model sampled."""
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
+
+
+@dataclass
+class Episode:
+    """How one multi-turn trajectory went (generator -> driver): for rewards, metrics and the completion table."""
+
+    messages: list[dict] = field(default_factory=list)
+    """The whole conversation: the first messages, then each model turn and observation."""
+    turns: int = 0
+    """Model turns."""
+    tool_calls: int = 0
+    """Tool calls read from its turns, malformed ones included."""
+    tool_errors: int = 0
+    """Calls answered with an error: malformed, no such tool, wrong arguments, raised, timed out."""
+    tool_seconds: float = 0.0
+    """Wall time its tool calls took, together."""
+    truncated: bool = False
+    """Cut (a turn's token limit, `environment.max_total_tokens` or `max_turns`) before the environment said done."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """The environment's reward parts, summed per name over its turns (of an agent: what it returned)."""
+    diverged: bool = False
+    """An agent sent a conversation that did not extend the previous call's: its later calls are not trained."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import os
 import tempfile
 
 from grpo_dist.actors import die_with_parent
-from grpo_dist.config import RolloutConfig
+from grpo_dist.config import EnvironmentConfig, RolloutConfig
 from grpo_dist.types import Completion, Sampling
 
 ENGINE_MARK = "GRPO_DIST_ENGINE"
@@ -46,9 +46,17 @@ class Generator:
     """Wraps one `AsyncLLM`. Wrapped as a Ray actor by `grpo_dist.generator_pool` (resources are given there);
     `start` must be awaited before any other call."""
 
-    def __init__(self, model_path: str, rollout: RolloutConfig, seed: int, weight_transfer: str | None = None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        rollout: RolloutConfig,
+        seed: int,
+        weight_transfer: str | None = None,
+        environment: EnvironmentConfig | None = None,
+    ) -> None:
         """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
-        None when weights come through the object store."""
+        None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
+        in it (`grpo_dist.agents`)."""
         die_with_parent()
         os.environ.update(engine_environment())
         import torch
@@ -60,6 +68,13 @@ class Generator:
         from grpo_dist.actors.weight_sync import WORKER_EXTENSION
 
         self.rollout = rollout
+        self.agent = None
+        if environment is not None:
+            from transformers import AutoTokenizer
+
+            from grpo_dist.agents.episode import AgentLoop
+
+            self.agent = AgentLoop(environment, AutoTokenizer.from_pretrained(model_path), rollout.max_new_tokens)
         self.weight_version = 0
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
@@ -95,6 +110,8 @@ class Generator:
 
         await self.engine.update_weight_version(str(self.weight_version))
         await self._sample([0], SamplingParams(max_tokens=2, temperature=0.0, logprobs=0))
+        if self.agent is not None:
+            await self.agent.start()
 
     async def generate(
         self,
@@ -103,13 +120,17 @@ class Generator:
         evaluation: Sampling | None,
         prompt_index: int,
         seed: int | None = None,
+        row: dict | None = None,
     ) -> list[Completion]:
         """One prompt's group: `group_size` samples, tagged `prompt_index`, sampled as `rollout` says or, for an
         evaluation, as `evaluation` says. With `seed` the samples use seed, seed + 1, ... (vLLM's per-request
-        seeds), so the same weights give the same completions whichever generator draws them."""
+        seeds), so the same weights give the same completions whichever generator draws them. With an environment
+        each sample is a trajectory from `row` (its turns and fields), all G running at once."""
         from vllm import SamplingParams
 
         sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
+        if self.agent is not None:
+            return await self._trajectories(row, group_size, sampling, prompt_index, seed)
         params = SamplingParams(
             n=group_size,
             temperature=sampling.temperature,
@@ -120,6 +141,42 @@ class Generator:
         )
         output = await self._sample(prompt_token_ids, params)
         return [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
+
+    async def _trajectories(self, row: dict, group_size: int, sampling: Sampling, prompt_index: int, seed: int | None):
+        """`group_size` trajectories from `row`, each advancing on its own; the group once all have ended."""
+        import asyncio
+
+        from vllm import SamplingParams
+
+        from grpo_dist.agents.episode import Sampled
+
+        async def sample(prefix: list[int], max_tokens: int, turn_seed: int | None) -> Sampled:
+            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
+                                    logprobs=0, seed=turn_seed)  # fmt: skip
+            (turn,) = (await self._sample(prefix, params)).outputs
+            return Sampled(list(turn.token_ids), _logprobs(turn), turn.finish_reason or "length", self._versions(turn))
+
+        seeds = [None if seed is None else seed + number for number in range(group_size)]
+        trajectories = await asyncio.gather(*(self.agent.trajectory(row, sample, each) for each in seeds))
+        return [
+            Completion(
+                prompt_index=prompt_index, prompt_token_ids=t.prompt_token_ids, token_ids=t.token_ids, text=t.text,
+                logprobs=t.logprobs, finish_reason=t.finish_reason, mask=t.mask, episode=t.episode,
+                **self._version_fields(t.versions),
+            )
+            for t in trajectories
+        ]  # fmt: skip
+
+    def _versions(self, sample) -> list[int]:
+        """The weight versions that sampled any of a sample's tokens."""
+        return [int(span.version) for span in sample.weight_versions or [] if span.end > span.start]
+
+    def _version_fields(self, versions: list[int]) -> dict[str, int | None]:
+        """`weight_version` (the oldest) and `newest_weight_version` (when another) of a completion."""
+        return {
+            "weight_version": min(versions, default=self.weight_version),
+            "newest_weight_version": max(versions) if len(set(versions)) > 1 else None,
+        }
 
     async def _sample(self, prompt_token_ids: list[int], params):
         """The engine's final output for one request."""
@@ -133,19 +190,14 @@ class Generator:
         return final
 
     def _completion(self, prompt_index: int, prompt_token_ids: list[int], sample) -> Completion:
-        token_ids = list(sample.token_ids)
-        # One {token_id: Logprob} dict per sampled token; with logprobs=0 it holds the sampled token.
-        logprobs = [step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)]
-        versions = [int(span.version) for span in sample.weight_versions or [] if span.end > span.start]
         return Completion(
             prompt_index=prompt_index,
             prompt_token_ids=list(prompt_token_ids),
-            token_ids=token_ids,
+            token_ids=list(sample.token_ids),
             text=sample.text,
-            logprobs=logprobs,
+            logprobs=_logprobs(sample),
             finish_reason=sample.finish_reason or "length",
-            weight_version=min(versions, default=self.weight_version),
-            newest_weight_version=max(versions) if len(set(versions)) > 1 else None,
+            **self._version_fields(self._versions(sample)),
         )
 
     async def load_weights(self, state_dict: dict, weight_version: int) -> float:
@@ -212,6 +264,16 @@ class Generator:
             found["memory_gb"] = psutil.Process().memory_info().rss / 1e9
         return found
 
+    async def judge(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        """Greedy replies to `prompts` (token ids), all at once: a judge engine's verdicts."""
+        import asyncio
+
+        from vllm import SamplingParams
+
+        greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in prompts]  # one each: set per request
+        outputs = await asyncio.gather(*(self._sample(p, each) for p, each in zip(prompts, greedy, strict=True)))
+        return [output.outputs[0].text for output in outputs]
+
     async def current_weight_version(self) -> int:
         """The weights it holds; raises vLLM's `EngineDeadError` when its engine core is gone (the probe that finds
         a generator whose process lives but whose engine died: `faults.as_fault`)."""
@@ -225,6 +287,12 @@ class Generator:
         output = await self._sample(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
         steps = output.prompt_logprobs[1:]  # the first token has no logprob
         return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
+
+
+def _logprobs(sample) -> list[float]:
+    """[T] the sampling logprob of each token of a vLLM sample: its logprobs hold one {token_id: Logprob} dict per
+    sampled token, with logprobs=0 just the sampled token's."""
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
 
 
 class EngineStats:

@@ -44,6 +44,13 @@ class PromptRecord:
     token_ids: list[int]  # [prompt_len] token ids of `text`; no special tokens beyond what the template wrote
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer) for rewards
     index: int = 0  # 0-based position of the row in the dataset file
+    messages: list[dict[str, Any]] | None = None  # the row's chat turns (its system prompt first)
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The row an environment starts from: its turns (`messages`) and its other fields."""
+        turns = self.messages if self.messages is not None else [{"role": "user", "content": self.text}]
+        return {**self.fields, "messages": turns}
 
 
 def check_row(row: Any, prompt_field: str, where: str, messages: bool = False) -> dict[str, Any]:
@@ -134,21 +141,27 @@ def load_rows(path: str | Path, prompt_field: str = "prompt", messages: bool = F
 
 
 def prompt_text(row: dict[str, Any], tokenizer: PromptTokenizer, system_prompt: str | None = None,
-                chat_template: bool | None = None) -> str:  # fmt: skip
+                chat_template: bool | None = None, tools: list[dict] | None = None) -> str:  # fmt: skip
     """The prompt of a row (its `prompt` text or its `messages` turns) exactly as the model reads it: through the
-    tokenizer's chat template (`chat_template` true, or null and the tokenizer has one), else raw text; a system
-    turn `system_prompt` first when given."""
+    tokenizer's chat template (`chat_template` true, or null and the tokenizer has one), with `tools` offered, else
+    raw text; a system turn `system_prompt` first when given."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat_template and not has_template:
         raise DatasetError("data.chat_template is true, but the tokenizer of model.path has no chat template")
-    turns = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
-    if system_prompt and turns[0]["role"] != "system":
-        turns = [{"role": "system", "content": system_prompt}, *turns]
+    turns = prompt_turns(row, system_prompt)
     if chat_template is False or not has_template:
         if "messages" in row:
             raise DatasetError("data.fields.messages: chat turns need a chat template, and the tokenizer has none")
         return f"{system_prompt}\n\n{row['prompt']}" if system_prompt else row["prompt"]
-    return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
+
+
+def prompt_turns(row: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """A row's chat turns: its `messages`, or its `prompt` as a user turn; a system turn `system_prompt` first."""
+    turns = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
+    if system_prompt and turns[0]["role"] != "system":
+        turns = [{"role": "system", "content": system_prompt}, *turns]
+    return turns
 
 
 def encode_prompts(
@@ -157,6 +170,7 @@ def encode_prompts(
     max_prompt_tokens: int,
     system_prompt: str | None = None,
     chat_template: bool | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[list[PromptRecord], int]:
     """Render each row's prompt (`prompt_text`) and tokenise it. Rows hold `prompt` (text) or `messages` (chat
     turns); their other fields travel with the record to the rewards.
@@ -168,13 +182,14 @@ def encode_prompts(
         raise ValueError(f"encode_prompts: max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
     records, num_skipped = [], 0
     for index, row in enumerate(rows):
-        text = prompt_text(row, tokenizer, system_prompt, chat_template)
+        text = prompt_text(row, tokenizer, system_prompt, chat_template, tools)
         token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if len(token_ids) > max_prompt_tokens:
             num_skipped += 1
             continue
         fields = {key: value for key, value in row.items() if key not in ("prompt", "messages")}
-        records.append(PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index))
+        turns = prompt_turns(row, system_prompt)
+        records.append(PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index, messages=turns))
     if not records:
         raise DatasetError(
             f"encode_prompts: all {num_skipped} prompts are longer than max_prompt_tokens={max_prompt_tokens} "

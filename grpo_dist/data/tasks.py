@@ -8,6 +8,9 @@ Each task makes rows ``{"prompt": ..., "answer": ...}`` from a seeded RNG; the a
 - ``add``: ``"3+4="`` -> ``"7"`` (single digits; only 100 distinct prompts, so train and eval sets overlap).
 - ``add_multi``: ``"47+85="`` -> ``"132"`` (two numbers of 1 or 2 digits; 10,000 distinct prompts): hard enough
   that a model warmed up on solved examples knows the format but is often wrong.
+- ``multiply``: ``"37*48="`` -> ``"1776"`` (two numbers of 2 digits; 8,100 distinct prompts), beyond what a tiny
+  model computes; each row also holds a ``transcript``: the tool-use conversation that solves it with the
+  ``calculator`` tool (a Hermes tool call, the tool's answer, the answer), what ``grpo-dist sft`` warms up on.
 """
 
 from __future__ import annotations
@@ -49,12 +52,26 @@ def _add_multi_row(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{left}+{right}=", "answer": str(left + right)}
 
 
+def _multiply_row(rng: random.Random) -> dict:
+    left, right = rng.randrange(10, 100), rng.randrange(10, 100)
+    prompt, answer = f"{left}*{right}=", str(left * right)
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{left}*{right}"}}, separators=(",", ":"))
+    transcript = [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+        {"role": "tool", "content": answer},
+        {"role": "assistant", "content": answer},
+    ]
+    return {"prompt": prompt, "answer": answer, "transcript": transcript}
+
+
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
         Task("last_digit", "repeat the last of 2-4 space-separated digits", _last_digit_row, 10**2 + 10**3 + 10**4),
         Task("add", "sum of two single digits", _add_row, 10 * 10),
         Task("add_multi", "sum of two numbers below 100", _add_multi_row, 100 * 100),
+        Task("multiply", "product of two 2-digit numbers, with a calculator", _multiply_row, 90 * 90),
     )
 }
 

@@ -39,6 +39,14 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 CHARACTERS = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n\t"
 """Every ordinary token: one per printable ASCII character (97), ids 4 to 100 in this order."""
 
+CHAT_TEMPLATE = (
+    "{%- if tools -%}<|tools|>{{ tools | map(attribute='function.name') | join(',') }}<eos>{{ '\\n' }}{%- endif -%}"
+    "{%- for message in messages -%}<|{{ message['role'] }}|>{{ message['content'] }}<eos>{{ '\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""The chat template of `model.tiny.chat_template`: `<|role|>content<eos>` and a newline per message (the model's
+turn ends at `<eos>`, where generation stops), the offered tools' names first; all in the tokenizer's characters."""
+
 
 def _byte_level_symbol(character: str) -> str:
     """The printable stand-in byte-level BPE uses for a one-byte character (" " -> "Ġ", "\\n" -> "Ċ")."""

@@ -47,6 +47,25 @@ def exact_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
 
 
+def environment(prompt: str, completion: str, environment_reward: float = 0.0, **_: Any) -> float:
+    """The reward parts an environment gave the trajectory, summed (`grpo_dist.agents.Observation.reward`)."""
+    return float(environment_reward)
+
+
+def judge(prompt: str, completion: str, judge_score: float | None = None, judge_failure: str | None = None,
+          **_: Any) -> float:  # fmt: skip
+    """The verdict of the LLM judge (`reward.judge`), asked by the judge pool before the reward functions run."""
+    if judge_score is None:
+        raise ValueError(judge_failure or "no verdict: reward.judge is not set")
+    return float(judge_score)
+
+
+def tool_use(prompt: str, completion: str, messages: list | None = None, **_: Any) -> float:
+    """1.0 when a trajectory called tools and every call was answered without an error (`error: ...`), else 0.0."""
+    answers = [m.get("content", "") for m in messages or [] if m.get("role") == "tool"]
+    return 1.0 if answers and not any(str(a).startswith("error:") for a in answers) else 0.0
+
+
 def number_format(prompt: str, completion: str, **_: Any) -> float:
     """1.0 if the stripped completion is one integer or decimal number (``"7"``, ``"-3.5"``), else 0.0."""
     return 1.0 if NUMBER_PATTERN.fullmatch(completion.strip()) else 0.0

@@ -20,10 +20,13 @@ from typing import Any
 from grpo_dist.rewards.builtin import (
     boxed_format,
     code_tests,
+    environment,
     exact_answer,
+    judge,
     math_answer,
     number_format,
     regex_format,
+    tool_use,
 )
 
 RewardFn = Callable[..., float]
@@ -36,6 +39,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "boxed_format": boxed_format,
     "regex_format": regex_format,
     "code_tests": code_tests,
+    "environment": environment,
+    "tool_use": tool_use,
+    "judge": judge,
 }
 
 

@@ -158,4 +158,13 @@ class Scoring:
 
 
 def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -> list[ScoreRequest]:
-    return [ScoreRequest(prompts[c.prompt_index].text, c.text, prompts[c.prompt_index].fields) for c in completions]
+    """What the reward functions judge: the prompt, the completion (a trajectory's last turn) and the row's fields;
+    of a trajectory also its conversation (`messages`) and the environment's reward (`environment_reward`)."""
+    return [ScoreRequest(prompts[c.prompt_index].text, c.text, {**prompts[c.prompt_index].fields, **_episode(c)})
+            for c in completions]  # fmt: skip
+
+
+def _episode(completion: Completion) -> dict:
+    if completion.episode is None:
+        return {}
+    return {"messages": completion.episode.messages, "environment_reward": sum(completion.episode.rewards.values())}

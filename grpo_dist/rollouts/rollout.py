@@ -26,8 +26,8 @@ class Rollout:
         return torch.tensor([score.per_function for score in self.scores], dtype=torch.float)
 
     def lengths(self) -> torch.Tensor:
-        """[P*G] completion lengths in tokens."""
-        return torch.tensor([len(c.token_ids) for c in self.completions], dtype=torch.float)
+        """[P*G] completion lengths: the tokens the model sampled (of a trajectory, not its observations)."""
+        return torch.tensor([c.sampled_tokens for c in self.completions], dtype=torch.float)
 
     def select_groups(self, keep: list[bool]) -> Rollout:
         """The rollout restricted to the groups whose flag is set, prompts renumbered."""

@@ -1,0 +1,112 @@
+"""The environment protocol: how an agentic task talks to the rollout.
+
+An environment is a class (its dotted path in `environment.name`, or the built-in `tools`) built once per trajectory
+with `environment.kwargs`:
+
+- `reset(row) -> messages`: the first chat messages from the data row (`row["messages"]`: the row's turns, its
+  system prompt first; the row's other fields beside it);
+- `step(turn) -> Observation`: given the model's turn (its text and its tool calls, already run in the sandbox with
+  their results or errors), the messages the model reads next, optional reward parts, and whether the episode is
+  done.
+
+The base class answers every tool call with a `tool` message holding its result or error and ends the episode at
+the first turn without a tool call: the plain tool-use loop. Subclasses override either method; neither may block
+for long (they run in the generator, between engine calls: slow work belongs in a tool).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ToolCall:
+    """One tool call read from a model turn, and what came of it."""
+
+    name: str
+    """The tool asked for ("" when the call could not be read)."""
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """Its keyword arguments, as the model wrote them."""
+    result: str | None = None
+    """What the tool returned, as text; None when it has an error."""
+    error: str | None = None
+    """Why there is no result: the call was malformed, named no tool, had wrong arguments, raised or timed out."""
+    seconds: float = 0.0
+    """Wall time the tool took."""
+
+
+@dataclass
+class Turn:
+    """The model's turn, as the environment's `step` sees it."""
+
+    text: str
+    """The turn decoded, special tokens skipped."""
+    tool_calls: list[ToolCall]
+    """The calls read from it, in order, each with its result or error."""
+    number: int
+    """1 for the model's first turn."""
+
+
+@dataclass
+class Observation:
+    """What the environment answers a turn with."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """Chat messages the model reads next (e.g. `{"role": "tool", "content": ...}`); ignored when `done`."""
+    done: bool = False
+    """The episode is over: the turn just sampled is the model's last."""
+    reward: dict[str, float] = field(default_factory=dict)
+    """Optional reward parts for this turn, summed per name over the episode; the reward functions receive their
+    total as `environment_reward` (the built-in reward `environment` returns it)."""
+
+
+def tool_message(call: ToolCall) -> dict[str, str]:
+    """The `tool` message answering one call: its result, or `error: ...`."""
+    content = call.result if call.error is None else f"error: {call.error}"
+    return {"role": "tool", "name": call.name, "content": content}
+
+
+class Environment:
+    """The plain tool-use loop (the built-in environment `tools`). `tools`: the tools it offers, by built-in name or
+    dotted path, when `environment.tools` does not name them."""
+
+    tools: tuple[str, ...] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """The row's own turns."""
+        return [dict(message) for message in row["messages"]]
+
+    def step(self, turn: Turn) -> Observation:
+        """Each tool call answered by its result or error; done at a turn without one."""
+        if not turn.tool_calls:
+            return Observation(done=True)
+        return Observation([tool_message(call) for call in turn.tool_calls])
+
+
+def resolve_named(name: str, builtins: dict[str, Any], what: str) -> Any:
+    """The built-in `name` of `builtins`, or what the dotted path `name` ('package.module.attribute') imports;
+    a `ValueError` naming `what` it was to be, and why it is not, otherwise."""
+    if name in builtins:
+        return builtins[name]
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{what} {name!r}: not a built-in ({', '.join(builtins)}) nor a dotted path "
+                         "'package.module.attribute'")  # fmt: skip
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{what} {name!r}: cannot import it ({type(error).__name__}: {error})") from error
+
+
+def environment_class(name: str) -> type[Environment]:
+    """The environment `name`: `tools` (the base class), or the `Environment` subclass at that dotted path."""
+    found = resolve_named(name, {"tools": Environment}, "environment.name")
+    if not (isinstance(found, type) and issubclass(found, Environment)):
+        raise ValueError(f"environment.name {name!r}: not `tools` nor the dotted path of a "
+                         "grpo_dist.agents.Environment subclass")  # fmt: skip
+    return found

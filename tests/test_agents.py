@@ -1,0 +1,429 @@
+"""Agentic rollouts: the protocol's pieces (tool-call parsing, tool schemas, the chat template's tokens, tools in
+their sandboxes under a bound), then multi-turn trajectories on real vLLM generators: the trained tokens are the
+engine's, the loss mask is exactly the sampled tokens, a slow tool holds back only its own trajectory, a generator
+lost mid-trajectory loses no trajectory, and the bundled calculator task runs through `grpo-dist sft` and
+`grpo-dist train`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from agent_fixtures import NAP_MARK, NAP_S
+from conftest import small_config
+
+from grpo_dist.agents.parsers import hermes
+from grpo_dist.agents.protocol import ToolCall
+from grpo_dist.agents.render import Renderer, TemplateError
+from grpo_dist.agents.tools import ToolBox, argument_error, calculator, tool_spec
+from grpo_dist.batch import collate
+from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.models.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
+from grpo_dist.sandbox import Limits
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer(CHAT_TEMPLATE)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param('<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>',
+                     [("calculator", {"expression": "2*3"}, None)], id="one"),
+        pytest.param('a<tool_call>{"name":"f","arguments":{}}</tool_call>b<tool_call>{"name":"g"}</tool_call>',
+                     [("f", {}, None), ("g", {}, None)], id="two_in_order"),
+        pytest.param('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
+                     [("f", {"x": 1}, None)], id="arguments_as_a_json_string"),
+        pytest.param("<tool_call>{name: f}</tool_call>", [("", {}, "not JSON")], id="not_json"),
+        pytest.param('<tool_call>["f"]</tool_call>', [("", {}, "must be a JSON object")], id="not_an_object"),
+        pytest.param('<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+                     [("f", {}, "arguments must be a JSON object")], id="arguments_not_an_object"),
+        pytest.param('<tool_call>{"name": "f"}', [("", {}, "without its </tool_call>")], id="unclosed"),
+        pytest.param("the answer is 6", [], id="no_call"),
+    ],
+)  # fmt: skip
+def test_hermes_reads_each_call_and_turns_a_malformed_one_into_an_error(text, expected):
+    calls = hermes(text)
+    assert [(call.name, call.arguments) for call in calls] == [(name, args) for name, args, _ in expected]
+    for call, (_, _, error) in zip(calls, expected, strict=True):
+        assert (call.error is None) if error is None else (error in call.error), call.error
+
+
+def test_a_tools_schema_is_read_from_the_function_and_its_arguments_checked():
+    spec = tool_spec("calculator")
+    assert spec.schema == {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    }
+    assert argument_error(spec, {"expression": "1+1"}) is None
+    assert "missing argument 'expression'" in argument_error(spec, {})
+    assert "unexpected argument 'x'" in argument_error(spec, {"expression": "1", "x": 2})
+    assert "must be a JSON string, got 12" in argument_error(spec, {"expression": 12})
+    sleep = tool_spec("agent_fixtures.sleep")
+    assert sleep.schema["parameters"]["properties"] == {"seconds": {"type": "number"}}
+    assert argument_error(sleep, {"seconds": 1}) is None  # an integer is a JSON number
+    with pytest.raises(ValueError, match="not a built-in"):
+        tool_spec("calculater")
+
+
+@pytest.mark.parametrize(
+    ("expression", "result"),
+    [("37*48", "1776"), ("(1+2)*-3", "-9"), ("7/2", "3.5"), ("8/4", "2"), ("2**10 % 1000", "24")],
+)
+def test_the_calculator_computes_arithmetic(expression, result):
+    assert calculator(expression) == result
+
+
+@pytest.mark.parametrize("expression", ["__import__('os')", "2**1000", "x+1", "9**9**9"])
+def test_the_calculator_refuses_what_is_not_bounded_arithmetic(expression):
+    with pytest.raises((ValueError, SyntaxError)):
+        calculator(expression)
+
+
+def test_a_rendered_trajectory_is_the_chat_templates_rendering_of_its_conversation(tokenizer):
+    """first messages + turn + observation + turn, each rendered on its own, decode to the template's rendering of
+    the whole conversation (up to the last turn's end), whatever the turns hold."""
+    renderer = Renderer(tokenizer, [tool_spec("calculator").chat_template_entry])
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "37*48="}]
+    turns = ['<tool_call>{"name":"calculator","arguments":{"expression":"37*48"}}</tool_call>', "1776"]
+    observation = [{"role": "tool", "content": "1776"}, {"role": "tool", "content": "error: none"}]
+    tokens = renderer.first(first) + renderer.turn(turns[0]) + renderer.observation(observation)
+    tokens += renderer.turn(turns[1])
+    conversation = [*first, {"role": "assistant", "content": turns[0]}, *observation,
+                    {"role": "assistant", "content": turns[1]}]  # fmt: skip
+    whole = tokenizer.apply_chat_template(conversation, tools=renderer.tools, tokenize=False)
+    assert whole.startswith(tokenizer.decode(tokens)) and whole[len(tokenizer.decode(tokens)) :] == "\n"
+    assert renderer.observation(observation)[0] == tokenizer.convert_tokens_to_ids("Ċ")  # the template's newline
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    tokenizer = build_tiny_tokenizer("{{ messages[-1]['content'] }}<eos>{% if add_generation_prompt %}>{% endif %}")
+    renderer = Renderer(tokenizer, [])
+    with pytest.raises(TemplateError, match="rewrites earlier turns"):
+        renderer.observation([{"role": "tool", "content": "1"}])
+    with pytest.raises(TemplateError, match="needs a chat template"):
+        Renderer(build_tiny_tokenizer(), [])
+
+
+def toolbox(paths: list[str], workers: int, timeout_s: float) -> ToolBox:
+    return ToolBox([tool_spec(path) for path in paths], Limits(1024, timeout_s, False, False), workers, timeout_s)
+
+
+def test_tools_run_in_sandboxes_a_slow_call_holds_back_only_itself_and_one_past_its_bound_is_an_error():
+    box = toolbox(["calculator", "agent_fixtures.sleep"], workers=2, timeout_s=3.0)
+    finished: list[str] = []
+
+    async def run(name: str, calls: list[ToolCall]) -> list[ToolCall]:
+        await box.run(calls)
+        finished.append(name)
+        return calls
+
+    async def both():
+        slow = run("slow", [ToolCall("sleep", {"seconds": 30})])
+        fast = run("fast", [ToolCall("calculator", {"expression": "6*7"}), ToolCall("calc", {}),
+                            ToolCall("calculator", {"expression": 6}), ToolCall("", error="not JSON")])  # fmt: skip
+        return await asyncio.gather(slow, fast)
+
+    try:
+        (slept,), (product, unknown, mistyped, malformed) = asyncio.run(both())
+        assert finished == ["fast", "slow"]  # the fast trajectory's calls did not wait for the slow one's
+        assert product.result == "42" and product.error is None
+        assert "no tool 'calc'; the tools are calculator, sleep" in unknown.error
+        assert "must be a JSON string" in mistyped.error and malformed.error == "not JSON"
+        assert slept.result is None and "timed out after 3s" in slept.error and "tool sandbox was killed" in slept.error
+        (again,) = asyncio.run(run("after", [ToolCall("calculator", {"expression": "1+1"})]))
+        assert again.result == "2"  # a sandbox is back for the next call
+    finally:
+        box.close()
+
+
+def test_an_environment_must_fit_the_engine_and_name_tools_that_exist(tmp_path):
+    raw = small_config(tmp_path, environment={"max_total_tokens": 64})
+    with pytest.raises(ConfigError, match=r"environment.max_total_tokens \(64\) is above rollout.max_model_len"):
+        validate_config(raw)
+    raw = small_config(tmp_path, environment={"max_total_tokens": 32}, data={"max_prompt_tokens": 32})
+    with pytest.raises(ConfigError, match="leaves no room for a turn"):
+        validate_config(raw)
+
+
+def task_config(tmp_path: Path, **sections) -> dict:
+    """The bundled calculator task (`configs/agent.yaml`) made small: a warm-up of 150 steps, 2 training steps."""
+    raw = yaml.safe_load((Path(__file__).parent.parent / "configs" / "agent.yaml").read_text())
+    raw["run"].update(output_dir=str(tmp_path / "outputs"), steps=2)
+    raw["model"]["path"] = str(tmp_path / "agent-sft")
+    raw["sft"].update(base=str(tmp_path / "agent-base"), steps=150)
+    raw["data"].update(task={"name": "multiply", "num_train": 200, "num_eval": 8}, prompts_per_step=4)
+    raw["rollout"].update(group_size=4, cpu_kv_cache_gib=0.05)
+    raw["learner"].update(micro_batch_size=16)
+    raw["eval"] = {"every": 1, "sets": [{"name": "held_out"}]}
+    raw["wandb"] = {"enabled": False}
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def warmed_up(tmp_path_factory) -> Path:
+    """`grpo-dist sft` of the calculator task, short: its model writes tool calls and short answers, each turn
+    ended by the end-of-sequence token (a random-init model rarely stops)."""
+    directory = tmp_path_factory.mktemp("agent")
+    config = directory / "agent.yaml"
+    config.write_text(yaml.safe_dump(task_config(directory)))
+    done = subprocess.run([sys.executable, "-m", "grpo_dist", "sft", str(config)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return directory
+
+
+def start_pool(directory: Path, environment: dict, tmp_path: Path):
+    """One generator of the warmed-up model, its completions trajectories in `environment` (over the task's
+    defaults); with the pool's config, placement, fault log, training prompts and tokenizer."""
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.generator_pool import GeneratorPool
+    from grpo_dist.inputs import load_tokenizer, prepare_data, read_prompts
+    from grpo_dist.placement import place
+
+    environment = {**task_config(tmp_path)["environment"], "max_total_tokens": 176, **environment}
+    raw = task_config(tmp_path, environment=environment)  # room in the engine to read back a whole trajectory
+    raw["model"] = {"path": str(directory / "agent-sft")}
+    raw["data"]["task"] = {"name": "multiply", "num_train": 16, "num_eval": 4}
+    config = validate_config(raw)
+    tokenizer = load_tokenizer(config.model.path)
+    prompts = read_prompts(config, prepare_data(config)[0], tokenizer)[0]
+    placement = place(config)
+    faults = FaultLog()
+    pool = GeneratorPool(config, config.model.path, placement, faults)
+    pool.pool.wait_ready()
+    return config, pool, placement, faults, prompts, tokenizer
+
+
+def run_to_end(generation) -> list[list]:
+    """Every group of a generation, in the order they finished."""
+    groups = []
+    while not generation.finished:
+        advanced = generation.advance()
+        groups += advanced.groups
+    return groups
+
+
+def test_a_trajectorys_trained_tokens_are_the_engines_and_its_mask_is_exactly_the_sampled_tokens(
+    ray_cluster, warmed_up, tmp_path
+):
+    """Episodes of up to three turns (every turn calls `echo`, the environment ends them at turn 3):
+    the engine's own log-probabilities of the whole trajectory, read back, equal the sampling log-probabilities at
+    every sampled token (the engine sampled each turn from exactly these tokens); the mask's zeros are exactly
+    the observations' tokens as the chat template renders them; the trajectory decodes to the template's rendering
+    of its conversation; the collated batch trains exactly the sampled tokens."""
+    from grpo_dist.agents.render import Renderer
+
+    environment = {"name": "agent_fixtures.CountingEnvironment", "kwargs": {"turns": 3}, "tools": None,
+                   "tool_parser": "agent_fixtures.always_echo", "max_turns": 4}  # fmt: skip
+    config, pool, placement, _, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path)
+    try:
+        generation = pool.start(prompts[:3], 2, seeds=[11, 12, 13])
+        completions = [c for group in run_to_end(generation) for c in group]
+        renderer = Renderer(tokenizer, [tool_spec("agent_fixtures.echo").chat_template_entry])
+        for completion in completions:
+            episode = completion.episode
+            assert episode.tool_calls in (episode.turns, episode.turns - 1)  # a turn cut at its token limit: none
+            if not episode.truncated:  # ended by the environment, not cut at the token limit
+                assert episode.turns == 3 and completion.finish_reason == "stop" and episode.rewards == {"step": 0.75}
+            assert_token_exact(pool.actors[0], completion, renderer)
+            assert episode.messages[0] == {"role": "system", "content": "count"}  # the environment's reset
+            sequence = completion.prompt_token_ids + completion.token_ids
+            whole = tokenizer.apply_chat_template(episode.messages, tools=renderer.tools, tokenize=False)
+            decoded = tokenizer.decode(sequence)
+            ended = completion.token_ids[-1] == tokenizer.eos_token_id  # else cut: the template closes its turn
+            assert whole == decoded + ("\n" if ended else "<eos>\n"), (whole, decoded)
+        assert max(c.episode.turns for c in completions) >= 2  # multi-turn: observations between turns
+        import torch
+
+        batch = collate(completions, torch.zeros(len(completions)), tokenizer.pad_token_id)
+        for row, completion in enumerate(completions):
+            start = len(completion.prompt_token_ids)
+            trained = batch.completion_mask[row, start : start + len(completion.token_ids)].tolist()
+            assert trained == [float(bit) for bit in completion.mask]
+            assert batch.completion_mask[row].sum() == completion.sampled_tokens
+    finally:
+        pool.shutdown()
+        placement.remove()
+
+
+def assert_token_exact(actor, completion, renderer) -> None:
+    """The engine's own log-probabilities of the whole trajectory, read back, equal the sampling log-probabilities
+    at every sampled token (each turn was sampled from exactly the tokens before it); the tokens the mask leaves out
+    are exactly the observations (the messages between the model's turns) as the chat template renders them, with
+    log-probability 0."""
+    import ray
+
+    sequence = completion.prompt_token_ids + completion.token_ids
+    engine = ray.get(actor.sequence_logprobs.remote(sequence), timeout=120)  # [P+T-1]
+    start = len(completion.prompt_token_ids)
+    sampled = [i for i, bit in enumerate(completion.mask) if bit]
+    assert len(sampled) == completion.sampled_tokens > 0
+    for i in sampled:
+        assert engine[start + i - 1] == pytest.approx(completion.logprobs[i], abs=2e-4), i
+    replies = [i for i, m in enumerate(completion.episode.messages) if m["role"] == "assistant"]
+    between = [completion.episode.messages[a + 1 : b] for a, b in zip(replies, replies[1:], strict=False)]
+    expected = [token for run in between for token in renderer.observation(run)]
+    assert [t for t, bit in zip(completion.token_ids, completion.mask, strict=True) if not bit] == expected
+    assert all(completion.logprobs[i] == 0.0 for i, bit in enumerate(completion.mask) if not bit)
+
+
+def generator_pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_a_slow_tool_holds_back_only_its_trajectory_and_a_generator_lost_mid_trajectory_loses_none(
+    ray_cluster, warmed_up, tmp_path
+):
+    """Four prompts' groups of two trajectories on one generator; every turn calls `nap`, and the first call on the
+    machine sleeps 6 s. Every other group comes back first, then the one holding the slow trajectory. Then the
+    same again, and the generator's process is killed while the slow tool runs: it is replaced, the prompts it held
+    are generated again, and every group comes back whole."""
+    environment = {"tools": ["agent_fixtures.nap"], "tool_parser": "agent_fixtures.always_nap", "max_turns": 2,
+                   "tool_workers": 4, "tool_timeout_s": 60}  # fmt: skip
+    config, pool, placement, faults, prompts, _ = start_pool(warmed_up, environment, tmp_path)
+    try:
+        Path(NAP_MARK).unlink(missing_ok=True)
+        groups = run_to_end(pool.start(prompts[:4], 2, seeds=[1, 2, 3, 4]))
+        slow = [i for i, g in enumerate(groups) if max(c.episode.tool_seconds for c in g) >= NAP_S]
+        assert slow == [3], [[c.episode.tool_seconds for c in g] for g in groups]  # the others did not wait for it
+        assert sum(c.episode.tool_calls for g in groups for c in g) >= 2
+
+        Path(NAP_MARK).unlink()
+        generation = pool.start(prompts[:4], 2, seeds=[1, 2, 3, 4])
+        lost, groups = pool.actors[0], []
+        deadline = time.monotonic() + 120
+        while not Path(NAP_MARK).exists() and time.monotonic() < deadline:  # until a trajectory is in its tool call
+            groups += generation.advance(poll=True).groups
+        assert Path(NAP_MARK).exists()
+        os.kill(generator_pid(lost), signal.SIGKILL)
+        groups += run_to_end(generation)
+        assert sorted(c.prompt_index for g in groups for c in g) == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert all(c.episode is not None and c.episode.turns >= 1 for g in groups for c in g)
+        assert pool.actors[0] is not lost
+        assert faults.counts["generator_restarts"] == 1 and faults.counts["regenerated"] >= 1, faults.counts
+    finally:
+        Path(NAP_MARK).unlink(missing_ok=True)
+        pool.shutdown()
+        placement.remove()
+
+
+def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversations_logged(warmed_up):
+    """The bundled task as `make demo-agent` runs it, made short: after the warm-up (the fixture), two GRPO steps
+    over multi-turn episodes with the calculator in its sandbox; the steps' agent metrics, the conversations in the
+    completion table, and the held-out evaluation (with the tool) before, during and after."""
+    from test_resume import training
+
+    raw = task_config(warmed_up)
+    raw["reward"]["functions"].append({"name": "tool_use", "weight": 0.2})
+    with training(warmed_up, raw) as run:
+        assert run.wait(timeout=600) == 0, (warmed_up / "run.log").read_text()[-3000:]
+    run_dir = warmed_up / "outputs" / "agent"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["agent/turns"] >= 1 and row["agent/tool_calls"] > 0  # the warmed-up model calls the calculator
+        assert 0 <= row["agent/tool_error_fraction"] <= 1 and 0 <= row["agent/truncated_fraction"] <= 1
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert any("\ntool: " in row["completion"] and row["turns"] >= 2 for row in table)
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in evals] == [0, 1, 2] and all("eval/held_out/accuracy" in row for row in evals)
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_an_agent_written_against_the_openai_client_produces_token_exact_trajectories(ray_cluster, warmed_up, tmp_path):
+    """`environment.agent`: the agent calls the generator's endpoint with the real `openai` client, runs the
+    calculator on the tool calls it gets back and sends the results; its calls make one trajectory each, exact
+    token for token, with its reward. An agent that rewrites its history is answered, and only its first call
+    is trained (`diverged`)."""
+    from grpo_dist.agents.render import Renderer
+
+    environment = {"agent": "agent_fixtures.calculator_agent", "tools": []}
+    config, pool, placement, _, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path)
+    try:
+        completions = [c for group in run_to_end(pool.start(prompts[:2], 2, seeds=[5, 6])) for c in group]
+        schema = {"type": "function", "function": {"name": "calculator", "parameters": {}}}
+        renderer = Renderer(tokenizer, [schema])
+        for completion in completions:
+            episode = completion.episode
+            assert episode.turns >= 1 and not episode.diverged
+            assert episode.rewards["asked"] <= episode.tool_calls and episode.rewards["asked"] in range(4)
+            assert episode.turns - episode.rewards["asked"] in (0, 1)  # every reply but a last one without a call asked
+            assert_token_exact(pool.actors[0], completion, renderer)
+        assert any(c.episode.turns >= 2 for c in completions), [c.episode.messages for c in completions]
+    finally:
+        pool.shutdown()
+        placement.remove()
+    environment = {"agent": "agent_fixtures.rewriting_agent", "tools": []}
+    config, pool, placement, _, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path / "rewriting")
+    try:
+        (completion, _) = run_to_end(pool.start(prompts[:1], 2, seeds=[7]))[0]
+        assert completion.episode.diverged and completion.episode.turns == 1
+        assert completion.mask == [1] * len(completion.token_ids)  # the first call alone
+    finally:
+        pool.shutdown()
+        placement.remove()
+
+
+def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray_cluster, warmed_up, tmp_path):
+    """`reward.judge`: an engine of the judge model (here the warmed-up calculator model, whose reply to a product
+    is a tool call) reads each completion through `reward.judge.prompt`; the first factor of a product in its
+    greedy reply, divided by 100, is the reward function `judge`, weighted into the total with the others.
+    The verdicts equal those of the same model decoded greedily by transformers; a reply without one is unscored,
+    saying so."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.placement import place
+    from grpo_dist.reward_pool import RewardPool
+    from grpo_dist.types import ScoreRequest
+
+    model = str(warmed_up / "agent-sft")
+    judge = {"model": model, "prompt": "{completion}", "verdict": r"([0-9]+)\*[0-9]", "scale": 100,
+             "max_tokens": 90, "max_model_len": 192, "cpu_kv_cache_gib": 0.05, "dtype": "float32"}  # fmt: skip
+    raw = small_config(tmp_path, reward={"judge": judge, "functions": [
+        {"name": "judge", "weight": 0.5}, {"name": "math_answer", "weight": 1.0}]})  # fmt: skip
+    config = validate_config(raw)
+    requests = [ScoreRequest("q", text, {"answer": "7"}) for text in ("12*34=", "7", "99*10=", "3*")]
+    placement = place(config)
+    rewards = RewardPool(config, placement, FaultLog())
+    try:
+        rewards.pool.wait_ready()
+        rewards.judge.pool.wait_ready()
+        scores = rewards.score(requests)
+        metrics = rewards.step_metrics()
+    finally:
+        rewards.shutdown()
+        placement.remove()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for request, score in zip(requests, scores, strict=True):
+        prompt = torch.tensor([rewards.judge.prompt_tokens(request)])
+        reply = hf.generate(prompt, max_new_tokens=90, do_sample=False, pad_token_id=0)[0, prompt.shape[1] :]
+        expected, why = rewards.judge.verdict(rewards.judge.tokenizer.decode(reply, skip_special_tokens=True))
+        correct = 1.0 if request.completion == "7" else 0.0
+        if why is None:
+            assert score.per_function == [pytest.approx(expected), correct] and not score.failures
+            assert score.total == pytest.approx(0.5 * expected + correct)
+        else:
+            assert "no verdict matching reward.judge.verdict" in score.failures["judge"] and math.isnan(score.total)
+    assert sum(not math.isnan(score.total) for score in scores) >= 2  # the model writes verdicts for products
+    assert metrics["judge/seconds"] > 0 and metrics["reward_failures/judge"] == sum(
+        "judge" in score.failures for score in scores
+    )
