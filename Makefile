@@ -8,7 +8,7 @@ CONFIG ?= configs/quickstart.yaml
 # Where the CPU build of torch comes from (PyPI's torch for Linux is the CUDA build); any reachable mirror of it works.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test test-fast lint format clean
+.PHONY: install demo demo-agent test test-fast lint format clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/grpo-dist train $(CONFIG)
 	$(VENV)/bin/grpo-dist plot outputs/quickstart/metrics.jsonl outputs/quickstart/run.png
+
+demo-agent: $(STAMP)
+	$(VENV)/bin/grpo-dist sft configs/agent.yaml --overwrite
+	$(VENV)/bin/grpo-dist train configs/agent.yaml
+	$(VENV)/bin/grpo-dist plot outputs/agent/metrics.jsonl outputs/agent/run.png
 
 test: $(STAMP)
 	$(PY) -m pytest
