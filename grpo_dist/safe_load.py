@@ -19,9 +19,9 @@ def run_state_classes() -> list[type]:
     """What the driver's run state holds besides plain data: the batch drawn ahead."""
     from grpo_dist.data import PromptRecord
     from grpo_dist.rollouts.rollout import Rollout
-    from grpo_dist.types import Completion, Score
+    from grpo_dist.types import Completion, Episode, Score
 
-    return [Rollout, PromptRecord, Completion, Score]
+    return [Rollout, PromptRecord, Completion, Episode, Score]
 
 
 def deepspeed_classes() -> list[type]:

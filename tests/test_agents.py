@@ -427,3 +427,20 @@ def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray
     assert metrics["judge/seconds"] > 0 and metrics["reward_failures/judge"] == sum(
         "judge" in score.failures for score in scores
     )
+
+
+def test_a_batch_of_trajectories_drawn_ahead_loads_back_from_a_checkpoint(tmp_path):
+    """With `rollout.max_staleness` >= 1 the batch drawn ahead is in the checkpoint: trajectories, their masks and
+    episodes load back (`weights_only`, with the run state's classes allowed) exactly as they were."""
+    import torch
+
+    from grpo_dist.data import PromptRecord
+    from grpo_dist.rollouts.rollout import Rollout
+    from grpo_dist.safe_load import load, run_state_classes
+    from grpo_dist.types import Completion, Episode, Score
+
+    episode = Episode([{"role": "user", "content": "2*3="}], turns=2, tool_calls=1, rewards={"step": 0.5})
+    completion = Completion(0, [1, 2], [5, 6, 7], "6", [-0.1, 0.0, -0.2], "stop", 3, mask=[1, 0, 1], episode=episode)
+    rollout = Rollout([PromptRecord("2*3=", [1, 2])], [completion], [Score(1.0, [1.0])])
+    torch.save({"ahead": rollout}, tmp_path / "state.pt")
+    assert load(tmp_path / "state.pt", run_state_classes())["ahead"] == rollout
