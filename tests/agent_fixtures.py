@@ -93,3 +93,12 @@ async def rewriting_agent(client, row: dict) -> None:
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
     rewritten = [*messages, {"role": "user", "content": "again"}]
     await client.chat.completions.create(model="policy", messages=rewritten, max_tokens=8)
+
+
+def hermes_and_sleep(text: str) -> list[ToolCall]:
+    """The Hermes calls of a turn and, when it has any, a call to `sleep` for 3 s after them (slow tools: a weight
+    update lands while trajectories wait on them)."""
+    from grpo_dist.agents.parsers import hermes
+
+    calls = hermes(text)
+    return [*calls, ToolCall("sleep", {"seconds": 3.0})] if calls else calls
