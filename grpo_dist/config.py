@@ -164,6 +164,18 @@ class Config(_Section):
         if self.data.chat_template is False:
             raise ValueError("an environment's conversations are rendered by the chat template: data.chat_template "
                              "cannot be false with an environment")  # fmt: skip
+        if self.algorithm.overlong == "soft_penalty":
+            raise ValueError("algorithm.overlong=soft_penalty measures a completion against rollout.max_new_tokens, a "
+                             "turn's limit: with an environment use overlong: mask (cut trajectories out of the loss) "
+                             "or none")  # fmt: skip
+        longest = max(environment.max_turns * environment.tool_timeout_s,
+                      environment.episode_timeout_s if environment.agent else 0.0)  # fmt: skip
+        if longest >= self.faults.generate_timeout_s:
+            raise ValueError(
+                f"an episode may wait {longest:g} s on its tools or agent (environment.max_turns x tool_timeout_s, or "
+                f"episode_timeout_s), not less than faults.generate_timeout_s ({self.faults.generate_timeout_s:g} s), "
+                "after which a generator without an answer is replaced as hung: lower the one or raise the other"
+            )
         return self
 
     @property

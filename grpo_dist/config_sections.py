@@ -218,6 +218,18 @@ class JudgeConfig(_Section):
     """Judge engines that die may be replaced this many times in a run (each is counted in `faults/judge_restarts`);
     a batch a lost engine held is judged again once, then left unscored."""
 
+    @model_validator(mode="after")
+    def _verdict_has_a_group(self) -> JudgeConfig:
+        import re
+
+        try:
+            groups = re.compile(self.verdict).groups
+        except re.error as error:
+            raise ValueError(f"verdict {self.verdict!r} is not a regular expression: {error}") from None
+        if groups < 1:
+            raise ValueError(f"verdict {self.verdict!r} has no group: put the score in parentheses, e.g. ([0-9]+)")
+        return self
+
 
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(min_length=1)

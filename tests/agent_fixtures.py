@@ -45,16 +45,17 @@ def always_nap(text: str) -> list[ToolCall]:
 
 
 class CountingEnvironment(Environment):
-    """Every turn gets the tools' answers and a reward part of 0.25; done after `turns` turns."""
+    """Every turn gets the tools' answers and a reward part of 0.25; done after `turns` turns; `system`: a system
+    message of its own first."""
 
     tools = ("agent_fixtures.echo",)
 
-    def __init__(self, turns: int = 2) -> None:
+    def __init__(self, turns: int = 2, system: str | None = None) -> None:
         super().__init__()
-        self.turns = turns
+        self.turns, self.system = turns, system
 
     def reset(self, row: dict) -> list[dict]:
-        return [{"role": "system", "content": "count"}, *row["messages"]]
+        return [{"role": "system", "content": self.system}] * bool(self.system) + row["messages"]
 
     def step(self, turn: Turn) -> Observation:
         done = turn.number >= self.turns

@@ -149,6 +149,23 @@ def test_tools_run_in_sandboxes_a_slow_call_holds_back_only_itself_and_one_past_
         box.close()
 
 
+def test_an_episode_opens_with_the_environments_first_messages_and_tools(tokenizer):
+    """The first tokens are the chat template's rendering of what the environment's `reset` returns for the row,
+    with its tools (the class's own unless `environment.tools` names others)."""
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.config import EnvironmentConfig
+
+    row = {"messages": [{"role": "user", "content": "2*3="}], "answer": "6"}
+    config = EnvironmentConfig(name="agent_fixtures.CountingEnvironment", kwargs={"system": "count"})
+    loop = AgentLoop(config, tokenizer, max_new_tokens=8)
+    expected = "<|tools|>echo<eos>\n<|system|>count<eos>\n<|user|>2*3=<eos>\n<|assistant|>"
+    assert tokenizer.decode(loop.first_tokens(row)) == expected
+    loop = AgentLoop(config.model_copy(update={"tools": ["calculator"]}), tokenizer, max_new_tokens=8)
+    assert tokenizer.decode(loop.first_tokens(row)).startswith("<|tools|>calculator<eos>")
+    with pytest.raises(ValueError, match="not `tools` nor the dotted path of a grpo_dist.agents.Environment"):
+        AgentLoop(EnvironmentConfig(name="agent_fixtures.echo"), tokenizer, max_new_tokens=8)
+
+
 def test_an_environment_must_fit_the_engine_and_name_tools_that_exist(tmp_path):
     raw = small_config(tmp_path, environment={"max_total_tokens": 64})
     with pytest.raises(ConfigError, match=r"environment.max_total_tokens \(64\) is above rollout.max_model_len"):
@@ -218,49 +235,6 @@ def run_to_end(generation) -> list[list]:
     return groups
 
 
-def test_a_trajectorys_trained_tokens_are_the_engines_and_its_mask_is_exactly_the_sampled_tokens(
-    ray_cluster, warmed_up, tmp_path
-):
-    """Episodes of up to three turns (every turn calls `echo`, the environment ends them at turn 3):
-    the engine's own log-probabilities of the whole trajectory, read back, equal the sampling log-probabilities at
-    every sampled token (the engine sampled each turn from exactly these tokens); the mask's zeros are exactly
-    the observations' tokens as the chat template renders them; the trajectory decodes to the template's rendering
-    of its conversation; the collated batch trains exactly the sampled tokens."""
-    from grpo_dist.agents.render import Renderer
-
-    environment = {"name": "agent_fixtures.CountingEnvironment", "kwargs": {"turns": 3}, "tools": None,
-                   "tool_parser": "agent_fixtures.always_echo", "max_turns": 4}  # fmt: skip
-    config, pool, placement, _, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path)
-    try:
-        generation = pool.start(prompts[:3], 2, seeds=[11, 12, 13])
-        completions = [c for group in run_to_end(generation) for c in group]
-        renderer = Renderer(tokenizer, [tool_spec("agent_fixtures.echo").chat_template_entry])
-        for completion in completions:
-            episode = completion.episode
-            assert episode.tool_calls in (episode.turns, episode.turns - 1)  # a turn cut at its token limit: none
-            if not episode.truncated:  # ended by the environment, not cut at the token limit
-                assert episode.turns == 3 and completion.finish_reason == "stop" and episode.rewards == {"step": 0.75}
-            assert_token_exact(pool.actors[0], completion, renderer)
-            assert episode.messages[0] == {"role": "system", "content": "count"}  # the environment's reset
-            sequence = completion.prompt_token_ids + completion.token_ids
-            whole = tokenizer.apply_chat_template(episode.messages, tools=renderer.tools, tokenize=False)
-            decoded = tokenizer.decode(sequence)
-            ended = completion.token_ids[-1] == tokenizer.eos_token_id  # else cut: the template closes its turn
-            assert whole == decoded + ("\n" if ended else "<eos>\n"), (whole, decoded)
-        assert max(c.episode.turns for c in completions) >= 2  # multi-turn: observations between turns
-        import torch
-
-        batch = collate(completions, torch.zeros(len(completions)), tokenizer.pad_token_id)
-        for row, completion in enumerate(completions):
-            start = len(completion.prompt_token_ids)
-            trained = batch.completion_mask[row, start : start + len(completion.token_ids)].tolist()
-            assert trained == [float(bit) for bit in completion.mask]
-            assert batch.completion_mask[row].sum() == completion.sampled_tokens
-    finally:
-        pool.shutdown()
-        placement.remove()
-
-
 def assert_token_exact(actor, completion, renderer) -> None:
     """The engine's own log-probabilities of the whole trajectory, read back, equal the sampling log-probabilities
     at every sampled token (each turn was sampled from exactly the tokens before it); the tokens the mask leaves out
@@ -288,22 +262,48 @@ def generator_pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
-def test_a_slow_tool_holds_back_only_its_trajectory_and_a_generator_lost_mid_trajectory_loses_none(
+def test_trajectories_are_the_engines_tokens_a_slow_tool_holds_back_only_its_own_and_a_lost_generator_loses_none(
     ray_cluster, warmed_up, tmp_path
 ):
-    """Four prompts' groups of two trajectories on one generator; every turn calls `nap`, and the first call on the
-    machine sleeps 6 s. Every other group comes back first, then the one holding the slow trajectory. Then the
-    same again, and the generator's process is killed while the slow tool runs: it is replaced, the prompts it held
-    are generated again, and every group comes back whole."""
-    environment = {"tools": ["agent_fixtures.nap"], "tool_parser": "agent_fixtures.always_nap", "max_turns": 2,
-                   "tool_workers": 4, "tool_timeout_s": 60}  # fmt: skip
-    config, pool, placement, faults, prompts, _ = start_pool(warmed_up, environment, tmp_path)
+    """Four prompts' groups of two trajectories on one generator, in an environment that gives 0.25 per turn and ends
+    episodes at turn 3; every turn calls `nap`, and the first call on the machine sleeps 6 s.
+    - Every other group comes back first, then the one holding the slow trajectory.
+    - Each trajectory is token-exact (`assert_token_exact`), decodes to the chat template's rendering of its
+      conversation, and the collated batch trains exactly its sampled tokens.
+    - Then the same again, and the generator's process is killed while the slow tool runs: it is replaced, the
+      prompts it held are generated again, and every group comes back whole."""
+    import torch
+
+    from grpo_dist.agents.render import Renderer
+
+    environment = {"name": "agent_fixtures.CountingEnvironment", "kwargs": {"turns": 3}, "max_turns": 4,
+                   "tools": ["agent_fixtures.nap"], "tool_parser": "agent_fixtures.always_nap", "tool_workers": 4,
+                   "tool_timeout_s": 60}  # fmt: skip
+    config, pool, placement, faults, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path)
     try:
         Path(NAP_MARK).unlink(missing_ok=True)
         groups = run_to_end(pool.start(prompts[:4], 2, seeds=[1, 2, 3, 4]))
         slow = [i for i, g in enumerate(groups) if max(c.episode.tool_seconds for c in g) >= NAP_S]
         assert slow == [3], [[c.episode.tool_seconds for c in g] for g in groups]  # the others did not wait for it
-        assert sum(c.episode.tool_calls for g in groups for c in g) >= 2
+        completions = [c for group in groups for c in group]
+        renderer = Renderer(tokenizer, [tool_spec("agent_fixtures.nap").chat_template_entry])
+        for completion in completions:
+            episode = completion.episode
+            assert episode.tool_calls in (episode.turns, episode.turns - 1)  # a turn cut at its token limit: none
+            if not episode.truncated:  # ended by the environment, not cut at the token limit
+                assert episode.turns == 3 and completion.finish_reason == "stop" and episode.rewards == {"step": 0.75}
+            assert_token_exact(pool.actors[0], completion, renderer)
+            whole = tokenizer.apply_chat_template(episode.messages, tools=renderer.tools, tokenize=False)
+            decoded = tokenizer.decode(completion.prompt_token_ids + completion.token_ids)
+            ended = completion.token_ids[-1] == tokenizer.eos_token_id  # else cut: the template closes its turn
+            assert whole == decoded + ("\n" if ended else "<eos>\n"), (whole, decoded)
+        assert max(c.episode.turns for c in completions) >= 2  # multi-turn: observations between turns
+        batch = collate(completions, torch.zeros(len(completions)), tokenizer.pad_token_id)
+        for row, completion in enumerate(completions):
+            start = len(completion.prompt_token_ids)
+            trained = batch.completion_mask[row, start : start + len(completion.token_ids)].tolist()
+            assert trained == [float(bit) for bit in completion.mask]
+            assert batch.completion_mask[row].sum() == completion.sampled_tokens
 
         Path(NAP_MARK).unlink()
         generation = pool.start(prompts[:4], 2, seeds=[1, 2, 3, 4])
@@ -353,6 +353,40 @@ def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversatio
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [row["step"] for row in evals] == [0, 1, 2, 3] and all("eval/held_out/accuracy" in row for row in evals)
     assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+def test_an_agent_written_against_the_openai_client_produces_token_exact_trajectories(ray_cluster, warmed_up, tmp_path):
+    """`environment.agent`: the agent calls the generator's endpoint with the real `openai` client, runs the
+    calculator on the tool calls it gets back and sends the results; its calls make one trajectory each, exact
+    token for token, with its reward. An agent that rewrites its history is answered, and only its first call
+    is trained (`diverged`)."""
+    from grpo_dist.agents.render import Renderer
+
+    environment = {"agent": "agent_fixtures.calculator_agent", "tools": []}
+    config, pool, placement, _, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path)
+    try:
+        completions = [c for group in run_to_end(pool.start(prompts[:2], 2, seeds=[5, 6])) for c in group]
+        schema = {"type": "function", "function": {"name": "calculator", "parameters": {}}}
+        renderer = Renderer(tokenizer, [schema])
+        for completion in completions:
+            episode = completion.episode
+            assert episode.turns >= 1 and not episode.diverged
+            assert episode.rewards["asked"] <= episode.tool_calls and episode.rewards["asked"] in range(4)
+            assert episode.turns - episode.rewards["asked"] in (0, 1)  # every reply but a last one without a call asked
+            assert_token_exact(pool.actors[0], completion, renderer)
+        assert any(c.episode.turns >= 2 for c in completions), [c.episode.messages for c in completions]
+    finally:
+        pool.shutdown()
+        placement.remove()
+    environment = {"agent": "agent_fixtures.rewriting_agent", "tools": []}
+    config, pool, placement, _, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path / "rewriting")
+    try:
+        (completion, _) = run_to_end(pool.start(prompts[:1], 2, seeds=[7]))[0]
+        assert completion.episode.diverged and completion.episode.turns == 1
+        assert completion.mask == [1] * len(completion.token_ids)  # the first call alone
+    finally:
+        pool.shutdown()
+        placement.remove()
 
 
 def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray_cluster, warmed_up, tmp_path):
@@ -418,3 +452,25 @@ def test_a_batch_of_trajectories_drawn_ahead_loads_back_from_a_checkpoint(tmp_pa
     rollout = Rollout([PromptRecord("2*3=", [1, 2])], [completion], [Score(1.0, [1.0])])
     torch.save({"ahead": rollout}, tmp_path / "state.pt")
     assert load(tmp_path / "state.pt", run_state_classes())["ahead"] == rollout
+
+
+@pytest.mark.parametrize(
+    ("sections", "said"),
+    [
+        pytest.param({"algorithm": {"overlong": "soft_penalty", "overlong_buffer": 2}}, "use overlong: mask",
+                     id="overlong_penalty_of_a_turn"),
+        pytest.param({"environment": {"max_total_tokens": 32, "max_turns": 4, "tool_timeout_s": 200}},
+                     r"may wait 800 s on its tools .* not less than faults.generate_timeout_s \(600 s\)",
+                     id="tools_outlasting_the_generate_bound"),
+        pytest.param({"reward": {"functions": [{"name": "judge"}], "judge": {"model": "m", "verdict": "[0-9]+"}}},
+                     "has no group", id="verdict_without_a_group"),
+        pytest.param({"reward": {"functions": [{"name": "math_answer"}], "judge": {"model": "m"}}},
+                     "list its verdict once in reward.functions", id="judge_not_a_reward"),
+    ],
+)  # fmt: skip
+def test_an_agentic_config_that_cannot_run_is_refused_naming_the_keys(tmp_path, sections, said):
+    raw = small_config(tmp_path, environment={"max_total_tokens": 32}, data={"max_prompt_tokens": 16})
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    with pytest.raises(ConfigError, match=said):
+        validate_config(raw)

@@ -145,19 +145,23 @@ class Generator:
     async def _trajectories(self, row: dict, group_size: int, sampling: Sampling, prompt_index: int, seed: int | None):
         """`group_size` trajectories from `row`, each advancing on its own; the group once all have ended."""
         import asyncio
+        import copy
 
         from vllm import SamplingParams
 
         from grpo_dist.agents.episode import Sampled
 
         async def sample(prefix: list[int], max_tokens: int, turn_seed: int | None) -> Sampled:
-            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=max_tokens,
-                                    logprobs=0, seed=turn_seed)  # fmt: skip
+            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
+                                    max_tokens=min(max_tokens, sampling.max_tokens), seed=turn_seed)  # fmt: skip
             (turn,) = (await self._sample(prefix, params)).outputs
             return Sampled(list(turn.token_ids), _logprobs(turn), turn.finish_reason or "length", self._versions(turn))
 
         seeds = [None if seed is None else seed + number for number in range(group_size)]
-        trajectories = await asyncio.gather(*(self.agent.trajectory(row, sample, each) for each in seeds))
+        rows = [copy.deepcopy(row) for _ in seeds]  # each its own: an environment may change what it is given
+        trajectories = await asyncio.gather(
+            *(self.agent.trajectory(r, sample, each) for r, each in zip(rows, seeds, strict=True))
+        )
         return [
             Completion(
                 prompt_index=prompt_index, prompt_token_ids=t.prompt_token_ids, token_ids=t.token_ids, text=t.text,

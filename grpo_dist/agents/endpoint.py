@@ -20,6 +20,7 @@ the whole conversation stays within `environment.max_total_tokens`. Replies carr
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -50,16 +51,23 @@ class Session:
     tool_calls: int = 0
     replies: int = 0  # replies recorded in the trajectory
     diverged: bool = False
+    ended_on_eos: bool = True  # the last recorded reply ended with the end-of-sequence token
+    closed: bool = False  # its trajectory was taken: a call finishing later is not recorded
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time extends the trajectory
 
-    def trajectory(self, rewards: dict[str, float], cut: bool) -> Trajectory:
-        """The recorded calls as one trajectory; `cut`: the agent ran past its bound."""
+    def trajectory(self, rewards: dict[str, float], cut: bool, agent: str) -> Trajectory:
+        """The recorded calls as one trajectory (copies: the session is closed); `cut`: the agent ran past its
+        bound."""
+        self.closed = True
         if not self.mask:
-            raise RuntimeError("environment.agent made no call to the model: a trajectory needs at least one reply")
-        truncated = cut or self.finish_reason == "length"
-        episode = Episode(messages=self.history, turns=self.replies, tool_calls=self.tool_calls, truncated=truncated,
-                          rewards=rewards, diverged=self.diverged)  # fmt: skip
+            raise RuntimeError(f"environment.agent {agent} got no reply from the model in its trajectory (no call, "
+                               "or none with room under environment.max_total_tokens): nothing to train")  # fmt: skip
+        truncated = cut or self.finish_reason == "length" or not self.ended_on_eos
+        episode = Episode(messages=list(self.history), turns=self.replies, tool_calls=self.tool_calls,
+                          truncated=truncated, rewards=rewards, diverged=self.diverged)  # fmt: skip
         finish = "length" if truncated else "stop"
-        return Trajectory(self.prompt, self.tokens, self.logprobs, self.mask, self.text, finish, self.versions, episode)
+        return Trajectory(list(self.prompt), list(self.tokens), list(self.logprobs), list(self.mask), self.text,
+                          finish, list(self.versions), episode)  # fmt: skip
 
 
 def same_message(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
@@ -108,45 +116,50 @@ class Endpoint:
         messages = [dict(message) for message in body.get("messages") or []]
         if not messages:
             return web.json_response({"error": {"message": "messages: at least one message"}}, status=400)
-        prefix, recorded = self._prefix(session, messages, body.get("tools"))
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.limits.max_new_tokens
-        room = self.limits.max_total_tokens - len(prefix)
-        sampled = Sampled([], [], "length", [])
-        if room > 0:
-            seed = None if session.seed is None else session.seed + session.calls * 1_000_003
-            sampled = await session.sample(prefix, min(asked, self.limits.max_new_tokens, room), seed)
-        session.calls += 1
-        text = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True)
-        calls = [call for call in self.parser(text) if call.error is None]
-        reply = {"role": "assistant", "content": text}
-        if recorded:
-            self._record(session, messages, reply, sampled, len(calls))
+        async with session.lock:  # calls of one session one after the other, each extending the last
+            prefix, observed = self._prefix(session, messages, body.get("tools"))
+            asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.limits.max_new_tokens
+            room = self.limits.max_total_tokens - len(prefix)
+            sampled = Sampled([], [], "length", [])
+            if room > 0:
+                seed = None if session.seed is None else session.seed + session.calls * 1_000_003
+                sampled = await session.sample(prefix, min(asked, self.limits.max_new_tokens, room), seed)
+            session.calls += 1
+            text = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True)
+            calls = [call for call in self.parser(text) if call.error is None]
+            reply = {"role": "assistant", "content": text}
+            if observed is not None and sampled.token_ids and not session.closed:
+                self._record(session, messages, reply, sampled, observed, len(calls))
         return web.json_response(self._response(body, reply, calls, sampled, len(prefix)))
 
-    def _prefix(self, session: Session, messages: list[dict], tools: list | None) -> tuple[list[int], bool]:
-        """The tokens the engine continues from, and whether the call extends the session's trajectory."""
-        if session.renderer is None:
+    def _prefix(self, session: Session, messages: list[dict], tools: list | None) -> tuple[list[int], list[int] | None]:
+        """The tokens the engine continues from, and the observation tokens the call adds to the session's
+        trajectory (None: it does not extend the trajectory)."""
+        if not session.history:  # no reply recorded yet: this call opens the trajectory
             session.renderer = Renderer(self.tokenizer, tools or [])
             session.prompt = session.renderer.first(messages)
-            return session.prompt, True
+            return session.prompt, []
         kept = session.history
         grows = len(messages) > len(kept) and all(same_message(s, k) for s, k in zip(messages, kept, strict=False))
-        if session.diverged or not grows or session.finish_reason == "length":
+        if session.diverged or not grows or not session.ended_on_eos:
             session.diverged = True
-            return Renderer(self.tokenizer, tools or []).first(messages), False
+            return Renderer(self.tokenizer, tools or []).first(messages), None
         observed = session.renderer.observation(messages[len(kept) :])
+        return session.prompt + session.tokens + observed, observed
+
+    def _record(self, session: Session, messages: list[dict], reply: dict, sampled: Sampled, observed: list[int],
+                calls: int) -> None:  # fmt: skip
+        """The observation the call added and its reply, into the trajectory."""
+        session.history = [*messages, reply]
         session.tokens += observed
         session.logprobs += [0.0] * len(observed)
         session.mask += [0] * len(observed)
-        return session.prompt + session.tokens, True
-
-    def _record(self, session: Session, messages: list[dict], reply: dict, sampled: Sampled, calls: int) -> None:
-        session.history = [*messages, reply]
         session.tokens += sampled.token_ids
         session.logprobs += sampled.logprobs
         session.mask += [1] * len(sampled.token_ids)
         session.versions += sampled.versions
         session.text, session.finish_reason = reply["content"], sampled.finish_reason
+        session.ended_on_eos = sampled.token_ids[-1] == self.tokenizer.eos_token_id
         session.tool_calls += calls
         session.replies += 1
 

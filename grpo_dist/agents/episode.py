@@ -7,9 +7,11 @@ follows. Sampled tokens carry their sampling logprobs and a loss mask of 1; obse
 trajectory always ends on a model turn.
 
 It ends when the environment says done (`finish_reason` `stop`), or is cut (`length`, `Episode.truncated`): a turn
-that hit its token limit, an observation that would leave no room under `environment.max_total_tokens`, or
-`environment.max_turns` turns without done. Each turn is its own engine request, seeded from the trajectory's seed
-and the turn, and labelled with the weight versions that sampled it; the trajectory's version is the oldest.
+that hit its token limit (or stopped on a token other than the end-of-sequence token the chat template ends turns
+with), an observation that would leave no room under `environment.max_total_tokens`, or `environment.max_turns`
+turns without done (the last turn's tool calls are then not run). Each turn is its own engine request, seeded from
+the trajectory's seed and the turn, and labelled with the weight versions that sampled it; the trajectory's version
+is the oldest.
 """
 
 from __future__ import annotations
@@ -88,9 +90,12 @@ async def run_episode(
         versions += sampled.versions
         text = renderer.tokenizer.decode(sampled.token_ids, skip_special_tokens=True)
         episode.turns, episode.messages = number, [*episode.messages, {"role": "assistant", "content": text}]
-        if sampled.finish_reason == "length":
-            break
+        ended = bool(sampled.token_ids) and sampled.token_ids[-1] == renderer.tokenizer.eos_token_id
+        if sampled.finish_reason == "length" or not ended:
+            break  # cut, or stopped on another token: no observation can follow it as the template writes one
         calls = parser(text)
+        if calls and number == limits.max_turns:
+            break  # still calling tools at the last turn: cut
         started = time.monotonic()
         await tools.run(calls)
         episode.tool_seconds += time.monotonic() - started
@@ -103,8 +108,8 @@ async def run_episode(
             done = True
             break
         observed = renderer.observation(observation.messages)
-        if len(prompt) + len(tokens) + len(observed) >= limits.max_total_tokens:
-            break  # no room for another turn after it
+        if number == limits.max_turns or len(prompt) + len(tokens) + len(observed) >= limits.max_total_tokens:
+            break  # no turn may follow it
         tokens += observed
         logprobs += [0.0] * len(observed)
         mask += [0] * len(observed)
@@ -178,7 +183,7 @@ class AgentLoop:
             session = self.endpoint.close(base_url)
             await client.close()
         rewards = dict(found) if isinstance(found, dict) else ({} if found is None else {"agent": float(found)})
-        return session.trajectory(rewards, cut)
+        return session.trajectory(rewards, cut, self.config.agent)
 
     async def start(self) -> None:
         """Open the chat-completions endpoint, when an agent calls it."""

@@ -7,7 +7,8 @@ default are required. A function may carry its own `schema` attribute (the OpenA
 
 The `ToolBox` checks each call against the schema (unknown tool, missing, unexpected or mistyped arguments: an
 error the model reads) and runs the rest in sandbox processes of the generator (`grpo_dist.sandbox`: no network,
-limited memory, no processes), as many at once as `environment.tool_workers`, each call bounded by
+limited memory, no processes), as many at once as `environment.tool_workers` (more wait for a free sandbox), each
+call bounded by
 `environment.tool_timeout_s` (past it the sandbox is killed with everything it started, and the call answered
 with a time-out error). A tool returns anything; what the model reads is its text (a `str` as is, anything else
 as JSON).
@@ -23,6 +24,7 @@ import math
 import operator
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +143,7 @@ class ToolBox:
         self.idle: asyncio.Queue | None = None  # sandboxes not in use (None: a slot to start one in)
         self.workers = workers
         self.sandboxes: list[Any] = []
+        self.threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tools")  # one per sandbox
 
     async def run(self, calls: list[ToolCall]) -> None:
         """Give each call its result or error, in order (a call already holding an error, a malformed one, is kept)."""
@@ -164,7 +167,8 @@ class ToolBox:
                 self.idle.put_nowait(None)
         sandbox = await self.idle.get()
         started = time.monotonic()
-        running = asyncio.ensure_future(asyncio.to_thread(self._run, sandbox, index, call.arguments))
+        loop = asyncio.get_running_loop()
+        running = asyncio.ensure_future(loop.run_in_executor(self.threads, self._run, sandbox, index, call.arguments))
         running.add_done_callback(lambda done: self.idle.put_nowait(None if done.exception() else done.result()[0]))
         try:
             _, call.result, call.error = await asyncio.shield(running)
@@ -186,3 +190,4 @@ class ToolBox:
     def close(self) -> None:
         for sandbox in self.sandboxes:
             sandbox.close()
+        self.threads.shutdown(wait=False, cancel_futures=True)

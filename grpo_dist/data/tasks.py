@@ -10,7 +10,9 @@ Each task makes rows ``{"prompt": ..., "answer": ...}`` from a seeded RNG; the a
   that a model warmed up on solved examples knows the format but is often wrong.
 - ``multiply``: ``"37*48="`` -> ``"1776"`` (two numbers of 2 digits; 8,100 distinct prompts), beyond what a tiny
   model computes; each row also holds a ``transcript``: the tool-use conversation that solves it with the
-  ``calculator`` tool (a Hermes tool call, the tool's answer, the answer), what ``grpo-dist sft`` warms up on.
+  ``calculator`` tool (a Hermes tool call, the tool's answer, the answer), and ``solved``: that transcript for
+  three rows in ten, a direct answer for the rest (solved examples, most of them worked out without a tool), what
+  ``grpo-dist sft`` warms up on in ``configs/agent.yaml``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def _add_multi_row(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{left}+{right}=", "answer": str(left + right)}
 
 
+TOOL_SHARE = 0.3
+"""Of the `multiply` rows' `solved` conversations, the share that use the calculator."""
+
+
 def _multiply_row(rng: random.Random) -> dict:
     left, right = rng.randrange(10, 100), rng.randrange(10, 100)
     prompt, answer = f"{left}*{right}=", str(left * right)
@@ -62,7 +68,8 @@ def _multiply_row(rng: random.Random) -> dict:
         {"role": "tool", "content": answer},
         {"role": "assistant", "content": answer},
     ]
-    return {"prompt": prompt, "answer": answer, "transcript": transcript}
+    solved = transcript if rng.random() < TOOL_SHARE else [transcript[0], transcript[-1]]
+    return {"prompt": prompt, "answer": answer, "transcript": transcript, "solved": solved}
 
 
 TASKS: dict[str, Task] = {
