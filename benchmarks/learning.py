@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/learning.py [--seeds 5] [--config configs/quickstart.yaml] [key=value ...]
     .venv/bin/python benchmarks/learning.py --config configs/warmstart.yaml   # warm-up, then GRPO, per seed
-    .venv/bin/python benchmarks/learning.py --seeds 3 --config configs/agent.yaml --rise 0.3   # with a calculator
-    .venv/bin/python benchmarks/learning.py --seeds 3 --config configs/agent.yaml --rise 0.3 \
+    .venv/bin/python benchmarks/learning.py --seeds 3 --config configs/agent.yaml --eval-set sampled --rise 0.3
+    .venv/bin/python benchmarks/learning.py --seeds 3 --config configs/agent.yaml --eval-set sampled --rise 0.3 \
         environment=null sft.answer_field=answer       # the same model, warm-up and GRPO without the tool
 
 Each seed builds its own tiny model (the model's initialisation follows `run.seed`) and draws its own data. Prints
@@ -31,13 +31,13 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-ACCURACY = re.compile(r"eval held_out (before|after) training: accuracy ([0-9.]+)")
+ACCURACY = r"eval {} (before|after) training: accuracy ([0-9.]+)"  # of the eval set --eval-set
 WARM_UP_ACCURACY = re.compile(r"held-out accuracy after warm-up: ([0-9.]+)")
 GAIN_TARGET, ACCURACY_TARGET = 0.3, 0.5
 HELD_OUT_GAIN_TARGET = 0.15  # warm start: GRPO's rise in held-out accuracy over the warmed-up model
 
 
-def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str]) -> dict:
+def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str], eval_set: str = "held_out") -> dict:
     settings = [
         f"run.seed={seed}", f"run.name=seed-{seed}", f"run.output_dir={out_dir}",
         f"model.path={out_dir / f'model-{seed}'}", "wandb.enabled=false", "checkpoint.every_steps=0", *overrides,
@@ -52,7 +52,7 @@ def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str]) -> dic
     done = grpo_dist("train", config, settings, seed)
     rows = [json.loads(line) for line in (out_dir / f"seed-{seed}" / "metrics.jsonl").read_text().splitlines()]
     rewards = [row["reward/mean"] for row in rows]
-    accuracy = dict(ACCURACY.findall(done.stdout))
+    accuracy = dict(re.findall(ACCURACY.format(re.escape(eval_set)), done.stdout))
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     return {
         "seed": seed,
@@ -103,13 +103,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
     parser.add_argument("--config", default="configs/quickstart.yaml")
     parser.add_argument("--out-dir", default="outputs/learning", help="where the runs and their models go")
+    parser.add_argument("--eval-set", default="held_out", help="the eval set whose accuracy is compared")
     parser.add_argument("--rise", type=float, default=HELD_OUT_GAIN_TARGET,
                         help="after a warm-up: the rise in held-out accuracy a seed must reach")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="key=value settings applied to every seed")
     args = parser.parse_args()
     results = []
     for seed in range(args.seeds):
-        results.append(run_seed(args.config, seed, Path(args.out_dir).resolve(), args.overrides))
+        results.append(run_seed(args.config, seed, Path(args.out_dir).resolve(), args.overrides, args.eval_set))
         print(json.dumps(results[-1]), flush=True)
     print(json.dumps({"summary": summary(results, args.rise), "config": args.config, "overrides": args.overrides}))
 

@@ -180,7 +180,7 @@ def task_config(tmp_path: Path, **sections) -> dict:
     raw = yaml.safe_load((Path(__file__).parent.parent / "configs" / "agent.yaml").read_text())
     raw["run"].update(output_dir=str(tmp_path / "outputs"), steps=2)
     raw["model"]["path"] = str(tmp_path / "agent-sft")
-    raw["sft"].update(base=str(tmp_path / "agent-base"), steps=150)
+    raw["sft"].update(base=str(tmp_path / "agent-base"), steps=150, answer_field="transcript")  # all with the tool
     raw["data"].update(task={"name": "multiply", "num_train": 200, "num_eval": 8}, prompts_per_step=4)
     raw["rollout"].update(group_size=4, cpu_kv_cache_gib=0.05)
     raw["learner"].update(micro_batch_size=16)

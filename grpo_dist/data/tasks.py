@@ -11,7 +11,7 @@ Each task makes rows ``{"prompt": ..., "answer": ...}`` from a seeded RNG; the a
 - ``multiply``: ``"37*48="`` -> ``"1776"`` (two numbers of 2 digits; 8,100 distinct prompts), beyond what a tiny
   model computes; each row also holds a ``transcript``: the tool-use conversation that solves it with the
   ``calculator`` tool (a Hermes tool call, the tool's answer, the answer), and ``solved``: that transcript for
-  three rows in ten, a direct answer for the rest (solved examples, most of them worked out without a tool), what
+  half the rows, a direct answer for the others (solved examples, half of them worked out without a tool), what
   ``grpo-dist sft`` warms up on in ``configs/agent.yaml``.
 """
 
@@ -54,7 +54,7 @@ def _add_multi_row(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{left}+{right}=", "answer": str(left + right)}
 
 
-TOOL_SHARE = 0.3
+TOOL_SHARE = 0.5
 """Of the `multiply` rows' `solved` conversations, the share that use the calculator."""
 
 
