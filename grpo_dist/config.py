@@ -179,6 +179,19 @@ class Config(_Section):
         return self
 
     @property
+    def generation_budget(self) -> int:
+        """The most tokens a completion samples: `rollout.max_new_tokens`; with an environment, a trajectory's
+        turns together, bounded by `environment.max_total_tokens`."""
+        return self.environment.max_total_tokens if self.environment else self.rollout.max_new_tokens
+
+    @property
+    def sequence_budget(self) -> int:
+        """The longest sequence the learner trains on: prompt and completion, or a whole trajectory."""
+        if self.environment:
+            return self.environment.max_total_tokens
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
     def judges(self) -> list[str]:
         """The rewards that judge evaluation answers: `eval.reward`, then each eval set's own, each once."""
         names = [self.eval.reward] + [spec.reward for spec in self.eval.sets if spec.reward]

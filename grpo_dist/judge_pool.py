@@ -52,15 +52,23 @@ class JudgePool:
         return ray.remote(Generator).options(**options).remote(self.model, engine, self.seed + 1000 + slot)
 
     def prompt_tokens(self, request: ScoreRequest) -> list[int]:
-        """[P] what the judge reads of one completion, within its context (the start kept)."""
+        """[P] what the judge reads of one completion, within its context: a completion too long for it is cut
+        (its start kept), so the template's end and the generation prompt stay."""
+        budget, completion = self.judge.max_model_len - self.judge.max_tokens, request.completion
+        tokens = self._render(request, completion)
+        while len(tokens) > budget and completion:
+            completion = completion[: max(0, len(completion) * budget // len(tokens) - 1)]
+            tokens = self._render(request, completion)
+        return tokens[:budget]
+
+    def _render(self, request: ScoreRequest, completion: str) -> list[int]:
         fields = {key: value for key, value in request.fields.items() if isinstance(value, str | int | float)}
-        fields.update(prompt=request.prompt, completion=request.completion)
+        fields.update(prompt=request.prompt, completion=completion)
         text = self.judge.prompt.format_map(_Blank(fields))
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                       add_generation_prompt=True)  # fmt: skip
-        tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return tokens[: self.judge.max_model_len - self.judge.max_tokens]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def verdict(self, reply: str) -> tuple[float, str | None]:
         """(score, None) from a reply, or (NaN, why) when it holds no verdict."""

@@ -19,7 +19,7 @@ import ray
 
 from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
-from grpo_dist.config import Config
+from grpo_dist.config import Config, RolloutConfig
 from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing
 from grpo_dist.storage import ObjectStore
 
@@ -69,7 +69,7 @@ class LearnerGroup:
         actor = ray.remote(concurrency_groups={"heartbeat": 1})(Learner)  # `progress` answers while a step runs
         ranks = [
             actor.options(num_cpus=learner.num_cpus, num_gpus=learner.num_gpus, scheduling_strategy=strategy).remote(
-                model_path, learner, cfg.algorithm, cfg.rollout, cfg.run.seed
+                model_path, learner, cfg.algorithm, budgeted(cfg), cfg.run.seed
             )
             for strategy in strategies
         ]
@@ -218,3 +218,9 @@ class LearnerGroup:
             why = outcomes[ranks.index(hung[0])].fault
             raise LearnerHung(f"learner rank(s) {hung}: {method} {why}", None, self.version)
         return [outcome.value for outcome in outcomes]
+
+
+def budgeted(cfg: Config) -> RolloutConfig:
+    """The rollout settings a learner rank reads (the temperature, and the generation budget that Dr. GRPO's
+    normaliser divides by: a trajectory's whole budget with an environment)."""
+    return cfg.rollout.model_copy(update={"max_new_tokens": cfg.generation_budget})

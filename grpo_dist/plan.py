@@ -135,7 +135,7 @@ def plan(cfg: Config, shape: Shape) -> Plan:
     if learner.offload == "optimizer_and_params":
         host["weights"] = weights * ranks / GB
         weights = 0
-    tokens = learner.micro_batch_size * (cfg.data.max_prompt_tokens + rollout.max_new_tokens)
+    tokens = learner.micro_batch_size * cfg.sequence_budget
     full_layer = (6 * shape.hidden + 4 * shape.intermediate) * 2  # bytes per token of one layer's intermediates
     if learner.gradient_checkpointing:
         layers = tokens * (shape.hidden * 2 * shape.layers + full_layer)

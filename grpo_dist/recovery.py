@@ -113,10 +113,9 @@ def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink:
 def what_to_change(cfg: Config, kind: str) -> str:
     """The settings that make a training step need less of the device, for a failure seen twice at one step."""
     learner = cfg.learner
-    smaller = (
-        f"lower learner.micro_batch_size (now {learner.micro_batch_size}) or rollout.max_new_tokens (now "
-        f"{cfg.rollout.max_new_tokens})"
-    )
+    length = (f"environment.max_total_tokens (now {cfg.environment.max_total_tokens})" if cfg.environment
+              else f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")  # fmt: skip
+    smaller = f"lower learner.micro_batch_size (now {learner.micro_batch_size}) or {length}"
     more = []
     if not learner.gradient_checkpointing:
         more.append("set learner.gradient_checkpointing: true")

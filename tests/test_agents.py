@@ -417,6 +417,8 @@ def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray
         rewards.judge.pool.wait_ready()
         scores = rewards.score(requests)
         metrics = rewards.step_metrics()
+        long = rewards.judge.prompt_tokens(ScoreRequest("q", "7" * 5000, {}))  # cut to fit, the template's end kept
+        assert len(long) <= 192 - 90 and rewards.judge.tokenizer.decode(long).endswith("<eos>\n<|assistant|>")
     finally:
         rewards.shutdown()
         placement.remove()
