@@ -391,8 +391,8 @@ def test_an_agent_written_against_the_openai_client_produces_token_exact_traject
 
 def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray_cluster, warmed_up, tmp_path):
     """`reward.judge`: an engine of the judge model (here the warmed-up calculator model, whose reply to a product
-    is a tool call) reads each completion through `reward.judge.prompt`; the first factor of a product in its
-    greedy reply, divided by 100, is the reward function `judge`, weighted into the total with the others.
+    is a tool call) reads each completion through `reward.judge.prompt`; the first digit in its greedy reply,
+    divided by 10, is the reward function `judge`, weighted into the total with the others.
     The verdicts equal those of the same model decoded greedily by transformers; a reply without one is unscored,
     saying so."""
     import torch
@@ -404,7 +404,7 @@ def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray
     from grpo_dist.types import ScoreRequest
 
     model = str(warmed_up / "agent-sft")
-    judge = {"model": model, "prompt": "{completion}", "verdict": r"([0-9]+)\*[0-9]", "scale": 100,
+    judge = {"model": model, "prompt": "{completion}", "verdict": r"([0-9])", "scale": 10,
              "max_tokens": 90, "max_model_len": 192, "cpu_kv_cache_gib": 0.05, "dtype": "float32"}  # fmt: skip
     raw = small_config(tmp_path, reward={"judge": judge, "functions": [
         {"name": "judge", "weight": 0.5}, {"name": "math_answer", "weight": 1.0}]})  # fmt: skip

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from grpo_dist.agents.tools import calculator
 from grpo_dist.data import (
     TASKS,
     DatasetError,
@@ -197,6 +198,9 @@ def solve(task: str, prompt: str) -> str:
     if task in ("add", "add_multi"):
         left, right = prompt.rstrip("=").split("+")
         return str(int(left) + int(right))
+    if task == "multiply":
+        left, right = prompt.rstrip("=").split("*")
+        return str(int(left) * int(right))
     return prompt.rstrip(":").split()[-1]
 
 
@@ -207,6 +211,20 @@ def test_task_rows_are_correct_and_tokenizable(task: str) -> None:
     for row in rows:
         assert row["answer"] == solve(task, row["prompt"])
         assert set(row["prompt"] + row["answer"]) <= set(CHARACTERS)
+    if task == "multiply":  # the transcripts solve the row with the calculator; `solved` is one, or the answer
+        for row in rows:
+            call, answer = (
+                json.loads(row["transcript"][1]["content"][len("<tool_call>") : -len("</tool_call>")]),
+                row["answer"],
+            )
+            assert (
+                calculator(**call["arguments"])
+                == row["transcript"][2]["content"]
+                == row["transcript"][3]["content"]
+                == answer
+            )
+            assert row["solved"] in (row["transcript"], [row["transcript"][0], row["transcript"][3]])
+        assert 0.4 < sum(len(row["solved"]) == 4 for row in rows) / len(rows) < 0.6  # half use the tool
 
 
 def test_last_digit_prompt_shape() -> None:
@@ -220,8 +238,8 @@ def test_write_task_roundtrips_through_load_rows(tmp_path: Path) -> None:
 
 
 def test_unknown_task_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="unknown task 'multiply'; valid tasks: add, add_multi, last_digit"):
-        make_task_rows("multiply", 5, seed=0)
+    with pytest.raises(ValueError, match="unknown task 'divide'; valid tasks: add, add_multi, last_digit, multiply"):
+        make_task_rows("divide", 5, seed=0)
 
 
 def read_prompts(path: Path) -> list[str]:

@@ -44,7 +44,7 @@ class PromptRecord:
     token_ids: list[int]  # [prompt_len] token ids of `text`; no special tokens beyond what the template wrote
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer) for rewards
     index: int = 0  # 0-based position of the row in the dataset file
-    messages: list[dict[str, Any]] | None = None  # the row's chat turns (its system prompt first)
+    messages: list[dict[str, Any]] | None = None  # the row's chat turns (its system prompt first), when templated
 
     @property
     def row(self) -> dict[str, Any]:
@@ -181,6 +181,7 @@ def encode_prompts(
     if max_prompt_tokens < 1:
         raise ValueError(f"encode_prompts: max_prompt_tokens must be >= 1, got {max_prompt_tokens}.")
     records, num_skipped = [], 0
+    templated = chat_template is not False and bool(getattr(tokenizer, "chat_template", None))
     for index, row in enumerate(rows):
         text = prompt_text(row, tokenizer, system_prompt, chat_template, tools)
         token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -188,7 +189,7 @@ def encode_prompts(
             num_skipped += 1
             continue
         fields = {key: value for key, value in row.items() if key not in ("prompt", "messages")}
-        turns = prompt_turns(row, system_prompt)
+        turns = prompt_turns(row, system_prompt) if templated else None
         records.append(PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index, messages=turns))
     if not records:
         raise DatasetError(
