@@ -8,9 +8,11 @@
 
 Each seed builds its own tiny model (the model's initialisation follows `run.seed`) and draws its own data. Prints
 one JSON line per seed: the mean reward of the first and last 10 steps, their difference, held-out accuracy before
-and after training, and the wall time; then a line with the mean, the spread (min, max, standard deviation) and how
-many seeds reached the targets (a gain of at least 0.3 and a held-out accuracy of at least 0.5; after a warm-up,
-a rise in held-out accuracy of at least `--rise`, 0.15 by default). Overrides after the options apply to every seed.
+and after training (of `--eval-set`, and of every eval set under `eval_sets`), the tool-use share, turns and tool
+errors of the first and last 10 steps of an agentic run, the mean step time and the wall time; then a line with the
+mean, the spread (min, max, standard deviation) and how many seeds reached the targets (a gain of at least 0.3 and
+a held-out accuracy of at least 0.5; after a warm-up, a rise in held-out accuracy of at least `--rise`, 0.15 by
+default). Overrides after the options apply to every seed.
 A config with an `sft` section is warmed up (`grpo-dist sft`) at each seed first, and its line also gives the
 held-out accuracy after the warm-up (single-turn tasks: the warm-up prints it; with an environment it is the run's
 evaluation before training). Run by hand; CI never runs it.
@@ -32,6 +34,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 ACCURACY = r"eval {} (before|after) training: accuracy ([0-9.]+)"  # of the eval set --eval-set
+EVAL_LINE = re.compile(r"eval (\S+) (before|after) training: accuracy ([0-9.]+)")
+AGENT_KEYS = ("reward/tool_use", "agent/turns", "agent/tool_error_fraction")  # first and last 10 steps, when logged
 WARM_UP_ACCURACY = re.compile(r"held-out accuracy after warm-up: ([0-9.]+)")
 GAIN_TARGET, ACCURACY_TARGET = 0.3, 0.5
 HELD_OUT_GAIN_TARGET = 0.15  # warm start: GRPO's rise in held-out accuracy over the warmed-up model
@@ -54,6 +58,8 @@ def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str], eval_s
     rewards = [row["reward/mean"] for row in rows]
     accuracy = dict(re.findall(ACCURACY.format(re.escape(eval_set)), done.stdout))
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    ends = {key: [round(statistics.mean(row[key] for row in part), 3) for part in (rows[:10], rows[-10:])]
+            for key in AGENT_KEYS if key in rows[0]}  # fmt: skip
     return {
         "seed": seed,
         "first10": round(first, 3),
@@ -63,6 +69,9 @@ def run_seed(config: str, seed: int, out_dir: Path, overrides: list[str], eval_s
         "held_out_before": float(accuracy.get("before", "nan")),
         "held_out_after": float(accuracy.get("after", "nan")),
         "entropy_last10": round(statistics.mean(row["entropy"] for row in rows[-10:]), 3),
+        "eval_sets": {f"{name}_{when}": float(value) for name, when, value in EVAL_LINE.findall(done.stdout)},
+        **{f"{key}_first10_last10": values for key, values in ends.items()},
+        "step_s": round(statistics.mean(row["time/step"] for row in rows), 2),
         "wall_s": round(time.monotonic() - started, 1),
     }
 

@@ -67,6 +67,8 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
         print(f"first prompt, as the model reads it: {train[0].text!r}")
         if cfg.environment is not None:
             check_environment(cfg, tokenizer, train[0])
+        if cfg.reward.judge is not None:
+            check_judge(cfg)
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
         eval_sets = read_eval_sets(cfg, held_out, tokenizer)
         for each, key in eval_sets:
@@ -164,6 +166,18 @@ def check_environment(cfg: Config, tokenizer: Any, record: PromptRecord) -> None
     if len(first) > cfg.data.max_prompt_tokens:
         raise ConfigError(f"environment {cfg.environment.name}: the first row's first messages take {len(first)} "
                           f"tokens, more than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")  # fmt: skip
+
+
+def check_judge(cfg: Config) -> None:
+    """`reward.judge.model` is a model directory (or a hub id, fetched now), before any engine starts."""
+    from grpo_dist.judge_pool import judge_model
+
+    try:
+        found = Path(judge_model(cfg.reward.judge))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not (found / "config.json").is_file():
+        raise ConfigError(f"reward.judge.model: {found} is not a Hugging Face model directory (no config.json)")
 
 
 def check_lengths(cfg: Config) -> None:

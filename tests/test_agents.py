@@ -476,3 +476,45 @@ def test_an_agentic_config_that_cannot_run_is_refused_naming_the_keys(tmp_path, 
         raw[section] = {**raw.get(section, {}), **values}
     with pytest.raises(ConfigError, match=said):
         validate_config(raw)
+
+
+def test_the_agent_rewards_and_metrics_read_the_episode():
+    """`tool_use` is 1 only when tools were called and none answered an error; `environment` is the environment's
+    reward parts summed; the step's agent metrics are per-trajectory means over the batch (single-turn completions
+    left out)."""
+    from grpo_dist.metrics import episode_metrics
+    from grpo_dist.rewards.registry import resolve_reward
+    from grpo_dist.types import Completion, Episode
+
+    worked = [{"role": "user", "content": "2*3="}, {"role": "tool", "content": "6"}]
+    failed = [*worked, {"role": "tool", "content": "error: no tool 'calc'"}]
+    assert resolve_reward("tool_use")("q", "6", messages=worked) == 1.0
+    assert resolve_reward("tool_use")("q", "6", messages=failed) == 0.0
+    assert resolve_reward("tool_use")("q", "6", messages=worked[:1]) == 0.0  # no tool called
+    assert resolve_reward("environment")("q", "6", environment_reward=0.75) == 0.75
+
+    def completion(episode: Episode | None) -> Completion:
+        return Completion(0, [1], [2, 3], "6", [0.0, 0.0], "stop", 0, episode=episode)
+
+    episodes = [Episode(turns=2, tool_calls=2, tool_errors=1, tool_seconds=0.5),
+                Episode(turns=1, tool_calls=0, truncated=True, tool_seconds=0.0, diverged=True)]  # fmt: skip
+    metrics = episode_metrics([completion(e) for e in episodes] + [completion(None)])
+    assert metrics == {
+        "agent/turns": 1.5, "agent/tool_calls": 1.0, "agent/tool_errors": 0.5, "agent/tool_error_fraction": 0.5,
+        "agent/tool_seconds": 0.25, "agent/tool_seconds_max": 0.5, "agent/truncated_fraction": 0.5,
+        "agent/diverged_fraction": 0.5,
+    }  # fmt: skip
+    assert episode_metrics([completion(None)]) == {}
+
+
+def test_a_judge_model_that_is_not_there_is_refused_before_anything_starts(tmp_path):
+    from grpo_dist.inputs import check_judge
+
+    judge = {"model": str(tmp_path / "nowhere"), "verdict": "([0-9])"}
+    raw = small_config(tmp_path, reward={"judge": judge, "functions": [{"name": "judge"}]})
+    with pytest.raises(ConfigError, match="reward.judge.model: .*nowhere is neither a model directory nor a hub id"):
+        check_judge(validate_config(raw))
+    (tmp_path / "empty").mkdir()
+    raw["reward"]["judge"]["model"] = str(tmp_path / "empty")
+    with pytest.raises(ConfigError, match="not a Hugging Face model directory"):
+        check_judge(validate_config(raw))

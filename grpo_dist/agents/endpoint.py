@@ -179,7 +179,3 @@ class Endpoint:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                       "total_tokens": prompt_tokens + completion},
         }  # fmt: skip
-
-    async def close_all(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()

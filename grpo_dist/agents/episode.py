@@ -189,6 +189,3 @@ class AgentLoop:
         """Open the chat-completions endpoint, when an agent calls it."""
         if self.endpoint is not None:
             await self.endpoint.start()
-
-    def close(self) -> None:
-        self.tools.close()

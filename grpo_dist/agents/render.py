@@ -29,8 +29,8 @@ class Renderer:
             raise TemplateError("an environment needs a chat template, and the tokenizer of model.path has none")
         self.tokenizer, self.tools = tokenizer, tools or None
         self.end_of_turn = tokenizer.decode([tokenizer.eos_token_id])
-        before = self._text(PROBE, generation_prompt=False)
-        tail = before[before.rindex(PROBE[1]["content"]) + 1 :]
+        self.before = self._text(PROBE, generation_prompt=False)  # what every observation is measured after
+        tail = self.before[self.before.rindex(PROBE[1]["content"]) + 1 :]
         if not tail.startswith(self.end_of_turn):
             raise TemplateError(
                 f"the chat template ends an assistant turn with {tail!r}, not with the end-of-sequence token "
@@ -53,8 +53,7 @@ class Renderer:
     def observation(self, messages: list[dict[str, Any]]) -> list[int]:
         """[O] the tokens after a model turn's end-of-turn token: the observation messages and the next
         generation prompt."""
-        before = self._text(PROBE, generation_prompt=False)
-        after = self._text(PROBE + messages, generation_prompt=True)
+        before, after = self.before, self._text(PROBE + messages, generation_prompt=True)
         if not after.startswith(before):
             raise TemplateError(
                 "the chat template renders a conversation differently once observation messages follow it (it "

@@ -138,7 +138,8 @@ class ToolBox:
 
     def __init__(self, specs: list[ToolSpec], limits: Any, workers: int, timeout_s: float) -> None:
         self.specs = {spec.name: spec for spec in specs}
-        self.order = [spec.path for spec in specs]
+        self.paths = [spec.path for spec in specs]  # what a sandbox imports, in call-index order
+        self.index = {spec.name: number for number, spec in enumerate(specs)}
         self.limits, self.timeout_s = limits, timeout_s
         self.idle: asyncio.Queue | None = None  # sandboxes not in use (None: a slot to start one in)
         self.workers = workers
@@ -156,7 +157,7 @@ class ToolBox:
             elif (why := argument_error(spec, call.arguments)) is not None:
                 call.error = why
             else:
-                await self._call(self.order.index(spec.path), call)
+                await self._call(self.index[call.name], call)
 
     async def _call(self, index: int, call: ToolCall) -> None:
         """Run one call in an idle sandbox (started first if need be). A trajectory cancelled meanwhile leaves the
@@ -183,7 +184,7 @@ class ToolBox:
     def _start(self) -> Any:
         from grpo_dist.sandbox import Sandbox
 
-        sandbox = Sandbox(self.order, self.limits, kind="tools")
+        sandbox = Sandbox(self.paths, self.limits, kind="tools")
         self.sandboxes.append(sandbox)
         return sandbox
 
