@@ -8,6 +8,7 @@ a bundled task's data) under `scratch` instead of the run's own paths, and leave
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
         if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
             check_plan(cfg, model_path)
         tokenizer = load_tokenizer(model_path)
-        check_lengths(cfg)
+        check_lengths(cfg, model_path)
         train_path, eval_path = prepare_data(cfg, scratch)
         train, skipped = read_prompts(cfg, train_path, tokenizer)
         if len(train) < cfg.data.prompts_per_step:
@@ -180,7 +181,14 @@ def check_judge(cfg: Config) -> None:
         raise ConfigError(f"reward.judge.model: {found} is not a Hugging Face model directory (no config.json)")
 
 
-def check_lengths(cfg: Config) -> None:
+def check_lengths(cfg: Config, model_path: str) -> None:
+    """The lengths asked for fit each other and the model's positions."""
+    positions = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    if positions is not None and cfg.rollout.max_model_len > positions:
+        raise ConfigError(
+            f"rollout.max_model_len ({cfg.rollout.max_model_len}) is above the {positions} positions of the model "
+            f"(max_position_embeddings in {Path(model_path) / 'config.json'}): lower it to at most {positions}"
+        )
     if cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens > cfg.rollout.max_model_len:
         raise ConfigError(
             f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens "

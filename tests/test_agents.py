@@ -333,9 +333,10 @@ def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversatio
     during and after."""
     from test_resume import training
 
-    raw = task_config(warmed_up, run={"steps": 3}, rollout={"max_staleness": 1}, sync={"mode": "in_flight"})
+    raw = task_config(warmed_up, run={"steps": 3}, rollout={"max_staleness": 1, "max_model_len": 256},
+                      sync={"mode": "in_flight"})  # fmt: skip
     raw["environment"].update(tools=["calculator", "agent_fixtures.sleep"], tool_workers=16,
-                              tool_parser="agent_fixtures.hermes_and_sleep", max_total_tokens=192)  # fmt: skip
+                              tool_parser="agent_fixtures.hermes_and_sleep", max_total_tokens=256)  # fmt: skip
     raw["reward"]["functions"].append({"name": "tool_use", "weight": 0.2})
     raw["wandb"]["table_every"] = 1  # every step's groups in completions.jsonl
     with training(warmed_up, raw) as run:

@@ -74,6 +74,7 @@ def test_check_catches_what_train_would_fail_on_and_writes_nothing(tmp_path):
         pytest.param("reward", {"functions": [{"name": "math_anwser"}]}, "Did you mean 'math_answer'?", id="reward"),
         pytest.param("eval", {"reward": "no_such.module.fn"}, "no_such.module.fn", id="eval-reward"),
         pytest.param("rollout", {"max_model_len": 16}, "exceeds rollout.max_model_len (16)", id="length-budget"),
+        pytest.param("rollout", {"max_model_len": 512}, "above the 256 positions of the model", id="positions"),
         pytest.param(
             "data", {"prompts_per_step": 65}, "data.prompts_per_step (65) is more than the 64", id="step-over-dataset"
         ),

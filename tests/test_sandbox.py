@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -93,7 +94,10 @@ def test_with_processes_allowed_what_a_reward_starts_dies_with_the_sandbox():
     runner = runner_of([f"{FIXTURES}.forking_reward"], sandbox_processes=True)
     try:
         assert runner.score([0], [1.0], [{}], "q", "abc", {})[0] == 1.0
-        started = [p for p in sandboxed_processes() if p.name() == "sleep"]
+        deadline, started = time.monotonic() + 30, []
+        while not started and time.monotonic() < deadline:  # its exec may still be setting up its name and environment
+            started = [p for p in sandboxed_processes() if p.name() == "sleep"]
+            time.sleep(0.1)
         assert len(started) == 1  # `sleep 600`, started by the reward and left running
     finally:
         runner.close()
