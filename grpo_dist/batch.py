@@ -94,9 +94,9 @@ class TrainShard:
     """Per global mini-batch, this rank's rows of it (indices into `batch`); may be empty."""
     mini_batch_units: list[float]
     """Per mini-batch, its loss normaliser over all ranks: completion tokens (token-mean) or sequences."""
-    micro_batches: list[int]
-    """Per mini-batch, how many micro-batches every rank runs: the same on all ranks, since forwards are
-    collective under ZeRO-3."""
+    micro_batches: list[list[list[int]]]
+    """Per mini-batch, the rows of each of its micro-batches (indices into `batch`; a micro-batch may be empty).
+    Every rank has as many micro-batches in each mini-batch, since forwards are collective under ZeRO-3."""
     world_size: int
     """Number of learner ranks; DeepSpeed averages gradients over them, so each rank's loss is scaled by it."""
     aggregation: str
@@ -107,11 +107,11 @@ class TrainShard:
         row 0 when it holds none) and its share of the whole mini-batch's loss over all ranks (0 for a
         placeholder). Summed over ranks, share x the micro-batch's aggregated loss is the mini-batch's loss."""
         units = loss_units(self.batch, self.aggregation)  # [b]
-        rows = torch.tensor(self.mini_batches[index], dtype=torch.long)
         parts = []
-        for micro in rows.tensor_split(self.micro_batches[index]):
+        for rows in self.micro_batches[index]:
+            micro = torch.tensor(rows, dtype=torch.long)
             share = float(units[micro].sum()) / max(self.mini_batch_units[index], 1e-12)
-            parts.append((micro if len(micro) else torch.tensor([0]), share))
+            parts.append((micro if rows else torch.tensor([0]), share))
         return parts
 
 
@@ -124,37 +124,80 @@ def loss_units(batch: TrainBatch, aggregation: str) -> torch.Tensor:
 
 
 def shard_batch(
-    batch: TrainBatch, world_size: int, mini_batches: int, micro_batch_size: int, aggregation: str
-) -> list[TrainShard]:
+    batch: TrainBatch, world_size: int, mini_batches: int, micro_batch_size: int, aggregation: str,
+    max_tokens: int | None = None,
+) -> list[TrainShard]:  # fmt: skip
     """Cut a rollout batch into one shard per rank. Mini-batches are contiguous row ranges (as on one rank);
-    within each, rows go to ranks balanced by token count (longest first, to the least-loaded rank)."""
-    units, tokens = loss_units(batch, aggregation), batch.attention_mask.sum(dim=1)  # [B] each
+    within each, rows go to ranks balanced by token count (longest first, to the least-loaded rank). Each rank's
+    rows of a mini-batch form micro-batches of `micro_batch_size` rows, or with `max_tokens` of at most that many
+    tokens (`token_budget_micro_batches`); a rank with fewer micro-batches than another splits its largest."""
+    units, tokens = loss_units(batch, aggregation), batch.attention_mask.sum(dim=1).tolist()  # [B] each
     rows_of = [[[] for _ in range(mini_batches)] for _ in range(world_size)]  # [rank][mini-batch] -> rows
     for index, rows in enumerate(torch.arange(len(batch)).tensor_split(min(mini_batches, len(batch)))):
         load = [0] * world_size
-        for row in sorted(rows.tolist(), key=lambda r: -int(tokens[r])):
+        for row in sorted(rows.tolist(), key=lambda r: -tokens[r]):
             rank = load.index(min(load))
             rows_of[rank][index].append(row)
-            load[rank] += int(tokens[row])
+            load[rank] += tokens[row]
     used = min(mini_batches, len(batch))
     mini_batch_units = [sum(float(units[r]) for rank in rows_of for r in rank[m]) for m in range(used)]
-    micro_batches = [
-        max(1, max(-(-len(rank[m]) // micro_batch_size) for rank in rows_of)) for m in range(used)
-    ]  # ceil division, at least one
-    common = {
-        "mini_batch_units": mini_batch_units, "micro_batches": micro_batches, "world_size": world_size,
-        "aggregation": aggregation,
-    }  # fmt: skip
-    return [_shard(batch, rank_rows[:used], common) for rank_rows in rows_of]
+    micro = [[[] for _ in range(used)] for _ in range(world_size)]  # [rank][mini-batch] -> micro-batches of rows
+    for m in range(used):
+        if max_tokens is None:
+            count = max(1, max(-(-len(rank[m]) // micro_batch_size) for rank in rows_of))  # ceil division
+            for rank in range(world_size):
+                micro[rank][m] = [part.tolist() for part in torch.tensor(rows_of[rank][m]).tensor_split(count)]
+        else:
+            for rank in range(world_size):
+                micro[rank][m] = token_budget_micro_batches(rows_of[rank][m], tokens, max_tokens)
+            count = max(len(micro[rank][m]) for rank in range(world_size))
+            for rank in range(world_size):
+                micro[rank][m] = even_out(micro[rank][m], count, tokens)
+    common = {"mini_batch_units": mini_batch_units, "world_size": world_size, "aggregation": aggregation}
+    return [_shard(batch, rows_of[rank][:used], micro[rank], common) for rank in range(world_size)]
 
 
-def _shard(batch: TrainBatch, rows: list[list[int]], common: dict) -> TrainShard:
+def token_budget_micro_batches(rows: list[int], tokens: list[int], budget: int) -> list[list[int]]:
+    """`rows` in micro-batches of at most `budget` tokens (`tokens[row]` each; a longer row alone): longest first,
+    each into the first micro-batch it fits. At least one micro-batch, perhaps empty."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for row in sorted(rows, key=lambda r: -tokens[r]):
+        fits = next((i for i, load in enumerate(loads) if load + tokens[row] <= budget), None)
+        if fits is None:
+            bins.append([row])
+            loads.append(tokens[row])
+        else:
+            bins[fits].append(row)
+            loads[fits] += tokens[row]
+    return [sorted(rows) for rows in bins] or [[]]
+
+
+def even_out(bins: list[list[int]], count: int, tokens: list[int]) -> list[list[int]]:
+    """`bins` made `count` micro-batches: the one with the most tokens among those of several rows split in two
+    (each half the lighter), until there are `count`; empty ones added when no micro-batch has two rows."""
+    bins = [list(rows) for rows in bins if rows]
+    while len(bins) < count:
+        splittable = [i for i, rows in enumerate(bins) if len(rows) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        largest = bins.pop(max(splittable, key=lambda i: sum(tokens[r] for r in bins[i])))
+        halves: list[list[int]] = [[], []]
+        for row in sorted(largest, key=lambda r: -tokens[r]):
+            min(halves, key=lambda half: sum(tokens[r] for r in half)).append(row)
+        bins.extend(sorted(half) for half in halves)
+    return bins
+
+
+def _shard(batch: TrainBatch, rows: list[list[int]], micro: list[list[list[int]]], common: dict) -> TrainShard:
     """One rank's shard: its rows gathered in mini-batch order, with their indices in the shard."""
     flat = [row for mini in rows for row in mini]
     if not flat:  # no rows for this rank: it runs the same forwards on a placeholder row, weighted 0
-        return TrainShard(batch.select(slice(0, 1)), [[] for _ in rows], **common)
-    local, start = [], 0
-    for mini in rows:
-        local.append(list(range(start, start + len(mini))))
-        start += len(mini)
-    return TrainShard(batch.select(torch.tensor(flat)).trimmed(), local, **common)
+        empty = [[[] for _ in parts] for parts in micro]
+        return TrainShard(batch.select(slice(0, 1)), [[] for _ in rows], micro_batches=empty, **common)
+    local = {row: index for index, row in enumerate(flat)}
+    mini_batches = [[local[row] for row in mini] for mini in rows]
+    micro_batches = [[[local[row] for row in part] for part in parts] for parts in micro]
+    return TrainShard(batch.select(torch.tensor(flat)).trimmed(), mini_batches, micro_batches=micro_batches,
+                      **common)  # fmt: skip

@@ -147,6 +147,18 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _sequences_fit_a_micro_batch(self) -> Config:
+        budget = self.learner.max_tokens_per_micro_batch
+        if budget is not None and budget < self.sequence_budget:
+            source = ("environment.max_total_tokens" if self.environment
+                      else "data.max_prompt_tokens + rollout.max_new_tokens")  # fmt: skip
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch ({budget}) is below the longest sequence the learner can get "
+                f"({self.sequence_budget} tokens: {source}): raise it to at least {self.sequence_budget}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _trajectories_fit(self) -> Config:
         environment = self.environment
         if environment is None:

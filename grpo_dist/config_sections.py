@@ -336,7 +336,16 @@ class LearnerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradients are clipped to this global norm."""
     micro_batch_size: int = Field(32, ge=1)
-    """Sequences per forward/backward pass; the batch is accumulated over micro-batches."""
+    """Sequences per forward/backward pass (without `max_tokens_per_micro_batch`); the batch is accumulated over
+    micro-batches."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Micro-batches by a token budget instead of a sequence count: each rank's rows of a mini-batch go into
+    micro-batches of at most this many tokens (prompt and completion; longest first, each into the first that has
+    room). It must hold the longest sequence the learner can get. null: `micro_batch_size` sequences each."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one row without padding (each keeps its own positions; attention
+    never crosses between them) and compute logits only where the next token counts in the loss. false: pad every
+    sequence of a micro-batch to its longest and compute logits at every position."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage: 1 shards the optimizer state over the ranks, 2 also the gradients, 3 also the
     parameters (and the reference model)."""

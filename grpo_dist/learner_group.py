@@ -111,7 +111,7 @@ class LearnerGroup:
         learner = self.cfg.learner
         shards = shard_batch(
             batch, len(self.ranks), self.cfg.algorithm.mini_batches, learner.micro_batch_size,
-            self.cfg.algorithm.aggregation,
+            self.cfg.algorithm.aggregation, learner.max_tokens_per_micro_batch,
         )  # fmt: skip
         self.training = [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
 

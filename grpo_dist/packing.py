@@ -1,0 +1,214 @@
+"""How the learner scores a micro-batch: its sequences packed into one row without padding, and the sampled tokens'
+log-probs and entropy taken from the logits a chunk of positions at a time.
+
+Packing (`learner.packing`, on by default): the micro-batch's sequences are laid end to end, each with its own
+position ids from 0, and attention never crosses from one into another: on a GPU in bf16/fp16 by torch's
+variable-length flash attention, elsewhere by causal attention over each sequence in turn (the `grpo_packed`
+attention registered with transformers). Logits are computed only where the next token counts in the loss
+(`TrainBatch.completion_mask`): a prompt's positions get none. Scores come back in the batch's padded [b, T]
+layout, so the loss and every aggregation read them exactly as they read the padded forward's; positions that do
+not count hold 0.
+
+`selected_logprobs` reads the logits in chunks of `CHUNK_TOKENS` positions: the float32 log-softmax of the whole
+[positions, vocabulary] block is never held, in the forward or the backward, which recomputes each chunk's
+softmax from the logits instead of keeping it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grpo_dist.batch import TrainBatch
+
+ATTENTION = "grpo_packed"
+"""The attention implementation a packed forward runs under (registered by `use_packed_attention`)."""
+CHUNK_TOKENS = 1024
+"""Positions whose softmax over the vocabulary is computed at once."""
+
+
+@dataclass
+class Packed:
+    """One micro-batch as one row: the model's inputs and where each scored position goes back."""
+
+    input_ids: torch.Tensor  # [1, N] the sequences end to end
+    position_ids: torch.Tensor  # [1, N] from 0 in each sequence
+    cu_seq_lens: torch.Tensor  # [b + 1] int32: where each sequence starts, and N
+    max_length: int  # the longest sequence
+    keep: torch.Tensor  # [K] positions whose next token counts in the loss
+    targets: torch.Tensor  # [K] that next token
+    rows: torch.Tensor  # [K] its row in the padded layout
+    columns: torch.Tensor  # [K] its column there
+    shape: tuple[int, int]  # the padded layout [b, T]
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of a Hugging Face causal LM's forward: the packed row, its sequence boundaries (read by
+        the attention) and the positions to compute logits at."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "cu_seq_lens_q": self.cu_seq_lens,
+            "cu_seq_lens_k": self.cu_seq_lens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+            "logits_to_keep": self.keep,
+        }
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """[K] values at the kept positions -> [b, T] in the padded layout (0 elsewhere), gradient kept."""
+        out = values.new_zeros(self.shape)
+        return out.index_put((self.rows, self.columns), values)
+
+
+def pack(batch: TrainBatch) -> Packed:
+    """The packed form of a right-padded micro-batch."""
+    device = batch.input_ids.device
+    lengths = batch.attention_mask.sum(dim=1)  # [b]
+    real = batch.attention_mask.bool()  # [b, T]; right padding: each row's first L tokens
+    starts = F.pad(lengths.cumsum(0), (1, 0))  # [b + 1]
+    columns = torch.arange(batch.input_ids.shape[1], device=device).expand_as(real)  # [b, T]
+    counted = (batch.completion_mask != 0) & real  # [b, T] tokens whose log-prob enters the loss
+    counted[:, 0] = False  # the first token has no position before it
+    rows, cols = counted.nonzero(as_tuple=True)  # [K] each
+    return Packed(
+        input_ids=batch.input_ids[real][None],
+        position_ids=columns[real][None],
+        cu_seq_lens=starts.to(torch.int32),
+        max_length=int(lengths.max()),
+        keep=starts[rows] + cols - 1,  # the position that predicts the counted token
+        targets=batch.input_ids[rows, cols],
+        rows=rows,
+        columns=cols,
+        shape=tuple(batch.input_ids.shape),
+    )
+
+
+def packed_scores(
+    model, batch: TrainBatch, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, T] log-probs of the counted tokens of `batch` (and their next-token entropies) from one packed forward
+    of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count."""
+    packed = pack(batch)
+    logits = model(**packed.model_inputs()).logits[0]  # [K, V]
+    logprobs, entropies = selected_logprobs(logits, packed.targets, temperature, entropy)
+    return packed.unpack(logprobs), None if entropies is None else packed.unpack(entropies)
+
+
+def selected_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[target] of each row of `logits` [K, V], in float32, and with `entropy` the
+    entropy of each row's distribution; both [K], differentiable, computed `CHUNK_TOKENS` rows at a time."""
+    logprobs, entropies = _ChunkedSelection.apply(logits, targets, temperature, entropy)
+    return logprobs, entropies if entropy else None
+
+
+class _ChunkedSelection(torch.autograd.Function):
+    """Per row: the target's log-prob and the entropy. Keeps the logits and each row's log-normaliser; the
+    backward recomputes the softmax a chunk at a time. With z = logits / t, p = softmax(z) and H = -sum p log p:
+    d logp[target] / dz = onehot(target) - p and dH / dz = -p (log p + H)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+        picked = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+        normalisers = torch.empty_like(picked)
+        entropies = torch.zeros_like(picked)
+        for start in range(0, len(targets), CHUNK_TOKENS):
+            part = slice(start, start + CHUNK_TOKENS)
+            z = logits[part].float() / temperature  # [c, V]
+            normalisers[part] = z.logsumexp(dim=-1)
+            picked[part] = z.gather(-1, targets[part, None]).squeeze(-1) - normalisers[part]
+            if entropy:
+                probs = (z - normalisers[part, None]).exp_()
+                entropies[part] = normalisers[part] - (probs * z).sum(-1)
+        ctx.save_for_backward(logits, targets, normalisers)
+        ctx.temperature, ctx.entropy = temperature, entropy
+        ctx.mark_non_differentiable(normalisers)
+        return picked, entropies
+
+    @staticmethod
+    def backward(ctx, grad_picked: torch.Tensor, grad_entropy: torch.Tensor):
+        logits, targets, normalisers = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, len(targets), CHUNK_TOKENS):
+            part = slice(start, start + CHUNK_TOKENS)
+            log_probs = logits[part].float() / ctx.temperature - normalisers[part, None]  # [c, V]
+            probs = log_probs.exp()
+            dz = probs * -grad_picked[part, None]
+            dz.scatter_add_(-1, targets[part, None], grad_picked[part, None])
+            if ctx.entropy and grad_entropy is not None:
+                entropies = -(probs * log_probs).sum(-1, keepdim=True)  # [c, 1]
+                dz -= grad_entropy[part, None] * probs * (log_probs + entropies)
+            grad[part] = (dz / ctx.temperature).to(grad.dtype)
+        return grad, None, None, None
+
+
+def use_packed_attention(model) -> None:
+    """Run `model`'s attention as `grpo_packed`: packed forwards (given `cu_seq_lens_q`) attend within each
+    sequence; every other forward is transformers' own SDPA attention, with its masks."""
+    _register()
+    model.set_attn_implementation(ATTENTION)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, _packed_mask)
+
+
+def _packed_mask(*args, attention_mask=None, **kwargs):
+    """No mask for a packed forward (its attention knows the boundaries); SDPA's mask for any other."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and kwargs.get("allow_is_causal_skip") is False:
+        return None  # packed (transformers found sequences restarting in the position ids), or needs none
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: query [1, H, N, D], key and value [1, H_kv, N, D] -> [1, N, H, D].
+    Causal within each sequence of `cu_seq_lens_q`; without it, transformers' SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = kwargs.get("cu_seq_lens_q")
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)  # fmt: skip
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    varlen = _varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
+    if varlen is not None:
+        q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # [N, H, D] each
+        out = varlen(q, k, v, bounds, bounds, kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling)
+        return out[None], None
+    edges = bounds.tolist()
+    parts = [
+        F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling
+        )
+        for start, end in zip(edges[:-1], edges[1:], strict=False)
+        if end > start
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _varlen():
+    """torch's variable-length flash attention, causal, where this torch has it (its causal argument moved between
+    releases: `is_causal`, then a window of (-1, 0))."""
+    import functools
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    if "is_causal" in parameters:
+        return functools.partial(varlen_attn, is_causal=True)
+    if "window_size" in parameters:
+        return functools.partial(varlen_attn, window_size=(-1, 0))
+    return None
