@@ -34,11 +34,11 @@ def model_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("model")))
 
 
-def start_group(ray_cluster, tmp_path, model_dir, learner: dict, algorithm: dict):
+def start_group(ray_cluster, tmp_path, model_dir, learner: dict, algorithm: dict, **sections):
     """A learner group on the tiny model (no vLLM, no generators)."""
     from grpo_dist.learner_group import LearnerGroup
 
-    cfg = validate_config(small_config(tmp_path, learner=learner, algorithm=algorithm))
+    cfg = validate_config(small_config(tmp_path, learner=learner, algorithm=algorithm, **sections))
     return LearnerGroup.start(cfg, model_dir)
 
 
@@ -100,25 +100,31 @@ def test_old_logprobs_sampler_takes_the_ratio_against_the_sampling_policy(ray_cl
 
 
 @pytest.mark.parametrize(
-    "zero_stage, offload",
+    "zero_stage, offload, budget",
     [
-        pytest.param(2, "none", id="zero2"),
-        pytest.param(3, "none", id="zero3"),
-        pytest.param(3, "optimizer_and_params", id="zero3-offload"),
+        pytest.param(2, "none", None, id="zero2"),
+        pytest.param(3, "none", None, id="zero3"),
+        pytest.param(3, "optimizer_and_params", None, id="zero3-offload"),
+        pytest.param(2, "none", 8, id="zero2-token-budget"),
     ],
 )
-def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_stage, offload):
+def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_stage, offload, budget):
     """The same batch on 1 rank and on 2 ranks (split by tokens, losses weighted by share): the same loss, grad
     norm and updated weights. token-mean weighs rows by their tokens, the hardest case; two mini-batches run the
     old-logprob pass and two optimizer steps; kl_coef > 0 puts the reference on the ranks (sharded under ZeRO-3).
-    With offload the 2 ranks step DeepSpeed's CPU Adam on offloaded state and still match 1 rank's torch AdamW."""
+    With offload the 2 ranks step DeepSpeed's CPU Adam on offloaded state and still match 1 rank's torch AdamW.
+    With a token budget the 2 ranks pack micro-batches of at most 8 tokens (one 5-7 token row each) and the 1 rank
+    pads (`learner.packing: false`) micro-batches of 2 rows: packing changes no number."""
     algorithm = {"aggregation": "token-mean", "mini_batches": 2, "kl_coef": 0.04}
+    sections = {} if budget is None else {"data": {"max_prompt_tokens": 4}}  # sequences of at most 4 + 4 tokens
     results = []
     for ranks in (1, 2):
         learner = {"num_ranks": ranks, "zero_stage": zero_stage, "micro_batch_size": 2}
         if ranks == 2:
-            learner["offload"] = offload
-        group = start_group(ray_cluster, tmp_path, model_dir, learner, algorithm)
+            learner.update(offload=offload, max_tokens_per_micro_batch=budget)
+        elif budget is not None:
+            learner["packing"] = False
+        group = start_group(ray_cluster, tmp_path, model_dir, learner, algorithm, **sections)
         assert group.threads == [max(1, len(os.sched_getaffinity(0)) // ranks)] * ranks  # the node's cores, shared
         metrics = group.train(sample_batch())
         results.append((metrics, ray_cluster.get(group.state_dict())))

@@ -23,7 +23,6 @@ from pathlib import Path
 import psutil
 import ray
 import torch
-import torch.nn.functional as F
 
 from grpo_dist import safe_load
 from grpo_dist.actors import die_with_parent
@@ -31,7 +30,7 @@ from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
-from grpo_dist.packing import packed_scores, use_packed_attention
+from grpo_dist.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
 
 
@@ -39,28 +38,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, T] logprob of each token given the ones before it, aligned with `input_ids` (position 0 gets 0)."""
-    log_probs = _shifted_log_softmax(logits, temperature)  # [B, T-1, V]
-    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-    return F.pad(picked, (1, 0))  # [B, T]
-
-
-def token_logprobs_and_entropy(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` and the entropy of each next-token distribution, both [B, T] (position 0 gets 0)."""
-    log_probs = _shifted_log_softmax(logits, temperature)  # [B, T-1, V]
-    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, T-1]
-    return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))  # [B, T] each
-
-
-def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-softmax of the logits predicting tokens 1..T-1, at the sampling temperature. [B, T, V] -> [B, T-1, V]"""
-    return F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
 
 
 class Learner:
@@ -288,14 +265,9 @@ class Learner:
         return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
 
     def _scores(self, model, micro: TrainBatch, entropy: bool = False):
-        """[b, T] log-probs of `micro`'s tokens under `model` (and with `entropy` the entropies): packed
-        (`learner.packing`; only the tokens that count in the loss), or padded."""
-        if self.cfg.packing:
-            return packed_scores(model, micro, self.temperature, entropy)
-        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits  # [b, T, V]
-        if entropy:
-            return token_logprobs_and_entropy(logits, micro.input_ids, self.temperature)
-        return token_logprobs(logits, micro.input_ids, self.temperature), None
+        """[b, T] log-probs of `micro`'s tokens under `model` (and with `entropy` the entropies), packed or padded
+        as `learner.packing` says."""
+        return scores(model, micro, self.temperature, entropy, packed=self.cfg.packing)
 
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
         logprobs, entropy = self._scores(self.engine, micro, entropy=True)  # [b, T] each

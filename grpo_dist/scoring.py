@@ -1,5 +1,8 @@
-"""How the learner scores a micro-batch: its sequences packed into one row without padding, and the sampled tokens'
-log-probs and entropy taken from the logits a chunk of positions at a time.
+"""How the learner scores a micro-batch (`scores`): the log-prob of each token given those before it, and the entropy
+of each next-token distribution, at the sampling temperature. Padded, or packed into one row without padding, with
+the sampled tokens' log-probs and entropy taken from the logits a chunk of positions at a time.
+
+Padded (`learner.packing: false`): the micro-batch's rows padded to its longest, logits at every position.
 
 Packing (`learner.packing`, on by default): the micro-batch's sequences are laid end to end, each with its own
 position ids from 0, and attention never crosses from one into another: on a GPU in bf16/fp16 by torch's
@@ -9,7 +12,7 @@ attention registered with transformers). Logits are computed only where the next
 layout, so the loss and every aggregation read them exactly as they read the padded forward's; positions that do
 not count hold 0.
 
-`selected_logprobs` reads the logits in chunks of `CHUNK_TOKENS` positions: the float32 log-softmax of the whole
+`selected_logprobs` reads the logits in chunks of about `CHUNK_ELEMENTS` entries: the float32 log-softmax of the whole
 [positions, vocabulary] block is never held, in the forward or the backward, which recomputes each chunk's
 softmax from the logits instead of keeping it.
 """
@@ -25,8 +28,8 @@ from grpo_dist.batch import TrainBatch
 
 ATTENTION = "grpo_packed"
 """The attention implementation a packed forward runs under (registered by `use_packed_attention`)."""
-CHUNK_TOKENS = 1024
-"""Positions whose softmax over the vocabulary is computed at once."""
+CHUNK_ELEMENTS = 1 << 25
+"""Logits whose softmax is computed at once (128 MiB in float32: 220 positions of a 151,936-entry vocabulary)."""
 
 
 @dataclass
@@ -85,6 +88,41 @@ def pack(batch: TrainBatch) -> Packed:
     )
 
 
+def scores(
+    model, batch: TrainBatch, temperature: float, entropy: bool = False, packed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, T] log-probs of `batch`'s tokens under `model` (a Hugging Face causal LM, or a DeepSpeed engine around
+    one) and with `entropy` the entropies: packed (only the tokens that count in the loss; 0 elsewhere) or padded."""
+    if packed:
+        return packed_scores(model, batch, temperature, entropy)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [b, T, V]
+    if entropy:
+        return token_logprobs_and_entropy(logits, batch.input_ids, temperature)
+    return token_logprobs(logits, batch.input_ids, temperature), None
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, T] logprob of each token given the ones before it, aligned with `input_ids` (position 0 gets 0)."""
+    log_probs = _shifted_log_softmax(logits, temperature)  # [B, T-1, V]
+    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    return F.pad(picked, (1, 0))  # [B, T]
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and the entropy of each next-token distribution, both [B, T] (position 0 gets 0)."""
+    log_probs = _shifted_log_softmax(logits, temperature)  # [B, T-1, V]
+    picked = log_probs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, T-1]
+    return F.pad(picked, (1, 0)), F.pad(entropy, (1, 0))  # [B, T] each
+
+
+def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-softmax of the logits predicting tokens 1..T-1, at the sampling temperature. [B, T, V] -> [B, T-1, V]"""
+    return F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+
+
 def packed_scores(
     model, batch: TrainBatch, temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -100,7 +138,7 @@ def selected_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] of each row of `logits` [K, V], in float32, and with `entropy` the
-    entropy of each row's distribution; both [K], differentiable, computed `CHUNK_TOKENS` rows at a time."""
+    entropy of each row's distribution; both [K], differentiable, computed a chunk of rows at a time."""
     logprobs, entropies = _ChunkedSelection.apply(logits, targets, temperature, entropy)
     return logprobs, entropies if entropy else None
 
@@ -108,41 +146,47 @@ def selected_logprobs(
 class _ChunkedSelection(torch.autograd.Function):
     """Per row: the target's log-prob and the entropy. Keeps the logits and each row's log-normaliser; the
     backward recomputes the softmax a chunk at a time. With z = logits / t, p = softmax(z) and H = -sum p log p:
-    d logp[target] / dz = onehot(target) - p and dH / dz = -p (log p + H)."""
+    d logp[target] / dz = onehot(target) - p and dH / dz = -p (log p + H), so the gradient of g * logp[target] +
+    h * H is g * onehot(target) - p (g + h (log p + H)). Two [chunk, V] float32 buffers at a time."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
         picked = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
         normalisers = torch.empty_like(picked)
         entropies = torch.zeros_like(picked)
-        for start in range(0, len(targets), CHUNK_TOKENS):
-            part = slice(start, start + CHUNK_TOKENS)
+        for part in _chunks(logits):
             z = logits[part].float() / temperature  # [c, V]
             normalisers[part] = z.logsumexp(dim=-1)
             picked[part] = z.gather(-1, targets[part, None]).squeeze(-1) - normalisers[part]
             if entropy:
-                probs = (z - normalisers[part, None]).exp_()
-                entropies[part] = normalisers[part] - (probs * z).sum(-1)
-        ctx.save_for_backward(logits, targets, normalisers)
+                probs = torch.sub(z, normalisers[part, None]).exp_()
+                entropies[part] = normalisers[part] - probs.mul_(z).sum(-1)
+        ctx.save_for_backward(logits, targets, normalisers, entropies)
         ctx.temperature, ctx.entropy = temperature, entropy
         ctx.mark_non_differentiable(normalisers)
         return picked, entropies
 
     @staticmethod
     def backward(ctx, grad_picked: torch.Tensor, grad_entropy: torch.Tensor):
-        logits, targets, normalisers = ctx.saved_tensors
+        logits, targets, normalisers, entropies = ctx.saved_tensors
+        temperature = ctx.temperature
         grad = torch.empty_like(logits)
-        for start in range(0, len(targets), CHUNK_TOKENS):
-            part = slice(start, start + CHUNK_TOKENS)
-            log_probs = logits[part].float() / ctx.temperature - normalisers[part, None]  # [c, V]
-            probs = log_probs.exp()
-            dz = probs * -grad_picked[part, None]
-            dz.scatter_add_(-1, targets[part, None], grad_picked[part, None])
+        for part in _chunks(logits):
+            log_probs = torch.sub(logits[part].float(), normalisers[part, None] * temperature).div_(temperature)
+            probs = log_probs.exp()  # [c, V]
+            weight = grad_picked[part, None]  # [c, 1]: what multiplies p, before the entropy's part
             if ctx.entropy and grad_entropy is not None:
-                entropies = -(probs * log_probs).sum(-1, keepdim=True)  # [c, 1]
-                dz -= grad_entropy[part, None] * probs * (log_probs + entropies)
-            grad[part] = (dz / ctx.temperature).to(grad.dtype)
+                weight = log_probs.add_(entropies[part, None]).mul_(grad_entropy[part, None]).add_(weight)  # [c, V]
+            dz = probs.mul_(weight).neg_()
+            dz.scatter_add_(-1, targets[part, None], grad_picked[part, None])
+            grad[part] = dz.div_(temperature)
         return grad, None, None, None
+
+
+def _chunks(logits: torch.Tensor) -> list[slice]:
+    """Row ranges of `logits` [K, V] of about `CHUNK_ELEMENTS` entries each."""
+    rows = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
 def use_packed_attention(model) -> None:
