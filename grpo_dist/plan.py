@@ -14,6 +14,7 @@ from grpo_dist.config import Config, ConfigError
 
 GB = 1e9
 LOGITS_BYTES = 10  # per vocabulary entry and token: bf16 logits, their fp32 log-softmax and its gradient
+PACKED_LOGITS_BYTES = 4  # packed (`learner.packing`): bf16 logits and their gradient; the log-softmax is chunked
 CUDA_RESERVED_GB = 2.0  # CUDA context, NCCL buffers and the allocator's slack on every GPU
 
 
@@ -88,7 +89,8 @@ class Plan:
                 f"a learner rank needs {self.learner_gb:.1f} GB per GPU, more than the {self.gpu_gb:g} GB of "
                 f"cluster.gpu_memory_gb less {CUDA_RESERVED_GB:g} GB for CUDA: add learner ranks "
                 "(learner.num_ranks), raise learner.zero_stage, offload (learner.offload), turn on "
-                "learner.gradient_checkpointing or lower learner.micro_batch_size"
+                "learner.gradient_checkpointing or lower learner.micro_batch_size (or "
+                "learner.max_tokens_per_micro_batch)"
             )
         if self.engine and self.engine_gb > self.engine_budget_gb:
             found.append(
@@ -135,7 +137,7 @@ def plan(cfg: Config, shape: Shape) -> Plan:
     if learner.offload == "optimizer_and_params":
         host["weights"] = weights * ranks / GB
         weights = 0
-    tokens = learner.micro_batch_size * cfg.sequence_budget
+    tokens = learner.max_tokens_per_micro_batch or learner.micro_batch_size * cfg.sequence_budget
     full_layer = (6 * shape.hidden + 4 * shape.intermediate) * 2  # bytes per token of one layer's intermediates
     if learner.gradient_checkpointing:
         layers = tokens * (shape.hidden * 2 * shape.layers + full_layer)
@@ -144,7 +146,7 @@ def plan(cfg: Config, shape: Shape) -> Plan:
     parts = {"weights": weights, "gradients": grads, "optimizer": optimizer}
     if cfg.algorithm.kl_coef > 0:
         parts["reference"] = 2 * p / (ranks if stage >= 3 else 1)
-    parts["activations"] = layers + tokens * shape.vocab * LOGITS_BYTES
+    parts["activations"] = layers + tokens * shape.vocab * (PACKED_LOGITS_BYTES if learner.packing else LOGITS_BYTES)
     gpu_gb = cfg.cluster.gpu_memory_gb
     tp = rollout.tensor_parallel_size
     budget = rollout.gpu_memory_utilization * gpu_gb

@@ -115,7 +115,10 @@ def what_to_change(cfg: Config, kind: str) -> str:
     learner = cfg.learner
     length = (f"environment.max_total_tokens (now {cfg.environment.max_total_tokens})" if cfg.environment
               else f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")  # fmt: skip
-    smaller = f"lower learner.micro_batch_size (now {learner.micro_batch_size}) or {length}"
+    if learner.max_tokens_per_micro_batch is not None:
+        smaller = f"lower learner.max_tokens_per_micro_batch (now {learner.max_tokens_per_micro_batch}) or {length}"
+    else:
+        smaller = f"lower learner.micro_batch_size (now {learner.micro_batch_size}) or {length}"
     more = []
     if not learner.gradient_checkpointing:
         more.append("set learner.gradient_checkpointing: true")

@@ -19,6 +19,7 @@ softmax from the logits instead of keeping it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,24 +67,32 @@ class Packed:
 
 
 def pack(batch: TrainBatch) -> Packed:
-    """The packed form of a right-padded micro-batch."""
+    """The packed form of a right-padded micro-batch. Its layout is worked out on the CPU from one copy of the
+    masks, so a micro-batch on a GPU waits on the device once."""
     device = batch.input_ids.device
-    lengths = batch.attention_mask.sum(dim=1)  # [b]
-    real = batch.attention_mask.bool()  # [b, T]; right padding: each row's first L tokens
-    starts = F.pad(lengths.cumsum(0), (1, 0))  # [b + 1]
-    columns = torch.arange(batch.input_ids.shape[1], device=device).expand_as(real)  # [b, T]
-    counted = (batch.completion_mask != 0) & real  # [b, T] tokens whose log-prob enters the loss
+    masks = torch.stack([batch.attention_mask.float(), batch.completion_mask.float()]).cpu()  # [2, b, T]
+    real = masks[0] != 0  # [b, T]; right padding: each row's first L tokens
+    counted = (masks[1] != 0) & real  # [b, T] tokens whose log-prob enters the loss
     counted[:, 0] = False  # the first token has no position before it
-    rows, cols = counted.nonzero(as_tuple=True)  # [K] each
+    lengths = real.sum(dim=1)  # [b]
+    starts = F.pad(lengths.cumsum(0), (1, 0))  # [b + 1]
+    width = real.shape[1]
+    tokens = real.view(-1).nonzero().squeeze(1)  # [N] flat index of each real token, row by row
+    rows, columns = counted.nonzero(as_tuple=True)  # [K] each
+
+    def there(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device, non_blocking=True)
+
+    ids = batch.input_ids.reshape(-1)
     return Packed(
-        input_ids=batch.input_ids[real][None],
-        position_ids=columns[real][None],
-        cu_seq_lens=starts.to(torch.int32),
+        input_ids=ids[there(tokens)][None],
+        position_ids=there(tokens % width)[None],
+        cu_seq_lens=there(starts.to(torch.int32)),
         max_length=int(lengths.max()),
-        keep=starts[rows] + cols - 1,  # the position that predicts the counted token
-        targets=batch.input_ids[rows, cols],
-        rows=rows,
-        columns=cols,
+        keep=there(starts[rows] + columns - 1),  # the position that predicts the counted token
+        targets=ids[there(rows * width + columns)],
+        rows=there(rows),
+        columns=there(columns),
         shape=tuple(batch.input_ids.shape),
     )
 
@@ -240,10 +249,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _varlen():
     """torch's variable-length flash attention, causal, where this torch has it (its causal argument moved between
     releases: `is_causal`, then a window of (-1, 0))."""
-    import functools
     import inspect
 
     try:
