@@ -29,6 +29,9 @@ from grpo_dist.batch import TrainBatch
 
 ATTENTION = "grpo_packed"
 """The attention implementation a packed forward runs under (registered by `use_packed_attention`)."""
+PASSED_THROUGH = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+"""The attention mask of a packed forward: transformers passes a 4D mask to the attention as it is, building none
+(which would cost a wait on the device), and the packed attention ignores it."""
 CHUNK_ELEMENTS = 1 << 25
 """Logits whose softmax is computed at once (128 MiB in float32: 220 positions of a 151,936-entry vocabulary)."""
 
@@ -52,6 +55,7 @@ class Packed:
         the attention) and the positions to compute logits at."""
         return {
             "input_ids": self.input_ids,
+            "attention_mask": PASSED_THROUGH,  # no mask to build: the attention reads the bounds below
             "position_ids": self.position_ids,
             "cu_seq_lens_q": self.cu_seq_lens,
             "cu_seq_lens_k": self.cu_seq_lens,
@@ -207,18 +211,10 @@ def use_packed_attention(model) -> None:
 
 def _register() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, _packed_mask)
-
-
-def _packed_mask(*args, attention_mask=None, **kwargs):
-    """No mask for a packed forward (its attention knows the boundaries); SDPA's mask for any other."""
     from transformers.masking_utils import sdpa_mask
 
-    if attention_mask is None and kwargs.get("allow_is_causal_skip") is False:
-        return None  # packed (transformers found sequences restarting in the position ids), or needs none
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    AttentionInterface.register(ATTENTION, packed_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # the masks of unpacked forwards
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
