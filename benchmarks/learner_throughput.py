@@ -106,10 +106,12 @@ def run_way(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             ref = torch.zeros(on_device.input_ids.shape, device=device)
             for rows, _ in micro_batches:
-                ref[rows] = scoring.scores(reference, on_device.select(rows), 1.0, packed=packed)[0]
+                ref[rows] = scoring.scores(reference, on_device.select(rows), 1.0, packed=packed,
+                                           host=shard.batch.select(rows))[0]  # fmt: skip
         for rows, share in micro_batches:
             micro = on_device.select(rows)
-            logprobs, entropy = scoring.scores(policy, micro, 1.0, entropy=True, packed=packed)
+            logprobs, entropy = scoring.scores(policy, micro, 1.0, entropy=True, packed=packed,
+                                               host=shard.batch.select(rows))  # fmt: skip
             loss, _ = policy_loss(logprobs, logprobs.detach(), micro.advantages, micro.completion_mask,
                                   ref_logprobs=ref[rows], kl_coef=0.04, entropy=entropy)  # fmt: skip
             (loss * share).backward()

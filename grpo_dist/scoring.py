@@ -6,9 +6,9 @@ Padded (`learner.packing: false`): the micro-batch's rows padded to its longest,
 
 Packing (`learner.packing`, on by default): the micro-batch's sequences are laid end to end, each with its own
 position ids from 0, and attention never crosses from one into another: on a GPU in bf16/fp16 by torch's
-variable-length flash attention, elsewhere by causal attention over each sequence in turn (the `grpo_packed`
-attention registered with transformers). Logits are computed only where the next token counts in the loss
-(`TrainBatch.completion_mask`): a prompt's positions get none. Scores come back in the batch's padded [b, T]
+variable-length flash attention, elsewhere by causal attention over the sequences of each length at once (the
+`grpo_packed` attention registered with transformers). Logits are computed only where the next token counts in the
+loss (`TrainBatch.completion_mask`): a prompt's positions get none. Scores come back in the batch's padded [b, T]
 layout, so the loss and every aggregation read them exactly as they read the padded forward's; positions that do
 not count hold 0.
 
@@ -44,6 +44,8 @@ class Packed:
     position_ids: torch.Tensor  # [1, N] from 0 in each sequence
     cu_seq_lens: torch.Tensor  # [b + 1] int32: where each sequence starts, and N
     max_length: int  # the longest sequence
+    buckets: list[torch.Tensor]  # per sequence length: [n, L] the positions of its n sequences of that length
+    inverse: torch.Tensor  # [N] where each position is among the buckets' positions one after the other
     keep: torch.Tensor  # [K] positions whose next token counts in the loss
     targets: torch.Tensor  # [K] that next token
     rows: torch.Tensor  # [K] its row in the padded layout
@@ -61,6 +63,8 @@ class Packed:
             "cu_seq_lens_k": self.cu_seq_lens,
             "max_length_q": self.max_length,
             "max_length_k": self.max_length,
+            "packed_buckets": self.buckets,
+            "packed_inverse": self.inverse,
             "logits_to_keep": self.keep,
         }
 
@@ -70,11 +74,13 @@ class Packed:
         return out.index_put((self.rows, self.columns), values)
 
 
-def pack(batch: TrainBatch) -> Packed:
-    """The packed form of a right-padded micro-batch. Its layout is worked out on the CPU from one copy of the
-    masks, so a micro-batch on a GPU waits on the device once."""
+def pack(batch: TrainBatch, host: TrainBatch | None = None) -> Packed:
+    """The packed form of a right-padded micro-batch. Its layout is worked out on the CPU from the masks of `host`,
+    the same micro-batch in host memory where the caller has it (else from one copy of the masks, a wait on the
+    device)."""
     device = batch.input_ids.device
-    masks = torch.stack([batch.attention_mask.float(), batch.completion_mask.float()]).cpu()  # [2, b, T]
+    source = host if host is not None else batch
+    masks = torch.stack([source.attention_mask.float(), source.completion_mask.float()]).cpu()  # [2, b, T]
     real = masks[0] != 0  # [b, T]; right padding: each row's first L tokens
     counted = (masks[1] != 0) & real  # [b, T] tokens whose log-prob enters the loss
     counted[:, 0] = False  # the first token has no position before it
@@ -83,6 +89,11 @@ def pack(batch: TrainBatch) -> Packed:
     width = real.shape[1]
     tokens = real.view(-1).nonzero().squeeze(1)  # [N] flat index of each real token, row by row
     rows, columns = counted.nonzero(as_tuple=True)  # [K] each
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts.tolist(), lengths.tolist(), strict=False):
+        by_length.setdefault(length, []).append(start)
+    buckets = [torch.tensor(firsts)[:, None] + torch.arange(length) for length, firsts in by_length.items() if length]
+    order = torch.cat([bucket.reshape(-1) for bucket in buckets])  # [N]
 
     def there(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device, non_blocking=True)
@@ -93,6 +104,8 @@ def pack(batch: TrainBatch) -> Packed:
         position_ids=there(tokens % width)[None],
         cu_seq_lens=there(starts.to(torch.int32)),
         max_length=int(lengths.max()),
+        buckets=[there(bucket) for bucket in buckets],
+        inverse=there(order.argsort()),
         keep=there(starts[rows] + columns - 1),  # the position that predicts the counted token
         targets=ids[there(rows * width + columns)],
         rows=there(rows),
@@ -102,12 +115,14 @@ def pack(batch: TrainBatch) -> Packed:
 
 
 def scores(
-    model, batch: TrainBatch, temperature: float, entropy: bool = False, packed: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    model, batch: TrainBatch, temperature: float, entropy: bool = False, packed: bool = True,
+    host: TrainBatch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """[b, T] log-probs of `batch`'s tokens under `model` (a Hugging Face causal LM, or a DeepSpeed engine around
-    one) and with `entropy` the entropies: packed (only the tokens that count in the loss; 0 elsewhere) or padded."""
+    one) and with `entropy` the entropies: packed (only the tokens that count in the loss; 0 elsewhere) or padded.
+    `host`: the same micro-batch in host memory, if the caller has it (see `pack`)."""
     if packed:
-        return packed_scores(model, batch, temperature, entropy)
+        return packed_scores(model, batch, temperature, entropy, host)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [b, T, V]
     if entropy:
         return token_logprobs_and_entropy(logits, batch.input_ids, temperature)
@@ -137,11 +152,11 @@ def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tens
 
 
 def packed_scores(
-    model, batch: TrainBatch, temperature: float, entropy: bool = False
+    model, batch: TrainBatch, temperature: float, entropy: bool = False, host: TrainBatch | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of the counted tokens of `batch` (and their next-token entropies) from one packed forward
     of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count."""
-    packed = pack(batch)
+    packed = pack(batch, host)
     logits = model(**packed.model_inputs()).logits[0]  # [K, V]
     logprobs, entropies = selected_logprobs(logits, packed.targets, temperature, entropy)
     return packed.unpack(logprobs), None if entropies is None else packed.unpack(entropies)
@@ -234,15 +249,14 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # [N, H, D] each
         out = varlen(q, k, v, bounds, bounds, kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling)
         return out[None], None
-    edges = bounds.tolist()
-    parts = [
-        F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling
-        )
-        for start, end in zip(edges[:-1], edges[1:], strict=False)
-        if end > start
-    ]
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+    parts = []
+    for positions in kwargs["packed_buckets"]:  # the sequences of one length at once: [n, L] positions
+        count, length = positions.shape
+        q, k, v = (tensor[0][:, positions.reshape(-1)].unflatten(1, (count, length)).transpose(0, 1)
+                   for tensor in (query, key, value))  # [n, H, L, D] each  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)  # [n, H, L, D]
+        parts.append(out.transpose(1, 2).flatten(0, 1))  # [n L, H, D]
+    return torch.cat(parts)[kwargs["packed_inverse"]][None], None
 
 
 @functools.cache

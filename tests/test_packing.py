@@ -29,9 +29,9 @@ def model(tmp_path_factory):
     return policy
 
 
-def ragged_batch(lengths=(40, 7, 23, 1, 31, 12), prompt=5) -> TrainBatch:
-    """Right-padded rows of the given lengths; completions from token `prompt` on, with a hole in one (a tool's
-    observation in a multi-turn trajectory) and one row with no completion token at all."""
+def ragged_batch(lengths=(40, 7, 23, 1, 23, 12, 7), prompt=5) -> TrainBatch:
+    """Right-padded rows of the given lengths (some alike: attended together); completions from token `prompt` on,
+    with a hole in one (a tool's observation in a multi-turn trajectory) and one row with no completion token."""
     generator = torch.Generator().manual_seed(0)
     rows, length = len(lengths), max(lengths)
     input_ids = torch.randint(3, 60, (rows, length), generator=generator)
@@ -89,7 +89,7 @@ def test_a_packed_sequence_sees_nothing_of_its_neighbours(model):
     with torch.no_grad():
         before = scoring.packed_scores(model, batch, 1.0)[0]
         after = scoring.packed_scores(model, changed, 1.0)[0]
-    others = [0, 2, 3, 4, 5]
+    others = [0, 2, 3, 4, 5, 6]  # row 6 has row 1's length: their attention runs together
     torch.testing.assert_close(after[others], before[others], atol=1e-6, rtol=0)
     assert not torch.allclose(after[1], before[1])  # the row that changed scores differently
 
@@ -102,7 +102,7 @@ def test_logits_are_computed_only_where_the_next_token_counts():
     assert len(packed.keep) == int((counted != 0).sum())  # one row of logits per counted token
     assert packed.input_ids.shape == (1, int(batch.attention_mask.sum()))  # no padding
     starts = packed.cu_seq_lens.tolist()
-    assert starts == [0, 40, 47, 70, 71, 102, 114]
+    assert starts == [0, 40, 47, 70, 71, 94, 106, 113]
     assert packed.position_ids[0, 40:47].tolist() == list(range(7))  # each sequence from position 0
     assert torch.equal(packed.input_ids[0, packed.keep + 1], packed.targets)  # the next token is the target
 

@@ -199,7 +199,7 @@ class Learner:
         started = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        batch = shard.batch.to(self.device)
+        batch, self.host_batch = shard.batch.to(self.device), shard.batch
         reuse = self.algo.ppo_epochs > 1 or len(shard.mini_batches) > 1
         if self.algo.old_logprobs == "sampler":
             old_logprobs = batch.sampling_logprobs  # [b, T]
@@ -264,13 +264,14 @@ class Learner:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
 
-    def _scores(self, model, micro: TrainBatch, entropy: bool = False):
-        """[b, T] log-probs of `micro`'s tokens under `model` (and with `entropy` the entropies), packed or padded
-        as `learner.packing` says."""
-        return scores(model, micro, self.temperature, entropy, packed=self.cfg.packing)
+    def _scores(self, model, micro: TrainBatch, rows: torch.Tensor, entropy: bool = False):
+        """[b, T] log-probs of `micro` (`rows` of the step's batch) under `model` (and with `entropy` the
+        entropies), packed or padded as `learner.packing` says."""
+        host = self.host_batch.select(rows)  # lays out the packing without waiting on the device
+        return scores(model, micro, self.temperature, entropy, packed=self.cfg.packing, host=host)
 
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
-        logprobs, entropy = self._scores(self.engine, micro, entropy=True)  # [b, T] each
+        logprobs, entropy = self._scores(self.engine, micro, rows, entropy=True)  # [b, T] each
         old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
         loss, metrics = policy_loss(
             logprobs,
@@ -299,7 +300,8 @@ class Learner:
         """[b, T] logprobs of every token under `model`, in as many forward passes as every other rank runs."""
         scored = torch.zeros(batch.input_ids.shape, device=self.device)  # [b, T]
         for rows in [rows for parts in shard.micro_batches for rows in parts]:  # the training step's micro-batches
-            logprobs = self._scores(model, batch.select(torch.tensor(rows or [0])))[0]  # an empty one: a placeholder
+            select = torch.tensor(rows or [0])  # an empty one: a placeholder pass keeps the ranks in step
+            logprobs = self._scores(model, batch.select(select), select)[0]
             self.done += 1
             if rows:
                 scored[rows] = logprobs
