@@ -13,8 +13,10 @@ step is the learner's: the old log-prob pass is skipped (one epoch, one mini-bat
 (`kl_coef` 0.04), then forward, loss, backward over every micro-batch and one AdamW step.
 
 The batch's rows take their prompt and completion lengths from `--lengths`, drawn with replacement (seeded): by
-default the 224 trajectories recorded from the agent task's GRPO run (`configs/agent.yaml`, seed 0). Token ids are
-random. Prints one JSON line per size and way: trained tokens/s (every real token of the batch, prompt and
+default the 224 trajectories recorded from the agent task's GRPO run (`configs/agent.yaml`, seed 0; `--record
+RUN_DIR --lengths FILE` writes such a file from any run directory). Token ids are random.
+
+Prints one JSON line per size and way: trained tokens/s (every real token of the batch, prompt and
 completion, per second of a step), seconds per step, the peak memory the step adds to the process (resident memory
 on a CPU, the allocator's peak on a GPU), on a GPU the model FLOPs utilisation (`grpo_dist.throughput`), and
 `speedup` / `memory_ratio` against `padded` of the same size, and the largest difference between the packed and the
@@ -73,6 +75,19 @@ def recorded_batch(path: Path, rows: int, seed: int = 0) -> TrainBatch:
         completions.append(Completion(index // 8, ids[:prompt], ids[prompt:], "", logprobs, "stop", 0))
     advantages = torch.randn(rows, generator=generator)
     return collate(completions, advantages, pad_token_id=0)
+
+
+def record(run_dir: Path, out: Path) -> None:
+    """The (prompt, completion) token lengths of every row of `run_dir`'s completion table, to `out`. The bundled
+    recording: `--record` on the run directory of `benchmarks/learning.py --config configs/agent.yaml` at seed 0."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    rows = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    pairs = [[len(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]), row["length"]] for row in rows]
+    source = f"the completion table of {run_dir.name} ({len(pairs)} rows)"
+    out.write_text(json.dumps({"source": source, "prompt_completion_tokens": pairs}))
+    print(f"{len(pairs)} rows from {run_dir} to {out}")
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -202,10 +217,16 @@ def main() -> None:
     parser.add_argument("--large-micro-batch-size", type=int, default=32, help="rows per micro-batch of padded-large")
     parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch of packed+budget")
     parser.add_argument("--lengths", type=Path, default=REPO / "benchmarks" / "data" / "agent_lengths.json")
+    parser.add_argument("--record", type=Path, metavar="RUN_DIR",
+                        help="write --lengths from a run's completion table (its completions.jsonl and final/ "
+                             "tokenizer) instead of measuring")  # fmt: skip
     parser.add_argument("--way", choices=[*WAYS, "full", "chunked"], help=argparse.SUPPRESS)  # a child's
     parser.add_argument("--size", choices=sorted(SIZES), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.record is not None:
+        record(args.record, args.lengths)
+        return
     if args.way in WAYS:
         print(json.dumps(run_way(args)))
         return
