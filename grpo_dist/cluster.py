@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -87,6 +87,7 @@ class Cluster:
     transport: WeightTransport
     placement: Placement
     faults: FaultLog
+    sync_reports: list = field(default_factory=list)  # what the syncs since the last `sync_metrics` sent
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, probe: Probe | None = None) -> Cluster:
@@ -127,7 +128,7 @@ class Cluster:
         A sync that fails because a generator is gone or hung is done again once it is replaced; otherwise the
         error is raised (a lost learner rank: `LearnerLost`)."""
         try:
-            self.transport.sync(self.learner.version)
+            self._sent(self.transport.sync(self.learner.version))
         except (WeightSyncError, LearnerGroupError) as err:
             # A rank that is alive but stuck may be waiting on a generator that hung mid-sync: check them first.
             rank_died = isinstance(err, LearnerLost) and not isinstance(err, LearnerHung)
@@ -135,6 +136,18 @@ class Cluster:
                 raise
             self.reconnect()
         self.generators.loaded(self.learner.version)
+
+    def _sent(self, report) -> None:
+        if report is not None:
+            self.sync_reports.append(report)
+
+    def sync_metrics(self) -> dict[str, float]:
+        """What the syncs since the last call sent, where the transport reports it (gloo): `sync/sent_mb` in all,
+        and the last one's `sync/delta` (1 for a delta) and `sync/changed_fraction` (of every weight's elements)."""
+        reports, self.sync_reports = self.sync_reports, []
+        if not reports:
+            return {}
+        return {**reports[-1].metrics(), "sync/sent_mb": sum(report.sent_bytes for report in reports) / 2**20}
 
     def reconnect(self) -> None:
         """Connect the weight transport afresh (after a generator or the learner group was replaced, or the pool
@@ -146,7 +159,7 @@ class Cluster:
                 self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
                 self.transport.connect()
                 if self.learner.version:
-                    self.transport.sync(self.learner.version)
+                    self._sent(self.transport.sync(self.learner.version))
                 self.generators.loaded(self.learner.version)
                 return
             except LearnerLost:

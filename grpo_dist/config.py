@@ -113,6 +113,15 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _delta_needs_broadcast(self) -> Config:
+        if self.sync.delta and self.sync.transport == "object_store":
+            raise ValueError(
+                "sync.delta needs the broadcast transport (it patches each engine's copy in place); got "
+                "sync.transport=object_store: set sync.transport to broadcast or auto, or sync.delta to false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _in_flight_needs_staleness(self) -> Config:
         if self.sync.mode == "in_flight" and self.rollout.max_staleness == 0:
             raise ValueError(

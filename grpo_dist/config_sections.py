@@ -380,10 +380,19 @@ class SyncConfig(_Section):
     """How new weights reach the generators: `broadcast` streams them in buckets from learner rank 0 over one
     process group with every engine worker (NCCL on GPUs, gloo on CPUs); `object_store` ships the full state dict
     through Ray's object store; `auto` picks broadcast where the installed vLLM has weight transfer."""
-    bucket_mb: float = Field(64.0, gt=0)
-    """Broadcast bucket size in MiB; the learner holds at most two buckets at a time for a sync."""
+    bucket_mb: float = Field(16.0, gt=0)
+    """Broadcast bucket size in MiB. Over gloo a bucket holds whole decoder layers (a larger layer is a bucket of
+    its own) and each side holds two at a time: smaller buckets overlap the wire and the engine's load more
+    finely."""
     timeout_s: float = Field(600.0, gt=0)
     """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
+    delta: bool = False
+    """Delta sync (broadcast only): send only the weights' elements that changed since the engines' copy (compared
+    at `rollout.dtype`, where bf16/fp16 leave most unchanged after a step), checked by a checksum of each engine's
+    copy (a mismatch is synced again in full at once). Holds one more copy of the weights at the engines' dtype in
+    learner rank 0's and in each engine worker's host memory, and travels over gloo (TCP) even on GPUs."""
+    full_every: int = Field(20, ge=1)
+    """With `delta`: every this many syncs one sends every weight, whatever changed."""
     mode: Literal["between_batches", "in_flight"] = "between_batches"
     """When the generators take new weights, with `rollout.max_staleness` >= 1: `between_batches` once the batch
     being generated is done; `in_flight` as soon as the learner's step ends, mid-batch (each engine pauses with its

@@ -157,6 +157,7 @@ def train_step(
         sampling_metrics, **staleness, **train_metrics, **timer.times, weight_version=generators.weight_version
     )
     metrics.update(cluster.rewards.step_metrics(), **cluster.faults.metrics(), **generators.step_metrics())
+    metrics.update(cluster.sync_metrics())
     metrics["reward/shaped_mean"] = rewards.nanmean().item()
     metrics["rollout/groups"] = float(len(rollout.prompts))
     metrics["time/step"] = time.perf_counter() - started

@@ -80,7 +80,9 @@ def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k
     steps = 6
     long = {"max_new_tokens": 96, "max_model_len": 128}  # generation outlasts training: updates land mid-batch
     rollout = {"max_staleness": k, **(long if mode == "in_flight" else {})}
-    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout=rollout, sync={"mode": mode}))
+    # In flight, the weights go by delta sync (whose exactness test_delta_sync checks): it must keep the loop going.
+    sync = {"mode": mode, "delta": mode == "in_flight", "full_every": 3}
+    cfg = validate_config(small_config(tmp_path, run={"steps": steps}, rollout=rollout, sync=sync))
     run_dir, rows = train_rows(cfg)
     # staleness/max is the largest over the step's samples: the bound holds for each one, and is reached.
     assert all(row["staleness/max"] <= k for row in rows)
@@ -101,8 +103,13 @@ def test_every_trained_sample_is_at_most_k_versions_old(ray_cluster, tmp_path, k
           f"{[row['staleness/spanning'] for row in rows]}")  # fmt: skip
     if mode == "between_batches":
         assert not any(in_flight) and not any(row["staleness/spanning"] for row in rows)
+        assert not any("sync/delta" in row and row["sync/delta"] for row in rows)
     else:
         assert any(in_flight)  # at least one batch took the learner's new weights mid-way
+        # The first sync is full (nothing is known of the engines), then deltas, and every third one full again.
+        deltas = [row["sync/delta"] for row in rows]
+        assert deltas[0] == 0.0 and 1.0 in deltas and 0.0 in deltas[1:], deltas
+        assert all(0.0 < row["sync/changed_fraction"] <= 1.0 and row["sync/sent_mb"] > 0 for row in rows)
 
 
 @pytest.mark.slow

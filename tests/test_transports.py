@@ -12,40 +12,48 @@ from grpo_dist.config import validate_config
 TRANSPORTS = ("broadcast", "object_store")
 
 
-def test_buckets_hold_every_byte_once_aligned_and_within_size():
+def test_buckets_hold_whole_layers_every_byte_once_aligned_and_within_size():
     from vllm.distributed.weight_transfer.base import ParamMeta
 
-    from grpo_dist.transports.gloo import ALIGN, plan_buckets
+    from grpo_dist.transports.delta import ALIGN
+    from grpo_dist.transports.gloo import plan_buckets
 
     params = [
-        ParamMeta("a", torch.float32, (3, 5)),
-        ParamMeta("b", torch.bfloat16, (7,)),
-        ParamMeta("big", torch.float32, (100,)),  # larger than a bucket: a bucket of its own
-        ParamMeta("c", torch.int64, (2, 2)),
-        ParamMeta("d", torch.float16, (9,)),
+        ParamMeta("embed.weight", torch.float32, (3, 5)),  # 60 bytes, before the layers
+        ParamMeta("layers.0.a", torch.bfloat16, (7,)),  # layer 0: 14 + 40 bytes
+        ParamMeta("layers.0.b", torch.float32, (10,)),
+        ParamMeta("layers.1.big", torch.float32, (100,)),  # layer 1: larger than a bucket, a bucket of its own
+        ParamMeta("layers.2.c", torch.int64, (2, 2)),  # layer 2: 32 + 18 bytes
+        ParamMeta("layers.2.d", torch.float16, (9,)),
+        ParamMeta("norm.weight", torch.float32, (4,)),  # after the layers
     ]
-    buckets = plan_buckets(params, bucket_bytes=128)
-    assert [[slot.name for slot in slots] for slots, _ in buckets] == [["a", "b"], ["big"], ["c", "d"]]
-    for slots, size in buckets:
-        assert size <= 128 or len(slots) == 1
-        assert all(slot.offset % ALIGN == 0 for slot in slots)
-        ends = [slot.offset + slot.nbytes for slot in slots]
-        assert all(end <= after.offset for end, after in zip(ends[:-1], slots[1:], strict=True)), "slots overlap"
-        assert size == ends[-1]
+    buckets = plan_buckets(params, bucket_bytes=192)
+    # 64 (embed) + 128 (layer 0, two aligned slots) = 192 fits; layer 1 alone; layer 2 (128) + norm (64) = 192.
+    assert [[slot.name for slot in bucket.slots] for bucket in buckets] == [
+        ["embed.weight", "layers.0.a", "layers.0.b"],
+        ["layers.1.big"],
+        ["layers.2.c", "layers.2.d", "norm.weight"],
+    ]
+    assert [[slot.layer for slot in bucket.slots] for bucket in buckets] == [[0, 1, 1], [2], [3, 3, 4]]
+    for bucket in buckets:
+        assert bucket.nbytes <= 192 or len({slot.layer for slot in bucket.slots}) == 1
+        assert all(slot.offset % ALIGN == 0 for slot in bucket.slots) and bucket.nbytes % ALIGN == 0
+        ends = [slot.offset + slot.nbytes for slot in bucket.slots]
+        assert all(end <= after.offset for end, after in zip(ends[:-1], bucket.slots[1:], strict=True)), "overlap"
+        assert ends[-1] <= bucket.nbytes < ends[-1] + ALIGN
 
 
 def test_packed_bucket_unpacks_to_the_same_tensors():
     from vllm.distributed.weight_transfer.base import ParamMeta
 
-    from grpo_dist.transports.gloo import plan_buckets, unpack
+    from grpo_dist.transports.gloo import pack, plan_buckets, unpack
 
     tensors = {"w": torch.randn(4, 3), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(3)}
     params = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    ((slots, size),) = plan_buckets(params, bucket_bytes=1024)
-    buffer = torch.zeros(size, dtype=torch.uint8)
-    for slot in slots:
-        buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensors[slot.name])
-    assert {name: t.tolist() for name, t in unpack(buffer, slots)} == {n: t.tolist() for n, t in tensors.items()}
+    (bucket,) = plan_buckets(params, bucket_bytes=1024)
+    buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack(buffer, bucket.slots, iter(tensors.items()))
+    assert {name: t.tolist() for name, t in unpack(buffer, bucket.slots)} == {n: t.tolist() for n, t in tensors.items()}
 
 
 @pytest.mark.slow

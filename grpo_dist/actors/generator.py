@@ -11,6 +11,7 @@ the weight version, so no new request reuses a prompt's cache from older weights
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import tempfile
@@ -225,8 +226,7 @@ class Generator:
     async def _resume(self, weight_version: int) -> None:
         """After new weights are in: tokens sampled from now on are labelled `weight_version`, new requests use
         its prefix cache, and scheduling goes on (the older prefix cache is freed where no request holds it)."""
-        await self.engine.reset_prefix_cache()
-        await self.engine.update_weight_version(str(weight_version))
+        await asyncio.gather(self.engine.reset_prefix_cache(), self.engine.update_weight_version(str(weight_version)))
         self.weight_version = weight_version
         await self.engine.resume_generation()
 
@@ -241,6 +241,19 @@ class Generator:
         await self._pause()
         await self.engine.collective_rpc("close_abandoned_update")  # one a failed sync left open
         await self.engine.start_weight_update()
+
+    async def apply_weight_update(self, update_info: dict, weight_version: int) -> list[dict]:
+        """A whole weight update in one call (the gloo engine's): pause with requests kept, let every worker
+        receive and load the weights, resume labelled `weight_version`. Returns each worker's report."""
+        # The pause goes out first and the update right behind it, without waiting for the pause's answer (which
+        # comes back tens of milliseconds later): the engine takes its calls in order, so it is paused before the
+        # update starts.
+        paused = asyncio.ensure_future(self._pause())
+        await asyncio.sleep(0)  # the pause's message is sent
+        reports = await self.engine.collective_rpc("apply_weight_update", args=(update_info,))
+        await paused
+        await self._resume(weight_version)
+        return reports
 
     async def update_weights(self, update_info: dict) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

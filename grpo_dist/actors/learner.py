@@ -362,9 +362,10 @@ class Learner:
 
         self.weight_sender = WeightSender(spec, self.rank, self.engine.module, self.cfg.zero_stage == 3, generators)
 
-    def send_weights(self, weight_version: int) -> None:
-        """Stream the current weights to the generators (collective: every rank gathers, rank 0 sends)."""
-        self.weight_sender.send(weight_version)
+    def send_weights(self, weight_version: int, full: bool = False):
+        """Stream the current weights to the generators (collective: every rank gathers, rank 0 sends); returns
+        rank 0's `SyncReport` (None elsewhere)."""
+        return self.weight_sender.send(weight_version, full)
 
     def save(self, out_dir: str) -> str:
         """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and

@@ -40,6 +40,15 @@ class WeightReceiver:
             layerwise.setLevel(level)
         return time.perf_counter() - started
 
+    def apply_weight_update(self, update_info: dict) -> dict:
+        """One whole broadcast update (gloo): close one a failed sync left open, start, receive and load, finish.
+        Returns the transfer engine's report (with delta sync, the checksum of its copy)."""
+        self.close_abandoned_update()
+        self.start_weight_update()
+        self.update_weights(update_info)
+        self.finish_weight_update()
+        return self.weight_transfer_engine.report
+
     def close_abandoned_update(self) -> bool:
         """End a broadcast update that a failed sync left open (its sender or a peer was lost mid-way), so that the
         next one can start; the next sync overwrites whatever it had loaded. Returns whether one was open."""

@@ -27,8 +27,10 @@ class WeightTransport(Protocol):
     def connect(self) -> None:
         """Set up whatever the transport needs between the learner ranks and the generators (once)."""
 
-    def sync(self, weight_version: int) -> None:
-        """Load the learner's current weights into every generator; their completions then carry the version."""
+    def sync(self, weight_version: int, full: bool = False):
+        """Load the learner's current weights into every generator; their completions then carry the version.
+        `full`: send every weight even with delta sync. Returns what the sync sent (a `SyncReport`) where the
+        transport reports it, else None."""
 
     def close(self) -> None:
         """Release the transport's resources (the actors themselves stay up)."""
@@ -47,10 +49,11 @@ def transport_name(cfg: Config) -> str:
 
 def wire_backend(cfg: Config) -> str | None:
     """The vLLM weight-transfer backend the generators' engines are built with (None for the object store):
-    NCCL when the learner and the engines are both on GPUs, else gloo."""
+    NCCL when the learner and the engines are both on GPUs and delta sync is off, else gloo."""
     if transport_name(cfg) != "broadcast":
         return None
-    return "nccl" if cfg.learner.num_gpus > 0 and cfg.rollout.num_gpus > 0 else "gloo"
+    on_gpus = cfg.learner.num_gpus > 0 and cfg.rollout.num_gpus > 0
+    return "nccl" if on_gpus and not cfg.sync.delta else "gloo"
 
 
 def make_transport(cfg: Config, learner, generators: list[ray.actor.ActorHandle]) -> WeightTransport:

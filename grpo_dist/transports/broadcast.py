@@ -2,22 +2,26 @@
 
 Built on vLLM's weight-transfer engines: the generators' engines are created with a weight-transfer backend
 (`grpo_dist.transports.wire_backend`), and each learner rank opens a trainer engine from vLLM's factory over a
-`ModelSource`. On GPUs the backend is vLLM's NCCL engine (packed, two buffers of `sync.bucket_mb`); elsewhere it
-is gloo (`grpo_dist.transports.gloo`), the same protocol. Rank 0 drives the generators through `GeneratorClient`
-(start, stream, finish) while it sends; under ZeRO-3 every rank gathers each parameter in turn, and only rank 0
-sends it. Weights travel in Hugging Face names and load through vLLM's layerwise reload, which fuses qkv and
-gate/up itself.
+`ModelSource`. On GPUs the backend is vLLM's NCCL engine (packed, two buffers of `sync.bucket_mb`); elsewhere, and
+for delta sync everywhere, it is gloo (`grpo_dist.transports.gloo`), the same protocol, pipelined bucket by bucket.
+Rank 0 drives the generators through `GeneratorClient` while it sends; under ZeRO-3 every rank gathers each decoder
+layer in turn, and only rank 0 sends it. Weights travel in Hugging Face names, at the engines' dtype over gloo, and
+load through vLLM's layerwise reload, which fuses qkv and gate/up itself.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import ray
+import torch
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bound, Bounds
 from grpo_dist.transports import wait_all, wire_backend
+
+log = logging.getLogger("grpo_dist")
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,9 @@ class SenderSpec:
     tensor_parallel_size: int  # engine workers per generator
     bucket_bytes: int
     bound: Bound  # every call of the sync, and the process group's rendezvous
+    delta: bool = False  # delta sync (gloo only): send the elements that changed since the engines' copy
+    full_every: int = 1  # with delta sync: every this many syncs one is full
+    wire_dtype: str | None = None  # the engines' dtype, weights are cast to it before they travel (gloo only)
 
 
 class BroadcastTransport:
@@ -52,11 +59,16 @@ class BroadcastTransport:
             tensor_parallel_size=tp,
             bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20),
             bound=Bounds.of(self.cfg).sync,
+            delta=self.cfg.sync.delta,
+            full_every=self.cfg.sync.full_every,
+            wire_dtype=None if self.cfg.rollout.dtype == "auto" else self.cfg.rollout.dtype,
         )
         self.learner.call("connect_weights", spec, self.generators)
 
-    def sync(self, weight_version: int) -> None:
-        self.learner.call("send_weights", weight_version)
+    def sync(self, weight_version: int, full: bool = False):
+        """Load the learner's weights into every generator; returns rank 0's `SyncReport` (None over NCCL)."""
+        report, *_ = self.learner.call("send_weights", weight_version, full)
+        return report
 
     def close(self) -> None:
         pass  # the process group goes with the actors
@@ -79,6 +91,13 @@ class GeneratorClient:
     def start_weight_update(self) -> None:
         self._all("start_weight_update")
 
+    def apply_weight_update(self, update_info: dict) -> list[dict]:
+        """A whole update in one call per generator (the gloo engine's): pause, receive, load, resume. Returns
+        each engine worker's report, generator by generator."""
+        version = self.weight_version
+        calls = [generator.apply_weight_update.remote(update_info, version) for generator in self.generators]
+        return [report for reports in self._wait(calls, "apply_weight_update") for report in reports]
+
     def update_weights(self, update_info: dict) -> None:
         self._all("update_weights", [update_info] * len(self.generators))
 
@@ -90,8 +109,11 @@ class GeneratorClient:
             getattr(generator, method).remote(*([] if args is None else [args[index]]))
             for index, generator in enumerate(self.generators)
         ]
+        self._wait(calls, method)
+
+    def _wait(self, calls: list, method: str) -> list:
         names = [f"generator {index}" for index in range(len(self.generators))]
-        wait_all(calls, names, method, self.bound, "broadcast")
+        return wait_all(calls, names, method, self.bound, "broadcast")
 
 
 class WeightSender:
@@ -100,14 +122,39 @@ class WeightSender:
     def __init__(self, spec: SenderSpec, rank: int, module, zero3: bool, generators: list) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+        self.spec, self.rank = spec, rank
         self.client = GeneratorClient(generators, spec.tensor_parallel_size, spec.bound)
+        wire_dtype = getattr(torch, spec.wire_dtype) if spec.wire_dtype and spec.backend == "gloo" else None
+        source = model_source(module, zero3, wire_dtype, to_rank0=spec.backend == "gloo")
         self.engine = WeightTransferTrainerFactory.trainer_init(
-            _init_info(spec, rank), client=self.client, source=model_source(module, zero3)
+            _init_info(spec, rank), client=self.client, source=source
         )
 
-    def send(self, weight_version: int) -> None:
+    def send(self, weight_version: int, full: bool = False):
+        """One sync (collective over the learner ranks). With delta sync, a delta that a worker's copy did not
+        match is done again in full at once, by every rank (the gathers are collectives). Returns rank 0's
+        `SyncReport` (None over NCCL and on the other ranks)."""
         self.client.weight_version = weight_version
-        self.engine.send_weights()
+        if self.spec.backend != "gloo":
+            self.engine.send_weights()
+            return None
+        report = self.engine.send_weights(weight_version, full)
+        if self.spec.delta and _agreed(report is not None and report.resync is not None, self.rank):
+            if report is not None:
+                log.warning("weight sync %d: %s; syncing in full", weight_version, report.resync)
+            report = self.engine.send_weights(weight_version, full=True)
+        return report
+
+
+def _agreed(flag: bool, rank: int) -> bool:
+    """Rank 0's `flag`, on every learner rank (a broadcast over the learner group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    shared = [flag if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return bool(shared[0])
 
 
 def _init_info(spec: SenderSpec, rank: int):
@@ -132,29 +179,42 @@ def _init_info(spec: SenderSpec, rank: int):
         bucket_bytes=spec.bucket_bytes,
         timeout_s=spec.bound.seconds,
         rank=rank,
+        delta=spec.delta,
+        full_every=spec.full_every,
     )
 
 
-def model_source(module, zero3: bool):
+def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
     """A vLLM `WeightSource` over a Hugging Face module trained by DeepSpeed: full shapes from metadata without
     gathering; under ZeRO-3 iteration gathers one decoder layer at a time (a collective on every rank) and frees it
-    once the next is asked for. Tied weights are sent under each of their names (as in the module's state dict):
-    vLLM's layerwise reload waits for `lm_head.weight` even when it is the embedding."""
+    once the next is asked for. With `to_rank0` (the gloo sender's way) and several ranks, a layer's partitions go
+    to rank 0 alone, with the next layer's under way, and rank 0 gets each weight as its partitions
+    (`Partitions`) to copy straight into a bucket; the other ranks get None. With `wire_dtype` the metadata
+    declares floating-point weights at that dtype (the sender casts them as it packs). Tied weights are sent under
+    each of their names (as in the module's state dict): vLLM's layerwise reload waits for `lm_head.weight` even
+    when it is the embedding."""
     import deepspeed
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
 
     named = dict(module.named_parameters(remove_duplicate=False))
+
+    def _travels_as(dtype):
+        return wire_dtype if wire_dtype is not None and dtype.is_floating_point else dtype
+
     groups = layerwise_groups(list(named))  # decoder layers in order; metadata and iteration both follow it
     params = {name: named[name] for group in groups for name in group}
 
     class ModelSource(WeightSource):
         def metadata(self) -> list[ParamMeta]:
             return [
-                ParamMeta(name, param.dtype, tuple(param.ds_shape if zero3 else param.shape))
+                ParamMeta(name, _travels_as(param.dtype), tuple(param.ds_shape if zero3 else param.shape))
                 for name, param in params.items()
             ]
 
         def __iter__(self):
+            if zero3 and to_rank0 and torch.distributed.get_world_size() > 1:
+                yield from gathered_to_rank0(groups, params)
+                return
             for names in groups:
                 layer = list({id(params[name]): params[name] for name in names}.values())
                 with deepspeed.zero.GatheredParameters(layer, enabled=zero3):
@@ -162,3 +222,65 @@ def model_source(module, zero3: bool):
                         yield name, params[name].data
 
     return ModelSource()
+
+
+@dataclass(frozen=True)
+class Partitions:
+    """A ZeRO-3 weight as its ranks' partitions: flattened, they follow one another (the last padded)."""
+
+    parts: list[torch.Tensor]  # [partition size] each, in rank order
+    shape: tuple[int, ...]
+
+    def copy_to(self, flat: torch.Tensor) -> None:
+        """Write the weight into `flat` ([numel], any dtype: cast on the copy)."""
+        start = 0
+        for part in self.parts:
+            count = min(part.numel(), flat.numel() - start)
+            if count <= 0:
+                break
+            flat[start : start + count].copy_(part[:count])
+            start += count
+
+
+def gathered_to_rank0(groups: list[list[str]], params: dict):
+    """Each layer's weights on rank 0 as `Partitions` (None on the other ranks): every other rank sends its
+    partitions of the layer's weights, packed in one tensor, straight to rank 0 (point to point, which gloo does
+    several times faster than its gather); the next layer's transfer runs meanwhile. Two sets of buffers, reused."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buffers: list[list[torch.Tensor]] = [[], []]  # per side: this rank's partitions, then (rank 0) each other rank's
+
+    def take(side: int, index: int, like: torch.Tensor, numel: int) -> torch.Tensor:
+        held = buffers[side]
+        if len(held) <= index:
+            held.append(torch.empty(0, dtype=like.dtype, device=device))
+        if held[index].numel() < numel or held[index].dtype != like.dtype:
+            held[index] = torch.empty(numel, dtype=like.dtype, device=device)
+        return held[index][:numel]
+
+    def start(side: int, names: list[str]):
+        layer = list({id(params[name]): params[name] for name in names}.values())
+        numel = sum(param.ds_tensor.numel() for param in layer)
+        local = take(side, 0, layer[0].ds_tensor, numel)
+        torch.cat([param.ds_tensor.reshape(-1).to(device) for param in layer], out=local)
+        if rank != 0:
+            return layer, None, [dist.isend(local, dst=0)]
+        received = [local] + [take(side, source, local, numel) for source in range(1, world)]
+        return layer, received, [dist.irecv(received[source], src=source) for source in range(1, world)]
+
+    pending = start(0, groups[0]) if groups else None
+    for index, names in enumerate(groups):
+        layer, received, works = pending
+        for work in works:
+            work.wait()
+        pending = start((index + 1) % 2, groups[index + 1]) if index + 1 < len(groups) else None
+        weights, offset = {}, 0
+        for param in layer:
+            size = param.ds_tensor.numel()
+            if received is not None:
+                weights[id(param)] = Partitions([part[offset : offset + size] for part in received], param.ds_shape)
+            offset += size
+        for name in names:
+            yield name, weights.get(id(params[name]))

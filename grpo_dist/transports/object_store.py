@@ -23,7 +23,7 @@ class ObjectStoreTransport:
     def connect(self) -> None:
         pass
 
-    def sync(self, weight_version: int) -> None:
+    def sync(self, weight_version: int, full: bool = False) -> None:
         weights = self.learner.state_dict()
         calls = [generator.load_weights.remote(weights, weight_version) for generator in self.generators]
         wait_all(calls, _names(self.generators), "load_weights", self.bound, self.name)
