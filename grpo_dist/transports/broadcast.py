@@ -4,8 +4,8 @@ Built on vLLM's weight-transfer engines: the generators' engines are created wit
 (`grpo_dist.transports.wire_backend`), and each learner rank opens a trainer engine from vLLM's factory over a
 `ModelSource`. On GPUs the backend is vLLM's NCCL engine (packed, two buffers of `sync.bucket_mb`); elsewhere, and
 for delta sync everywhere, it is gloo (`grpo_dist.transports.gloo`), the same protocol, pipelined bucket by bucket.
-Rank 0 drives the generators through `GeneratorClient` while it sends; under ZeRO-3 every rank gathers each decoder
-layer in turn, and only rank 0 sends it. Weights travel in Hugging Face names, at the engines' dtype over gloo, and
+Rank 0 drives the generators through `GeneratorClient` while it sends; under ZeRO-3 every rank takes part in
+gathering each decoder layer in turn (over gloo: sends its partitions to rank 0), and only rank 0 sends it. Weights travel in Hugging Face names, at the engines' dtype over gloo, and
 load through vLLM's layerwise reload, which fuses qkv and gate/up itself.
 """
 
