@@ -143,11 +143,16 @@ class Cluster:
 
     def sync_metrics(self) -> dict[str, float]:
         """What the syncs since the last call sent, where the transport reports it (gloo): `sync/sent_mb` in all,
-        and the last one's `sync/delta` (1 for a delta) and `sync/changed_fraction` (of every weight's elements)."""
+        `sync/resyncs` (delta syncs done again in full because an engine's copy did not match), and the last one's
+        `sync/delta` (1 for a delta) and `sync/changed_fraction` (of every weight's elements)."""
         reports, self.sync_reports = self.sync_reports, []
         if not reports:
             return {}
-        return {**reports[-1].metrics(), "sync/sent_mb": sum(report.sent_bytes for report in reports) / 2**20}
+        return {
+            **reports[-1].metrics(),
+            "sync/sent_mb": sum(report.sent_bytes for report in reports) / 2**20,
+            "sync/resyncs": float(sum(report.resync is not None for report in reports)),
+        }
 
     def reconnect(self) -> None:
         """Connect the weight transport afresh (after a generator or the learner group was replaced, or the pool

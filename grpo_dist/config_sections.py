@@ -388,9 +388,10 @@ class SyncConfig(_Section):
     """A weight sync (or the transport's set-up) running longer fails with an error naming the transport."""
     delta: bool = False
     """Delta sync (broadcast only): send only the weights' elements that changed since the engines' copy (compared
-    at `rollout.dtype`, where bf16/fp16 leave most unchanged after a step), checked by a checksum of each engine's
-    copy (a mismatch is synced again in full at once). Holds one more copy of the weights at the engines' dtype in
-    learner rank 0's and in each engine worker's host memory, and travels over gloo (TCP) even on GPUs."""
+    at `rollout.dtype`, where bf16/fp16 leave most unchanged after a step; at the learner's dtype when it is auto),
+    checked by a checksum of each engine's copy (a mismatch is synced again in full at once). Holds one more copy
+    of the weights at the engines' dtype in learner rank 0's host memory, and travels over gloo (TCP) even on
+    GPUs."""
     full_every: int = Field(20, ge=1)
     """With `delta`: every this many syncs one sends every weight, whatever changed."""
     mode: Literal["between_batches", "in_flight"] = "between_batches"

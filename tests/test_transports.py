@@ -3,6 +3,8 @@ generators, by broadcast over gloo and by the object store; and the bucket plan 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import small_config
@@ -56,6 +58,29 @@ def test_packed_bucket_unpacks_to_the_same_tensors():
     assert {name: t.tolist() for name, t in unpack(buffer, bucket.slots)} == {n: t.tolist() for n, t in tensors.items()}
 
 
+def embedding_and_first_layer_mb(model_dir: str) -> float:
+    """A bucket size that puts the embedding and layer 0 in bucket 0, layer 1 in bucket 1 and the final norm and
+    lm_head in bucket 2, no larger than bucket 0: the pipeline at work, and a layout where a receiver that reused
+    bucket 0's buffer within the sync would write bucket 2 over it."""
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
+
+    from grpo_dist.transports.delta import aligned
+    from grpo_dist.transports.gloo import plan_buckets
+
+    named = AutoModelForCausalLM.from_pretrained(model_dir).named_parameters(remove_duplicate=False)
+    params = [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in named]
+    by_name = {param.name: param for param in params}
+    embedding, first_layer, *_ = layerwise_groups([param.name for param in params])
+    size = sum(
+        aligned(by_name[name].dtype.itemsize * math.prod(by_name[name].shape)) for name in embedding + first_layer
+    )
+    buckets = plan_buckets(params, size)
+    assert len(buckets) == 3 and buckets[2].nbytes <= buckets[0].nbytes, [b.nbytes for b in buckets]
+    assert buckets[0].slots[0].name == "model.embed_tokens.weight"
+    return size / 2**20
+
+
 @pytest.mark.slow
 def test_every_generator_holds_the_learners_weights_after_each_transport(ray_cluster, tmp_path):
     """2 ranks under ZeRO-3 train a step, then sync both generators; each generator's logprobs for a fixed sequence
@@ -70,6 +95,7 @@ def test_every_generator_holds_the_learners_weights_after_each_transport(ray_clu
     model_dir = str(build_tiny_model(tmp_path / "model"))
     raw = small_config(tmp_path, learner={"num_ranks": 2, "zero_stage": 3, "micro_batch_size": 2, "lr": 1e-2})
     raw["rollout"]["num_generators"] = 2
+    raw["sync"] = {"bucket_mb": embedding_and_first_layer_mb(model_dir)}
     cfg = validate_config(raw)
     assert wire_backend(cfg) == "gloo"
     learner = LearnerGroup.start(cfg, model_dir)

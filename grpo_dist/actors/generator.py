@@ -248,10 +248,13 @@ class Generator:
         # The pause goes out first and the update right behind it, without waiting for the pause's answer (which
         # comes back tens of milliseconds later): the engine takes its calls in order, so it is paused before the
         # update starts.
+        # (vLLM sends a call's message before its first wait, so one turn of the loop sends the pause.)
         paused = asyncio.ensure_future(self._pause())
         await asyncio.sleep(0)  # the pause's message is sent
-        reports = await self.engine.collective_rpc("apply_weight_update", args=(update_info,))
-        await paused
+        try:
+            reports = await self.engine.collective_rpc("apply_weight_update", args=(update_info,))
+        finally:
+            await paused  # a failed update leaves the engine paused: the next update resumes it
         await self._resume(weight_version)
         return reports
 

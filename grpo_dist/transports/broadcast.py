@@ -5,8 +5,9 @@ Built on vLLM's weight-transfer engines: the generators' engines are created wit
 `ModelSource`. On GPUs the backend is vLLM's NCCL engine (packed, two buffers of `sync.bucket_mb`); elsewhere, and
 for delta sync everywhere, it is gloo (`grpo_dist.transports.gloo`), the same protocol, pipelined bucket by bucket.
 Rank 0 drives the generators through `GeneratorClient` while it sends; under ZeRO-3 every rank takes part in
-gathering each decoder layer in turn (over gloo: sends its partitions to rank 0), and only rank 0 sends it. Weights travel in Hugging Face names, at the engines' dtype over gloo, and
-load through vLLM's layerwise reload, which fuses qkv and gate/up itself.
+gathering each decoder layer in turn (over gloo: sends its partitions to rank 0), and only rank 0 sends it. Weights
+travel in Hugging Face names, at the engines' dtype over gloo, and load through vLLM's layerwise reload, which fuses
+qkv and gate/up itself.
 """
 
 from __future__ import annotations
@@ -66,8 +67,15 @@ class BroadcastTransport:
         self.learner.call("connect_weights", spec, self.generators)
 
     def sync(self, weight_version: int, full: bool = False):
-        """Load the learner's weights into every generator; returns rank 0's `SyncReport` (None over NCCL)."""
+        """Load the learner's weights into every generator; returns rank 0's `SyncReport` (None over NCCL). With
+        delta sync, a delta that a worker's copy did not match is done again in full at once (its report says
+        `resync`)."""
         report, *_ = self.learner.call("send_weights", weight_version, full)
+        if report is not None and report.resync is not None:
+            log.warning("weight sync %d: %s; syncing in full", weight_version, report.resync)
+            reason = report.resync
+            report, *_ = self.learner.call("send_weights", weight_version, True)
+            report.resync = reason
         return report
 
     def close(self) -> None:
@@ -131,30 +139,13 @@ class WeightSender:
         )
 
     def send(self, weight_version: int, full: bool = False):
-        """One sync (collective over the learner ranks). With delta sync, a delta that a worker's copy did not
-        match is done again in full at once, by every rank (the gathers are collectives). Returns rank 0's
-        `SyncReport` (None over NCCL and on the other ranks)."""
+        """One sync (collective over the learner ranks); returns rank 0's `SyncReport` (None over NCCL and on the
+        other ranks)."""
         self.client.weight_version = weight_version
         if self.spec.backend != "gloo":
             self.engine.send_weights()
             return None
-        report = self.engine.send_weights(weight_version, full)
-        if self.spec.delta and _agreed(report is not None and report.resync is not None, self.rank):
-            if report is not None:
-                log.warning("weight sync %d: %s; syncing in full", weight_version, report.resync)
-            report = self.engine.send_weights(weight_version, full=True)
-        return report
-
-
-def _agreed(flag: bool, rank: int) -> bool:
-    """Rank 0's `flag`, on every learner rank (a broadcast over the learner group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    shared = [flag if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    return bool(shared[0])
+        return self.engine.send_weights(weight_version, full)
 
 
 def _init_info(spec: SenderSpec, rank: int):

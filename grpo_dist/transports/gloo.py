@@ -8,14 +8,16 @@ is rank 1 + g * tensor_parallel_size + w), the trainer declares the parameters (
 both sides cut them into the same buckets: whole decoder layers, about `bucket_bytes` each (a larger layer is a
 bucket of its own). Each bucket travels as one flat byte tensor.
 
-A sync is pipelined bucket by bucket: while bucket k is on the wire the sender gathers and packs bucket k+1 and
-each worker loads bucket k-1 into its engine, two buffers on each side, reused from sync to sync. A bucket holds
-whole layers, so vLLM's layerwise reload has processed (and let go of) every tensor of a bucket once it is loaded,
-and its buffer can take the next bucket. The bucket plan and the buffers are made once per connection; the control
-plane is one call per generator and sync (`apply_weight_update`: pause, start, receive, finish, resume).
+A sync is pipelined bucket by bucket: while bucket k is on the wire the sender gathers and packs bucket k+1 (two
+buffers, reused from sync to sync) and each worker loads bucket k-1 into its engine. A worker receives each bucket
+into a buffer of its own, kept from sync to sync: vLLM's layerwise reload processes a layer once all its weights
+are in, and holds the tensors of one it cannot count as complete until the update finishes, so a received bucket
+is never written over within a sync.
+The bucket plan and the buffers are made once per connection; the control plane is one call per generator and sync
+(`apply_weight_update`: pause, start, receive, finish, resume).
 
 Delta sync (`delta`): the sender keeps the engines' copy of the weights (in the wire dtype, laid out in buckets)
-and each worker keeps its own, the buffers a full sync arrived in. A delta sync sends, per bucket, a header of
+and each worker has its own, the buffers a full sync arrived in. A delta sync sends, per bucket, a header of
 changed-element counts and a payload of patches (`grpo_dist.transports.delta`); a worker patches its copy and
 reloads the layers that changed. Every sync in delta mode ends with each worker's checksum of its copy and of the
 version it is based on: any that differs from the sender's has the sync done again in full. Every `full_every`-th
@@ -134,7 +136,7 @@ class SyncReport:
 
     def metrics(self) -> dict[str, float]:
         return {
-            "sync/delta": float(self.mode == "delta"),
+            "sync/delta": float(self.mode == "delta" and self.resync is None),
             "sync/changed_fraction": self.changed / max(self.elements, 1),
             "sync/sent_mb": self.sent_bytes / 2**20,
         }
@@ -219,9 +221,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.bucket_bytes = init_info.bucket_bytes
         self.layout: tuple | None = None  # the parameters the plan below was made for
         self.plan: list[Bucket] = []
-        self.buffers = Buffers()
-        self.copy: list[torch.Tensor] | None = None  # delta sync: the weights this engine holds, bucket by bucket
-        self.copy_version: int | None = None
+        self.buffers = Buffers()  # delta sync: the payloads
+        self.copy: list[torch.Tensor] | None = None  # the weights this engine holds, bucket by bucket, as received
+        self.copy_version: int | None = None  # delta sync: the version `copy` holds
         self.report: dict = {}
         self.group = open_group(
             init_info.master_address, init_info.master_port, rank, init_info.world_size, init_info.timeout_s
@@ -246,7 +248,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         valid = update_info.mode == "full" or (self.copy is not None and self.copy_version == update_info.base_version)
         try:
             if update_info.mode == "full":
-                self._receive_full(update_info.keep)
+                self._receive_full()
             else:
                 self._receive_delta(apply=valid)
         except BaseException:
@@ -259,13 +261,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self.copy_version = None
             self.report = {"checksum": None}
 
-    def _receive_full(self, keep: bool) -> None:
-        """Receive bucket k+1 while bucket k loads into the model; with `keep`, into buffers kept as the copy."""
-        if keep and self.copy is None:
+    def _receive_full(self) -> None:
+        """Receive bucket k+1 while bucket k loads into the model, each into a buffer of its own kept from sync to
+        sync (with delta sync, the copy): vLLM may hold a layer's tensors until the update finishes."""
+        if self.copy is None:
             self.copy = [torch.zeros(bucket.nbytes, dtype=torch.uint8) for bucket in self.plan]
         pending = None
         for index, bucket in enumerate(self.plan):
-            buffer = self.copy[index] if keep else self.buffers.take(index, bucket.nbytes)
+            buffer = self.copy[index]
             work = broadcast(self.group, buffer)
             if pending is not None:
                 self._load(*pending)
