@@ -61,19 +61,34 @@ def private_disk_cluster(tmp_path_factory, s3_server):
     address = f"127.0.0.1:{free_port()}"
     head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=0", f"--temp-dir={root / 'head'}",
             "--include-dashboard=false", "--disable-usage-stats", *own_ports()]  # fmt: skip
-    worker = (f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={address} --num-cpus=4 "
-              f"--temp-dir={root / 'worker'} --disable-usage-stats --block {' '.join(own_ports())}")  # fmt: skip
     try:
         subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
-        node = subprocess.Popen(["unshare", "-m", "sh", "-c", worker], env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while cluster_cpus(address) < 4:
-            assert node.poll() is None and time.monotonic() < deadline, "the worker node did not join"
-            time.sleep(1)
+        join_worker(address, private, root, env)
         yield address, private, shared
     finally:
         stop_processes_under(root)
+
+
+def join_worker(address: str, private: Path, root: Path, env: dict, attempts: int = 2) -> None:
+    """Start the worker node in its own mount namespace (a tmpfs on `private`) and wait until it has joined. A
+    `ray start` that exits at once (a port taken between choosing it and binding it) is tried again on new ports;
+    the failure names the node's own output."""
+    for attempt in range(1, attempts + 1):
+        log = root / f"worker-{attempt}.log"
+        temp_dir, ports = root / f"worker-{attempt}", " ".join(own_ports())
+        worker = (f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={address} --num-cpus=4 "
+                  f"--temp-dir={temp_dir} --disable-usage-stats --block {ports}")  # fmt: skip
+        with log.open("w") as out:
+            node = subprocess.Popen(["unshare", "-m", "sh", "-c", worker], env=env, start_new_session=True,
+                                    stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while cluster_cpus(address) < 4 and node.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        if cluster_cpus(address) >= 4:
+            return
+        assert node.poll() is not None and attempt < attempts, (
+            f"the worker node did not join: {log.read_text()[-2000:]}"
+        )
 
 
 def train(tmp_path: Path, address: str, output_dir: Path | str, *args: str, steps: int = 2, model: Path | None = None,
