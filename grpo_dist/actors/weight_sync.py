@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-import grpo_dist.transports.gloo  # noqa: F401  registers the gloo weight-transfer engine inside each vLLM worker
+from grpo_dist.transports.gloo import reload_warnings_quiet  # also registers the gloo engine in each worker
 
 log = logging.getLogger("grpo_dist")
 
@@ -29,15 +29,8 @@ class WeightReceiver:
 
         state_dict = load_file(path)
         started = time.perf_counter()
-        # vLLM warns on each reload that the rotary embedding "failed to load": its cos/sin cache is derived from
-        # the config, not from weights, and is kept. Every real parameter is loaded (tests compare logprobs).
-        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level = layerwise.level
-        layerwise.setLevel(logging.ERROR)
-        try:
+        with reload_warnings_quiet():
             self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))
-        finally:
-            layerwise.setLevel(level)
         return time.perf_counter() - started
 
     def apply_weight_update(self, update_info: dict) -> dict:

@@ -235,8 +235,9 @@ class Partitions:
 
 def gathered_to_rank0(groups: list[list[str]], params: dict):
     """Each layer's weights on rank 0 as `Partitions` (None on the other ranks): every other rank sends its
-    partitions of the layer's weights, packed in one tensor, straight to rank 0 (point to point, which gloo does
-    several times faster than its gather); the next layer's transfer runs meanwhile. Two sets of buffers, reused."""
+    partitions of the layer's weights, packed in one tensor, straight to rank 0 (point to point: rank 0 alone needs
+    them, where DeepSpeed's gather sends every layer to every rank); the next layer's transfer runs meanwhile. Two
+    sets of buffers, reused."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()

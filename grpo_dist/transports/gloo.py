@@ -29,8 +29,10 @@ imports it inside every vLLM worker, the learner imports it before it opens the 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -164,10 +166,21 @@ def plan_buckets(params: list[ParamMeta], bucket_bytes: int) -> list[Bucket]:
 
 
 def _nbytes(param: ParamMeta) -> int:
-    numel = 1
-    for dim in param.shape:
-        numel *= dim
-    return numel * param.dtype.itemsize
+    return math.prod(param.shape) * param.dtype.itemsize
+
+
+@contextlib.contextmanager
+def reload_warnings_quiet():
+    """vLLM warns on each reload that the rotary embedding "failed to load": its cos/sin cache is derived from the
+    config, not from weights, and is kept. After a delta sync it says so of every layer that did not change, which
+    also keeps its weights. Every real parameter is loaded (tests compare logprobs), so these warnings are hidden."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = layerwise.level
+    layerwise.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        layerwise.setLevel(level)
 
 
 def open_group(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> ProcessGroupGloo:
@@ -322,16 +335,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        # vLLM warns on each reload that the rotary embedding "failed to load": its cos/sin cache is derived from
-        # the config, not from weights, and is kept. After a delta sync it says so of every layer that did not
-        # change, which also keeps its weights. Every real parameter is loaded (tests compare logprobs).
-        layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level = layerwise.level
-        layerwise.setLevel(logging.ERROR)
-        try:
+        with reload_warnings_quiet():
             finalize_layerwise_reload(self.model, self.model_config)
-        finally:
-            layerwise.setLevel(level)
 
     def shutdown(self) -> None:
         self.group = None
@@ -386,8 +391,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             received = pool.submit(self.client.apply_weight_update, asdict(update))
             tensors = iter(self.source)
-            send = state.send_delta if update.mode == "delta" else state.send_full
-            report = send(self.group, tensors, update.keep)
+            if update.mode == "delta":
+                report = state.send_delta(self.group, tensors)
+            else:
+                report = state.send_full(self.group, tensors, update.keep)
             if (extra := next(tensors, None)) is not None:  # also runs the source to its end (its last gather)
                 raise ValueError(f"weight source yielded {extra[0]} beyond the parameters its metadata declared")
             workers = received.result()
@@ -449,7 +456,7 @@ class SenderState:
         elements = sum(slot.numel for bucket in self.plan for slot in bucket.slots)
         return SyncReport("full", elements, elements, sum(bucket.nbytes for bucket in self.plan))
 
-    def send_delta(self, group: ProcessGroupGloo, tensors: Iterator, keep: bool) -> SyncReport:
+    def send_delta(self, group: ProcessGroupGloo, tensors: Iterator) -> SyncReport:
         """Per bucket: pack it, compare it with the engines' copy, send the header of counts and the payload of
         patches (while the next bucket is packed and compared), and bring the copy up to date."""
         works: list[list] = [[], []]
