@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpo_dist.config import Config, ConfigError, field_docs, load_config
+from grpo_dist.config import Config, ConfigError, field_docs, load_config, refuse_credentials
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_generators=8")
     submit.add_argument("--address", **address)
     submit.add_argument("--env", action="append", default=[], metavar="NAME",
-                        help="forward this environment variable into the job (WANDB_API_KEY, HF_TOKEN and HF_HOME "
-                        "are forwarded when set); values are never printed")  # fmt: skip
+                        help="forward this environment variable into the job (HF_HOME is forwarded when set; "
+                        "WANDB_API_KEY and HF_TOKEN too with --forward-secrets); values are never printed")  # fmt: skip
+    submit.add_argument("--forward-secrets", action="store_true",
+                        help="forward secrets too (WANDB_API_KEY, HF_TOKEN, AWS keys, --env names holding KEY, TOKEN, "
+                        "SECRET, ...): Ray writes a job's env vars in plain text to runtime_env_agent.log on every "
+                        "node; without it, set them in the nodes' own environment")  # fmt: skip
     submit.add_argument("--working-dir", default=".", help="the files the job gets (default: here, without .venv, "
                         "outputs and caches)")  # fmt: skip
     submit.add_argument("--no-follow", action="store_true", help="return once submitted")
@@ -138,7 +142,20 @@ def reference_markdown() -> str:
     return "\n".join(rows)
 
 
+FLAGS_WITH_URIS = {"resume": "--resume", "checkpoint": "--checkpoint", "address": "--address", "cluster": "--cluster"}
+"""The flags that may name a URI: one carrying credentials is refused (it would be printed and recorded)."""
+
+
+def _refuse_credentials_in_flags(args: argparse.Namespace) -> None:
+    """Raise `ConfigError` (shown redacted) when a flag's URI carries a user, password or credential parameter."""
+    for attribute, flag in FLAGS_WITH_URIS.items():
+        value = getattr(args, attribute, None)
+        if isinstance(value, str):
+            refuse_credentials(value, flag)
+
+
 def _run(args: argparse.Namespace) -> int:
+    _refuse_credentials_in_flags(args)
     if args.command == "reference":
         print(reference_markdown() if args.markdown else reference_text())
         return 0
@@ -263,7 +280,8 @@ def _submit_or_job(args: argparse.Namespace) -> int:
     try:
         if args.command == "job":
             return job(args.action, args.job_id, args.address, follow=args.follow)
-        return submit(args.config, args.overrides, args.address, args.env, args.working_dir, not args.no_follow)
+        return submit(args.config, args.overrides, args.address, args.env, args.working_dir, not args.no_follow,
+                      args.forward_secrets)  # fmt: skip
     except SubmitError as err:
         print(f"grpo-dist {args.command}: {err}", file=sys.stderr)
         return 2

@@ -7,9 +7,11 @@ starts. This module imports neither torch nor ray, so ``grpo-dist --help`` and c
 from __future__ import annotations
 
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -80,6 +82,14 @@ class Config(_Section):
     """Experiment tracking."""
 
     @model_validator(mode="after")
+    def _no_credentials_in_uris(self) -> Config:
+        """First of the checks, so that no later message can show a secret: every value of the config ends up in
+        config.yaml, each checkpoint and the W&B run's config."""
+        for key, value in _strings(self.model_dump(mode="json")):
+            refuse_credentials(value, key)
+        return self
+
+    @model_validator(mode="after")
     def _off_policy_resolved(self) -> Config:
         algorithm, off_policy = self.algorithm, self.rollout.max_staleness >= 1
         if algorithm.old_logprobs == "auto":  # top_p < 1 samples a truncated distribution: every ratio falls below 1
@@ -96,11 +106,17 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _model_code_in_the_sandbox(self) -> Config:
-        names = [spec.name for spec in self.reward.functions] + self.judges
-        if "code_tests" in names and not self.reward.sandbox:
-            raise ValueError("the code_tests reward runs the model's code: it needs reward.sandbox=true")
+    def _isolation_where_the_model_code_runs(self) -> Config:
+        if self.reward.isolation == "auto":
+            self.reward.isolation = "require" if self.model_code_runs else "best_effort"
         return self
+
+    @property
+    def model_code_runs(self) -> bool:
+        """Whether the model's own code runs: the `code_tests` reward, or the `python` tool."""
+        names = [spec.name for spec in self.reward.functions] + self.judges
+        tools = (self.environment.tools or []) if self.environment is not None else []
+        return "code_tests" in names or "python" in tools
 
     @model_validator(mode="after")
     def _judge_is_a_reward(self) -> Config:
@@ -145,12 +161,12 @@ class Config(_Section):
     def _one_object_store(self) -> Config:
         if self.checkpoint.dir and "://" in self.checkpoint.dir:
             raise ValueError(
-                f"checkpoint.dir={self.checkpoint.dir!r}: an object store is set as run.output_dir (checkpoints go "
-                "under it); checkpoint.dir takes a path"
+                f"checkpoint.dir={redact(self.checkpoint.dir)!r}: an object store is set as run.output_dir "
+                "(checkpoints go under it); checkpoint.dir takes a path"
             )
         if self.object_store and self.checkpoint.dir:
             raise ValueError(
-                f"checkpoint.dir must be null with an object-store run.output_dir ({self.run.output_dir}): the "
+                f"checkpoint.dir must be null with an object-store run.output_dir ({redact(self.run.output_dir)}): the "
                 "checkpoints go there, under <name>/checkpoints"
             )
         return self
@@ -232,7 +248,7 @@ class Config(_Section):
         """Where a file of the run is, as its user finds it: under `run.output_dir` (a path, or a URI)."""
         if not self.object_store:
             return str(self.run_dir.joinpath(*parts))
-        return uri_join(self.run.output_dir, self.run.name, *parts)
+        return redact(uri_join(self.run.output_dir, self.run.name, *parts))
 
     @property
     def checkpoints_shown(self) -> str:
@@ -248,6 +264,70 @@ def uri_join(uri: str, *parts: str) -> str:
     """`uri` with `parts` appended to its path, its query kept (`s3://b/r?endpoint_override=h:9`, ...)."""
     base, sep, query = uri.partition("?")
     return "/".join([base.rstrip("/"), *filter(None, parts)]) + sep + query
+
+
+URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
+"""A URI (`s3://...`, `https://...`) on its own or inside a message, up to the next blank or quote."""
+CREDENTIAL_PARAMETER = re.compile(r"key|secret|token|password|passwd|credential|signature|^sig$", re.IGNORECASE)
+"""A query parameter whose value is a credential: pyarrow's `access_key`, `secret_key`, `session_token`,
+`access_token`, `account_key`, `sas_token`, `client_secret`; a presigned URL's `X-Amz-Credential`, `X-Amz-Signature`,
+`X-Amz-Security-Token`, Azure's `sig`."""
+CREDENTIALS_GO = (
+    "credentials come from each node's environment or the provider's own files, never from a URI (it would be "
+    "printed and written to config.yaml, every checkpoint and the W&B config): AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or ~/.aws/credentials with AWS_PROFILE, for s3://; "
+    "GOOGLE_APPLICATION_CREDENTIALS for gs://; HADOOP_USER_NAME and a Kerberos ticket for hdfs://; the endpoint may "
+    "stay in the URI (`?endpoint_override=host:9000&scheme=http`) or go to AWS_ENDPOINT_URL"
+)
+
+
+def _redact_one(uri: str) -> str:
+    scheme, _, rest = uri.partition("://")
+    if "@" in rest:  # userinfo; a password may hold `/` or `?`, so everything up to the last `@` goes
+        rest = "***" + rest[rest.rindex("@") :]
+    base, sep, query = rest.partition("?")
+    parameters = []
+    for parameter in query.split("&") if sep else []:
+        name, equals, value = parameter.partition("=")
+        parameters.append(f"{name}=***" if CREDENTIAL_PARAMETER.search(unquote(name)) else parameter)
+    return f"{scheme}://{base}{sep}{'&'.join(parameters)}"
+
+
+def redact(text: str) -> str:
+    """`text` (a URI, or a message holding URIs) with whatever in a URI could be a credential masked: a user and
+    password before `@` (`s3://***@bucket/path`) and each credential query parameter's value (`?secret_key=***`).
+    For every line that shows a URI."""
+    return URI.sub(lambda match: _redact_one(match.group()), text)
+
+
+def uri_credentials(value: str) -> list[str]:
+    """What in `value`, when it is a URI, is a credential: a user or password before `@`, and each credential query
+    parameter by name. Empty for a URI without any, and for anything that is not a URI."""
+    if not URI.fullmatch(value):
+        return []
+    rest = value.partition("://")[2]
+    found = ["a user or password before '@'"] if "@" in rest else []
+    query = rest.rpartition("@")[2].partition("?")[2]
+    names = [unquote(parameter.partition("=")[0]) for parameter in query.split("&") if parameter]
+    return found + [f"query parameter {name!r}" for name in names if CREDENTIAL_PARAMETER.search(name)]
+
+
+def refuse_credentials(value: str, key: str) -> None:
+    """Raise `ConfigError` when `value`, given as `key` (a config key, a command-line flag), is a URI carrying
+    credentials; the message shows it redacted."""
+    found = uri_credentials(value)
+    if found:
+        raise ConfigError(f"{key}: {redact(value)} carries credentials ({', '.join(found)}): remove them; "
+                          f"{CREDENTIALS_GO}")  # fmt: skip
+
+
+def _strings(tree: Any, key: str = "") -> list[tuple[str, str]]:
+    """Every string in a dumped config, by its dotted key (`eval.sets.0.path`)."""
+    if isinstance(tree, dict):
+        return [found for name, child in tree.items() for found in _strings(child, f"{key}.{name}".lstrip("."))]
+    if isinstance(tree, list):
+        return [found for index, child in enumerate(tree) for found in _strings(child, f"{key}.{index}")]
+    return [(key, tree)] if isinstance(tree, str) else []
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
@@ -270,13 +350,13 @@ def apply_override(raw: dict, override: str) -> None:
     """Set `section.key=value` in a raw config dict; the value is parsed as YAML (`8`, `1e-5`, `null`, `[a, b]`)."""
     key, sep, text = override.partition("=")
     if not sep or not key:
-        raise ConfigError(f"override {override!r} must look like section.key=value")
+        raise ConfigError(f"override {redact(repr(override))} must look like section.key=value")
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {part!r} holds a value, not a section")
+            raise ConfigError(f"override {redact(repr(override))}: {part!r} holds a value, not a section")
         node = child
     node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
 
@@ -298,7 +378,7 @@ def _describe(error: dict) -> str:
     if error["type"] == "missing":
         return f"{key}: required key is missing"
     value = error.get("input")
-    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    shown = "" if isinstance(value, dict) else f" (got {redact(repr(value))})"
     return f"{key}: {error['msg']}{shown}"
 
 

@@ -253,6 +253,15 @@ class RewardConfig(_Section):
     """Let reward code start processes and threads (killed with the sandbox when a call runs past its bound)."""
     sandbox_network: bool = False
     """Let reward code use the network (a remote judge); off, the sandbox has a network namespace of its own."""
+    sandbox_env: list[str] = []
+    """Names of environment variables passed on to the reward and tool sandboxes (a remote judge's API key); the
+    sandboxes get no other variable of the run's environment."""
+    isolation: Literal["auto", "require", "best_effort"] = "auto"
+    """How model-written code (the `code_tests` reward, the `python` tool) is isolated. `require`: each run in
+    namespaces of its own (bubblewrap), and the reward and tool sandboxes in a network namespace and, under root,
+    as `nobody`; where the machine refuses any of it the run stops before any engine starts, saying what was
+    refused. `best_effort`: what the machine allows, said once on the console. `auto`: `require` where the model's
+    code runs, else `best_effort`. README: Sandbox."""
     num_cpus: float = Field(0.25, gt=0)
     """CPUs reserved per reward worker."""
     max_unscored_fraction: float = Field(0.9, gt=0, le=1)

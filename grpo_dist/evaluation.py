@@ -172,13 +172,14 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     import tempfile
 
     from grpo_dist import checkpoints
-    from grpo_dist.config import ConfigError
+    from grpo_dist.config import ConfigError, redact
     from grpo_dist.driver import start_cluster
     from grpo_dist.inputs import prepare
     from grpo_dist.run_dir import resolve_paths
 
     if "://" in path:
-        raise ConfigError(f"--checkpoint {path}: grpo-dist eval reads a checkpoint on a path; copy it from the store")
+        raise ConfigError(f"--checkpoint {redact(path)}: grpo-dist eval reads a checkpoint on a path; copy it from "
+                          "the store")  # fmt: skip
     policy = Path(path).resolve()
     hugging_face = (policy / "config.json").is_file()
     with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:

@@ -114,7 +114,14 @@ class GeneratorPool:
         return (
             ray.remote(Generator)
             .options(**generator_resources(cfg), scheduling_strategy=self.placement.generator_strategy(slot))
-            .remote(self.model_path, cfg.rollout, cfg.run.seed + slot, wire_backend(cfg), cfg.environment)
+            .remote(
+                self.model_path,
+                cfg.rollout,
+                cfg.run.seed + slot,
+                wire_backend(cfg),
+                cfg.environment,
+                (cfg.reward.isolation, cfg.reward.sandbox_env),
+            )
         )
 
     @property

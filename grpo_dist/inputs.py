@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_dist import jail
 from grpo_dist.config import Config, ConfigError, EvalSetConfig
 from grpo_dist.data import PromptRecord, encode_prompts, split_task
 from grpo_dist.data.sources import read_source
@@ -118,10 +119,14 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
 def check_rewards(cfg: Config) -> RewardRunner:
     """Every reward function the config names (training, then the eval judges) resolves to a callable: imported
     where they will run (the sandbox, by default), never in this process. Returns them, ready to score as the reward
-    workers will (the caller closes it)."""
+    workers will (the caller closes it). Where the model's code runs, the isolation `reward.isolation` asks for must
+    be there (said once on the console)."""
     try:
+        if cfg.model_code_runs:
+            found = jail.check(jail.Isolation(cfg.reward.isolation), "the code_tests reward or the python tool")
+            print(f"sandbox: {found.describe()}")
         return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, cfg.reward)
-    except (ValueError, SandboxError) as err:
+    except (ValueError, SandboxError, jail.IsolationRefused) as err:
         raise ConfigError(str(err)) from None
 
 
@@ -154,7 +159,9 @@ def check_environment(cfg: Config, tokenizer: Any, record: PromptRecord) -> None
     from grpo_dist.sandbox import Sandbox
 
     try:
-        loop = AgentLoop(cfg.environment, tokenizer, cfg.rollout.max_new_tokens)
+        loop = AgentLoop(
+            cfg.environment, tokenizer, cfg.rollout.max_new_tokens, cfg.reward.isolation, cfg.reward.sandbox_env
+        )
         first = loop.first_tokens(record.row)
         loop.renderer.observation([{"role": "tool", "content": "0"}])
         if loop.specs:

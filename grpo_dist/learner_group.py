@@ -86,6 +86,8 @@ class LearnerGroup:
         nodes = self._wait([rank.node.remote() for rank in self.ranks], "node", bound=start)
         master = (nodes[0][1], self._wait([self.ranks[0].free_port.remote()], "free_port")[0])
         node_ids = self.node_ids = [node_id for node_id, _ in nodes]
+        if self.cfg.object_store:  # each node's shards are staged on its own disk: its directory made safely first
+            self.on_each_node("make_staging_dir", self.cfg.run.staging_dir, self.cfg.run.name)
         # No collective outlasts the longest call it belongs to: a step's, a sync's or a checkpoint's.
         collective_s = max(bound.seconds for bound in (self.bounds.train, self.bounds.sync, self.bounds.checkpoint))
         calls = [
@@ -166,7 +168,7 @@ class LearnerGroup:
 
     def on_each_node(self, method: str, *args: Any) -> None:
         """Run a method on the first rank of each node, at once: the calls that move a node's own files (`upload`,
-        `download`, `discard`)."""
+        `download`, `discard`, `make_staging_dir`)."""
         firsts = [self.node_ids.index(node) for node in dict.fromkeys(self.node_ids)]
         calls = [getattr(self.ranks[index], method).remote(*args) for index in firsts]
         self._wait(calls, method, ranks=firsts, bound=self.bounds.checkpoint)

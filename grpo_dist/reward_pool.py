@@ -18,6 +18,7 @@ from collections import Counter
 import ray
 from tqdm import tqdm
 
+from grpo_dist import jail
 from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.config import Config
 from grpo_dist.faults import ActorPool, Bounds, FaultLog, RunFailed, split
@@ -88,8 +89,10 @@ class RewardPool:
         return Score(math.nan, [math.nan] * len(self.names), {name: why for name in self.names})
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's `reward_failures/*` (see `RewardFailures.end_step`) and the judge's `judge/seconds`."""
-        return self.failures.end_step() | (self.judge.step_metrics() if self.judge is not None else {})
+        """This step's `reward_failures/*` (see `RewardFailures.end_step`), the judge's `judge/seconds`, and where
+        the model's code runs, `sandbox/namespaces` (1: it runs in namespaces of its own; 0: best effort)."""
+        isolation = {"sandbox/namespaces": float(jail.status().namespaces)} if self.cfg.model_code_runs else {}
+        return self.failures.end_step() | isolation | (self.judge.step_metrics() if self.judge is not None else {})
 
     def shutdown(self) -> None:
         self.pool.shutdown()

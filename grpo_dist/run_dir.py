@@ -18,7 +18,7 @@ import yaml
 
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.faults import Bound, gather
-from grpo_dist.storage import ObjectStore, StoreError, upload_run_files
+from grpo_dist.storage import ObjectStore, StagingError, StoreError, private_dir, upload_run_files
 
 log = logging.getLogger("grpo_dist")
 
@@ -78,13 +78,17 @@ class StorageError(ConfigError):
 def resolve_paths(cfg: Config) -> None:
     """Make `run.output_dir` (and `checkpoint.dir`, when set) absolute, once, before any actor starts: every file a
     run writes then lands in one place, whatever the working directory of the process that writes it. An object
-    store is opened and listed here, so a wrong URI or missing credentials stop the run before anything starts."""
+    store is opened and listed here, so a wrong URI or missing credentials stop the run before anything starts, and
+    this node's staging directory is made (`private_dir`: never through a symbolic link, this user's, mode 0o700)."""
     if cfg.object_store:
         try:
             ObjectStore(cfg.object_store).check()
         except StoreError as err:
             raise StorageError(f"run.output_dir: {err}") from None
-        cfg.run.staging_dir = str(Path(cfg.run.staging_dir).expanduser().resolve())
+        try:  # absolute, not resolved: a link in the staging directory's own part is refused, never followed
+            cfg.run.staging_dir = str(private_dir(cfg.run.staging_dir, cfg.run.name).parent)
+        except StagingError as err:
+            raise StagingError(f"run.staging_dir: {err}") from None
         return
     cfg.run.output_dir = str(Path(cfg.run.output_dir).expanduser().resolve())
     if cfg.checkpoint.dir:

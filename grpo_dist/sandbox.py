@@ -14,6 +14,15 @@ A call that runs past `reward.timeout_s` is answered NaN and the sandbox killed 
 process group, and any process that left it, found by the mark in its environment); so is one whose sandbox died
 (`os._exit`, a crash, a limit), and the next call starts a new one. A function that raises scores NaN with the
 error's name and message as the reason.
+
+User code here is the user's: the sandbox keeps it from harm done by mistake and from the secrets it has no use for,
+but the model's own code never runs here (`grpo_dist.jail` runs it). The sandbox gets an environment of its own
+(PATH, LANG, a HOME and working directory of its own, the import path; never the run's tokens: names listed in
+`reward.sandbox_env` are passed on), imports the user's modules only after it became `nobody`, with the worker's
+working directory last on its import path, and every answer it gives is checked here: one JSON line per request,
+carrying the request's number and, for a reward, one finite number; anything else leaves that call unscored and the
+sandbox replaced. Under `reward.isolation: require` a sandbox the machine refuses a network namespace or the change
+of user does not start (`SandboxError`, saying what was refused).
 """
 
 from __future__ import annotations
@@ -21,13 +30,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import math
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,6 +52,7 @@ CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 CAP_DAC_READ_SEARCH = 2  # linux/capability.h: read any file, search any directory
 CAPABILITY_VERSION_3 = 0x20080522
 NOBODY = 65534
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,8 @@ class Limits:
     cpu_s: float  # CPU time per call
     processes: bool  # may start processes and threads
     network: bool  # keeps the network
+    require: bool = False  # refuse to start where the network namespace or the change of user is refused
+    env: tuple[str, ...] = ()  # names of variables of the worker's environment passed on (`reward.sandbox_env`)
 
 
 class SandboxError(RuntimeError):
@@ -68,6 +83,8 @@ class Sandbox:
         self.process: subprocess.Popen | None = None
         self.buffer = b""
         self.ended = False  # its answers' pipe closed: the process is gone
+        self.requests = 0  # requests sent to this process: each answer carries the number of its own
+        self.home: str | None = None  # its HOME and working directory
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
         if reap and sys.platform.startswith("linux"):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -87,7 +104,7 @@ class Sandbox:
             return math.nan, self._lost(timeout_s, timed_out=not self.ended)
         if "error" in answer:
             return math.nan, answer["error"]
-        return float(answer["value"]), None
+        return answer["value"], None
 
     def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
         """Tool `index` with `arguments`: (its result as text, None), or (None, why it has none)."""
@@ -118,19 +135,25 @@ class Sandbox:
                 stray.kill()
         psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
         self.process = None
-        self.buffer, self.ended = b"", False
+        self.buffer, self.ended, self.requests = b"", False, 0
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+            self.home = None
 
     def _start(self) -> None:
         self.close()
-        threads = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
-        env = {**os.environ, **threads, SANDBOX_MARK: str(os.getpid()), "TOKENIZERS_PARALLELISM": "false"}
-        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, sys.path)])  # imports as this process would
+        self.home = tempfile.mkdtemp(prefix=f"grpo-{self.kind}-sandbox-")
+        if os.geteuid() == 0:
+            os.chown(self.home, NOBODY, NOBODY)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grpo_dist.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-            start_new_session=True,
+            [sys.executable, "-m", "grpo_dist.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=sandbox_env(self.home, self.limits.env), cwd=self.home, start_new_session=True,
         )  # fmt: skip
-        self._send({"functions": self.names, "kind": self.kind, "limits": asdict(self.limits)})
-        ready = self._receive(START_TIMEOUT_S)
+        self.process.stdin.write(json.dumps({"functions": self.names, "kind": self.kind,
+                                             "limits": asdict(self.limits)}).encode() + b"\n")  # fmt: skip
+        self.process.stdin.flush()
+        line = self._line(START_TIMEOUT_S)
+        ready = json.loads(line) if line is not None else None
         if ready is None:
             why = _exit_reason(self.process.poll(), self.label) if self.process.poll() is not None else "no answer"
             self.close()
@@ -152,11 +175,13 @@ class Sandbox:
         return f"{why} (the {self.label} sandbox was killed with everything it started)" if timed_out else why
 
     def _send(self, message: dict) -> None:
+        self.requests += 1
+        message = {**message, "id": self.requests}
         self.process.stdin.write(json.dumps(message, default=str).encode() + b"\n")
         self.process.stdin.flush()
 
-    def _receive(self, timeout_s: float) -> dict | None:
-        """The next answer, or None when none came within `timeout_s` or the process ended."""
+    def _line(self, timeout_s: float) -> bytes | None:
+        """The next line it wrote, or None when none came within `timeout_s` or the process ended."""
         deadline = time.monotonic() + timeout_s
         out = self.process.stdout.fileno()
         while b"\n" not in self.buffer:
@@ -169,7 +194,57 @@ class Sandbox:
                 return None
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line)
+        return line
+
+    def _receive(self, timeout_s: float) -> dict | None:
+        """The answer to the last request, checked (`checked_answer`), or None when none came within `timeout_s`
+        or the process ended. An answer out of protocol becomes an error answer, and the sandbox is replaced."""
+        line = self._line(timeout_s)
+        if line is None:
+            return None
+        out = self.process.stdout.fileno()
+        extra = self.buffer or (select.select([out], [], [], 0)[0] and os.read(out, 1))
+        answer, why = checked_answer(line, self.requests, self.kind)
+        if why is None and extra:
+            why = "more than one answer to one request"
+        if why is not None:
+            self.close()
+            return {"error": f"the {self.label} sandbox answered out of protocol ({why}); it was replaced"}
+        return answer
+
+
+def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
+    """A sandbox's whole environment: what Python needs, the import path (this process's, the working directory
+    last so nothing planted there shadows an installed module), and the variables named in `passed`."""
+    env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": home,
+           "TMPDIR": home, SANDBOX_MARK: str(os.getpid()), "TOKENIZERS_PARALLELISM": "false",
+           **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")}  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([*filter(None, sys.path), os.getcwd()])
+    env.update({name: os.environ[name] for name in passed if name in os.environ})
+    return env
+
+
+def checked_answer(line: bytes, request: int, kind: str) -> tuple[dict, str | None]:
+    """One answer line as the sandbox gave it: (the answer, None), or ({}, why it is out of protocol). An answer is
+    a JSON object with the request's `id` and either an `error` (text) or, for a reward, a `value` (a finite number
+    within float32's range) or, for a tool, a `result` (text)."""
+    try:
+        answer = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    except (ValueError, UnicodeDecodeError) as error:
+        return {}, f"not JSON: {str(error)[:80]}"
+    if not isinstance(answer, dict) or answer.get("id") != request:
+        return {}, f"not the answer to request {request}"
+    if isinstance(answer.get("error"), str) and set(answer) == {"id", "error"}:
+        return answer, None
+    wanted = "value" if kind == "rewards" else "result"
+    if set(answer) != {"id", wanted}:
+        return {}, f"an answer holds `id` and `{wanted}` or `error`, got {sorted(answer)}"
+    value = answer[wanted]
+    if kind != "rewards":
+        return (answer, None) if isinstance(value, str) else ({}, "a tool's result is text")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= FLOAT32_MAX:
+        return {}, f"a reward is one finite number within float32's range, got {str(value)[:40]}"
+    return {"id": request, "value": float(value)}, None
 
 
 def _exit_reason(code: int | None, label: str = "reward") -> str:
@@ -246,26 +321,29 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def _no_processes() -> str | None:
-    """No process and no thread beyond this one: a process limit of zero. The kernel never applies it to root, so
-    root first becomes `nobody`, keeping one capability where it holds it: reading files (not writing them), so an
-    interpreter installed where only root may read stays importable. Why not, where the machine refuses."""
-    import resource
-
-    if os.geteuid() == 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
-        try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-        except OSError as err:
-            return f"reward code may start processes and threads here (cannot become nobody: {err.strerror})"
-        read = 1 << CAP_DAC_READ_SEARCH
-        if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
-            libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
-    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+def _become_nobody() -> str | None:
+    """Run as root, become `nobody` (whom a process limit binds; the kernel never applies one to root), keeping one
+    capability where it holds it: reading files (not writing them), so an interpreter installed where only root may
+    read stays importable. Why not, where the machine refuses."""
+    if os.geteuid() != 0:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
+    try:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    except OSError as err:
+        return f"the sandbox runs as root here (cannot become nobody: {err.strerror})"
+    read = 1 << CAP_DAC_READ_SEARCH
+    if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
+        libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
     return None
+
+
+def answer_to(answers: Any, request: int | None, message: dict) -> None:
+    answers.write(json.dumps(message if request is None else {"id": request, **message}).encode() + b"\n")
+    answers.flush()
 
 
 def _serve() -> None:
@@ -280,29 +358,31 @@ def _serve() -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
 
-    def answer(message: dict) -> None:
-        answers.write(json.dumps(message).encode() + b"\n")
-        answers.flush()
+    answer = functools.partial(answer_to, answers, None)
 
     setup = json.loads(requests.readline())
     limits = Limits(**setup["limits"])
-    notes = [] if limits.network else [note for note in [_network_off()] if note]
+    notes = [note for note in [None if limits.network else _network_off(), _become_nobody()] if note]
+    if limits.require and notes:
+        answer({"error": f"{'; '.join(notes)}, and reward.isolation=require (README: Sandbox)"})
+        return
+    die_with_parent()  # after the change of user, which clears it
     memory = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resolve = resolve_reward if setup.get("kind", "rewards") == "rewards" else resolve_tool
     functions = []
-    for name in setup["functions"]:
+    for name in setup["functions"]:  # imported as nobody, so a module planted on the path runs as nobody too
         try:
             functions.append(resolve(name))
         except ValueError as err:
             answer({"error": str(err)})
             return
     if not limits.processes:
-        notes += [note for note in [_no_processes()] if note]
-    die_with_parent()  # after any change of user, which clears it
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no process and no thread beyond this one
     answer({"ready": True, "notes": notes})
     for line in requests:
         request = json.loads(line)
+        answer = functools.partial(answer_to, answers, request["id"])
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         _, hard = resource.getrlimit(resource.RLIMIT_CPU)
         resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(used + limits.cpu_s), hard))
@@ -312,7 +392,10 @@ def _serve() -> None:
                 answer({"result": found if isinstance(found, str) else json.dumps(found, default=str)})
             else:
                 function = functions[request["call"]]
-                answer({"value": _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))})
+                score = _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
+                if abs(score) > FLOAT32_MAX:
+                    raise ValueError(f"returned {score:g}, beyond float32's range (the advantages are float32)")
+                answer({"value": score})
         except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
             said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
             answer({"error": said + _refused(error, limits)})

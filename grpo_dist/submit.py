@@ -3,8 +3,12 @@ it: `grpo-dist submit CONFIG --address URL`, `grpo-dist job status|logs|stop ID`
 
 The config is validated here before anything is sent. The job's files are the working directory (`--working-dir`,
 the current one by default) without local environments, runs and caches; grpo-dist itself comes from the cluster's
-image. Named environment variables are forwarded into the job (W&B key, HF token and cache by default, when set);
-their values are never printed. A submitted run needs an absolute `run.output_dir` on storage every node mounts: a
+image. Named environment variables are forwarded into the job (HF_HOME by default, when set, and with an object store
+its endpoint and region); their values are never printed. Secrets (WANDB_API_KEY, HF_TOKEN, AWS keys, any name
+holding KEY, TOKEN, SECRET, PASSWORD or CREDENTIAL) are not forwarded unless `--forward-secrets` is given: Ray 2.60
+writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node. Without it, the secrets set
+here are named (not shown) as not forwarded, to be set in the nodes' own environment (a Kubernetes Secret mounted as
+env vars in the KubeRay pod spec). A submitted run needs an absolute `run.output_dir` on storage every node mounts: a
 relative one would land in the job's temporary working directory. With token authentication (Ray 2.60 starts the
 job server with it when `RAY_AUTH_MODE=token`), the token is read from `RAY_AUTH_TOKEN` or `~/.ray/auth_token`; a
 missing or wrong one is a one-line error saying what to set.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shlex
 import sys
 import time
@@ -23,10 +28,20 @@ from typing import Any
 from grpo_dist.config import ConfigError, load_config
 
 FORWARDED = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
-"""Environment variables forwarded into every job when they are set here."""
+"""Environment variables forwarded into every job when they are set here (the secrets among them only with
+`--forward-secrets`)."""
 STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
                      "AWS_DEFAULT_REGION", "AWS_REGION")  # fmt: skip
-"""Forwarded too when they are set here and `run.output_dir` is an object store (every node uploads to it)."""
+"""Forwarded too when they are set here and `run.output_dir` is an object store (every node uploads to it); the
+keys only with `--forward-secrets`."""
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+"""A variable whose name says it holds a secret (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
+PATHS_TO_SECRETS = ("GOOGLE_APPLICATION_CREDENTIALS", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
+"""Named like secrets, but they hold the path of a file: not secrets themselves."""
+RAY_LOGS_THEM = ("Ray writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node "
+                 "(readable by whoever can read the nodes' Ray logs)")  # fmt: skip
+ON_THE_CLUSTER = ("set them in the nodes' own environment (a Kubernetes Secret mounted as env vars in the KubeRay pod "
+                  "spec, or the environment `ray start` runs in), or pass --forward-secrets")  # fmt: skip
 EXCLUDES = [".venv", "outputs", "wandb", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
             "*.egg-info", ".cache"]  # fmt: skip
 """What never goes up with the working directory."""
@@ -72,9 +87,44 @@ class JobServer:
             raise SubmitError(self.auth_problem(err)) from None
 
 
-def submit(config: str, overrides: list[str], address: str, env: list[str], working_dir: str, follow: bool) -> int:
+def is_secret(name: str) -> bool:
+    """Whether the environment variable `name` holds a secret, by its name."""
+    return bool(SECRET_NAME.search(name)) and name not in PATHS_TO_SECRETS
+
+
+def job_environment(env: list[str], object_store: bool, forward_secrets: bool) -> tuple[dict[str, str], list[str]]:
+    """The variables the job gets (those set here of the defaults and `env`; secrets only with `forward_secrets`),
+    and the secrets set here that it does not get. A variable of `env` that is not set here, or that is a secret
+    while `forward_secrets` is not given, is a `ConfigError` (nothing has been sent)."""
+    missing = [name for name in env if name not in os.environ]
+    if missing:
+        raise ConfigError(f"--env {' '.join(missing)}: not set here, so there is nothing to forward")
+    asked_secrets = [name for name in env if is_secret(name)]
+    if asked_secrets and not forward_secrets:
+        raise ConfigError(f"--env {' '.join(asked_secrets)}: a secret, by its name, and {RAY_LOGS_THEM}: "
+                          f"{ON_THE_CLUSTER}")  # fmt: skip
+    names = list(dict.fromkeys([*FORWARDED, *(STORE_CREDENTIALS if object_store else ()), *env]))
+    set_here = [name for name in names if name in os.environ]
+    withheld = [] if forward_secrets else [name for name in set_here if is_secret(name)]
+    return {name: os.environ[name] for name in set_here if name not in withheld}, withheld
+
+
+def report_secrets(forwarded: dict[str, str], withheld: list[str]) -> None:
+    """One line: the secrets forwarded (and that Ray logs them), or those set here and not forwarded, and what to do
+    on the cluster; names only, never values."""
+    if sent := sorted(name for name in forwarded if is_secret(name)):
+        print(f"warning: --forward-secrets: {', '.join(sent)} forwarded; {RAY_LOGS_THEM}")
+    if withheld:
+        print(f"not forwarded (secrets: {RAY_LOGS_THEM}): {', '.join(sorted(withheld))}; {ON_THE_CLUSTER}")
+
+
+def submit(
+    config: str, overrides: list[str], address: str, env: list[str], working_dir: str, follow: bool,
+    forward_secrets: bool = False,
+) -> int:  # fmt: skip
     """Validate the config, submit `grpo-dist train` as a job and (with `follow`) print its logs until it ends.
-    Returns the exit status: 0 when the job succeeded (or was submitted, not followed), 1 otherwise."""
+    Secrets go into the job only with `forward_secrets` (`job_environment`). Returns the exit status: 0 when the
+    job succeeded (or was submitted, not followed), 1 otherwise."""
     cfg = load_config(config, overrides)
     if not cfg.object_store and not Path(cfg.run.output_dir).is_absolute():
         raise ConfigError(
@@ -86,11 +136,8 @@ def submit(config: str, overrides: list[str], address: str, env: list[str], work
         config_in_job = Path(config).resolve().relative_to(root)
     except ValueError:
         raise ConfigError(f"{config} is not inside the working directory {root}, which is what the job gets") from None
-    names = list(dict.fromkeys([*FORWARDED, *(STORE_CREDENTIALS if cfg.object_store else ()), *env]))
-    missing = [name for name in env if name not in os.environ]
-    if missing:
-        raise ConfigError(f"--env {' '.join(missing)}: not set here, so there is nothing to forward")
-    forwarded = {name: os.environ[name] for name in names if name in os.environ}
+    forwarded, withheld = job_environment(env, bool(cfg.object_store), forward_secrets)
+    report_secrets(forwarded, withheld)
     # `grpo-dist job stop` is SIGTERM to the run, which then writes a checkpoint; Ray kills it after this wait.
     env_vars = {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S), **forwarded}
     # --resume auto: a job submitted again (after its driver or head was lost) goes on from its latest checkpoint.

@@ -140,3 +140,75 @@ def misbehaving_reward(prompt: str, completion: str, state_dir: str, port: int, 
             continue
         return misbehave(prompt, completion, port=port)
     return length_reward(prompt, completion)
+
+
+# Hostile user rewards: each tries to break the protocol of the sandbox or to reach what it must not.
+
+
+def big_reward(prompt: str, completion: str, **_: Any) -> float:
+    return 3e38  # within float32's range; two of them are not
+
+
+def float32_overflow_reward(prompt: str, completion: str, **_: Any) -> float:
+    return 3.5e38  # finite in float64, inf in a float32 tensor
+
+
+def huge_int_reward(prompt: str, completion: str, **_: Any) -> int:
+    return 10**400  # no float holds it
+
+
+def forging_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Writes a forged answer (and a line of garbage) to every file descriptor it has, then fails its own work."""
+    import json
+    import os
+
+    for fd in range(3, 256):
+        for request in range(1, 50):
+            try:
+                os.write(fd, json.dumps({"id": request, "value": 1.0}).encode() + b"\n")
+            except OSError:
+                break
+    raise RuntimeError("my own checks failed")
+
+
+def garbage_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Writes a line that is not JSON where its answer goes, then returns normally."""
+    import os
+
+    for fd in range(3, 256):
+        try:
+            os.write(fd, b"Infinity garbage\n")
+        except OSError:
+            pass
+    return 1.0
+
+
+def secret_reward(prompt: str, completion: str, name: str = "WANDB_API_KEY", **_: Any) -> float:
+    """1.0 when the variable `name` of the run's environment is in its own."""
+    import os
+
+    return 1.0 if name in os.environ else 0.0
+
+
+def planting_reward(prompt: str, completion: str, module: str, **_: Any) -> float:
+    """Plants `module` in every writable directory of its import path: importing it records who imported it."""
+    import os
+
+    planted = 0.0
+    for directory in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        try:
+            with open(os.path.join(directory, f"{module}.py"), "w") as file:
+                file.write("import os\nIMPORTED_BY = os.geteuid()\n\ndef probe(prompt, completion, **_):\n"
+                           "    return float(IMPORTED_BY)\n")  # fmt: skip
+            planted = 1.0
+        except OSError:
+            continue
+    return planted
+
+
+def detaching_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Starts `sleep 600` in a session of its own (setsid), which tries to outlive the sandbox."""
+    import subprocess
+
+    subprocess.Popen(["setsid", "sleep", "600"], start_new_session=True)
+    return 1.0

@@ -54,10 +54,11 @@ class Generator:
         seed: int,
         weight_transfer: str | None = None,
         environment: EnvironmentConfig | None = None,
+        isolation: tuple[str, list[str]] = ("best_effort", []),
     ) -> None:
         """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
         None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
-        in it (`grpo_dist.agents`)."""
+        in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools."""
         die_with_parent()
         os.environ.update(engine_environment())
         import torch
@@ -75,7 +76,8 @@ class Generator:
 
             from grpo_dist.agents.episode import AgentLoop
 
-            self.agent = AgentLoop(environment, AutoTokenizer.from_pretrained(model_path), rollout.max_new_tokens)
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.agent = AgentLoop(environment, tokenizer, rollout.max_new_tokens, *isolation)
         self.weight_version = 0
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()

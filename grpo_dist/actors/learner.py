@@ -337,6 +337,13 @@ class Learner:
             raise RuntimeError(f"learner rank {self.rank}: no DeepSpeed checkpoint in {path}")
         self.weight_version = client_state["weight_version"]
 
+    def make_staging_dir(self, root: str, run_name: str) -> None:
+        """This node's staging directory `root/run_name`, before DeepSpeed writes shards there: never through a
+        symbolic link, this user's, mode 0o700 (`grpo_dist.storage.private_dir`; the first rank of each node)."""
+        from grpo_dist.storage import private_dir
+
+        private_dir(root, run_name)
+
     def upload(self, local: str, store: str, key: str) -> None:
         """What this node holds at `local` (a checkpoint's shards, the final policy) to `key` in the object store
         `store`; the local copy is then removed (the first rank of each node does this for its node)."""

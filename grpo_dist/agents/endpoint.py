@@ -16,13 +16,20 @@ trajectory, counted in `agent/diverged`. Sampling is the run's (`rollout.tempera
 learner scores tokens at that temperature; a request's `max_tokens` is honoured up to `rollout.max_new_tokens`, and
 the whole conversation stays within `environment.max_total_tokens`. Replies carry the parsed tool calls
 (`environment.tool_parser`) as OpenAI `tool_calls`.
+
+Only the trajectory's own agent can write into it: each endpoint has an API key of its own (`Endpoint.api_key`,
+random) that its agents' clients send as `Authorization: Bearer <key>` (`openai.AsyncOpenAI(api_key=...)`), and each
+session's id is random (`secrets.token_urlsafe`), so another process on the machine (model-written code run by a
+tool, another user) can neither guess a session nor call one: a missing or wrong key is answered 401. A malformed
+request (not JSON, no `messages`, a `max_tokens` that is not a positive integer) is answered 400 with a JSON error.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import hmac
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,13 +83,55 @@ def same_message(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
     return sent.get("role") == kept["role"] and (kept["role"] == "assistant" or sent.get("content") == kept["content"])
 
 
+class BadRequest(ValueError):
+    """A chat-completions request the endpoint cannot read; answered 400 with this message."""
+
+
+def read_request(body: Any) -> tuple[list[dict[str, Any]], list | None, int | None]:
+    """The messages, tools and asked `max_completion_tokens` (or `max_tokens`; None: not asked) of a request's
+    parsed JSON body; `BadRequest` naming the field when one is malformed."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages: at least one message (a list of objects)")
+    if not all(isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages):
+        raise BadRequest("messages: each message must be an object with a string `role`")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools: a list of tool definitions")
+    return [dict(message) for message in messages], tools, asked_tokens(body)
+
+
+def asked_tokens(body: dict[str, Any]) -> int | None:
+    """The request's `max_completion_tokens`, else its `max_tokens` (None: neither); `BadRequest` unless a positive
+    integer."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadRequest(f"{name}: a positive integer (got {json.dumps(value)[:40]})")
+        return value
+    return None
+
+
+def error_answer(status: int, message: str, kind: str):
+    """An OpenAI-shaped JSON error answer."""
+    from aiohttp import web
+
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status, headers=headers)
+
+
 class Endpoint:
-    """The HTTP endpoint of one generator: sessions opened and closed by its trajectories."""
+    """The HTTP endpoint of one generator: sessions opened and closed by its trajectories, each called with the
+    endpoint's `api_key`."""
 
     def __init__(self, tokenizer: Any, parser: Any, limits: Limits) -> None:
         self.tokenizer, self.parser, self.limits = tokenizer, parser, limits
         self.sessions: dict[str, Session] = {}
-        self.ids = itertools.count()
+        self.api_key = secrets.token_urlsafe(32)  # what its agents' `openai` clients send as the Bearer token
         self.port: int | None = None
         self.runner = None
 
@@ -98,27 +147,39 @@ class Endpoint:
         self.port = site._server.sockets[0].getsockname()[1]
 
     def open(self, sample: Sampler, seed: int | None) -> str:
-        """A new session; returns the base URL its `openai` client uses."""
-        name = str(next(self.ids))
+        """A new session; returns the base URL its `openai` client uses (with `api_key`). Its id is random, so no
+        other process can guess it."""
+        name = secrets.token_urlsafe(16)
         self.sessions[name] = Session(sample, seed)
         return f"http://127.0.0.1:{self.port}/sessions/{name}/v1"
 
     def close(self, base_url: str) -> Session:
         return self.sessions.pop(base_url.rsplit("/", 2)[-2])
 
+    def authorized(self, request) -> bool:
+        """Whether the request carries this endpoint's key as `Authorization: Bearer <key>` (compared in constant
+        time)."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
     async def _chat(self, request):
         from aiohttp import web
 
+        if not self.authorized(request):
+            return error_answer(401, "missing or wrong API key: send the endpoint's key as `Authorization: Bearer <key>` "
+                         "(the `openai` client's api_key)", "authentication_error")  # fmt: skip
         session = self.sessions.get(request.match_info["session"])
         if session is None:
-            return web.json_response({"error": {"message": "no such session (its trajectory ended)"}}, status=404)
-        body = await request.json()
-        messages = [dict(message) for message in body.get("messages") or []]
-        if not messages:
-            return web.json_response({"error": {"message": "messages: at least one message"}}, status=400)
+            return error_answer(404, "no such session (its trajectory ended)", "not_found_error")
+        try:
+            body = json.loads(await request.text())
+            messages, tools, asked = read_request(body)
+        except ValueError as err:  # `BadRequest`, and the errors of decoding the text and the JSON
+            why = str(err) if isinstance(err, BadRequest) else f"the body is not JSON ({err})"
+            return error_answer(400, why, "invalid_request_error")
         async with session.lock:  # calls of one session one after the other, each extending the last
-            prefix, observed = self._prefix(session, messages, body.get("tools"))
-            asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.limits.max_new_tokens
+            prefix, observed = self._prefix(session, messages, tools)
+            asked = asked or self.limits.max_new_tokens
             room = self.limits.max_total_tokens - len(prefix)
             sampled = Sampled([], [], "length", [])
             if room > 0:

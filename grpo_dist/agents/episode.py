@@ -133,7 +133,11 @@ class AgentLoop:
     tool-call parser and the tool sandboxes, from `environment` (everything a config names is resolved here, so a
     wrong name fails when the loop is built)."""
 
-    def __init__(self, environment: EnvironmentConfig, tokenizer: Any, max_new_tokens: int) -> None:
+    def __init__(
+        self, environment: EnvironmentConfig, tokenizer: Any, max_new_tokens: int, isolation: str = "best_effort",
+        sandbox_env: list[str] = (),
+    ) -> None:  # fmt: skip
+        """`isolation`, `sandbox_env`: `reward.isolation` and `reward.sandbox_env` (README: Sandbox)."""
         from grpo_dist.sandbox import Limits as SandboxLimits
 
         self.config = environment
@@ -142,7 +146,7 @@ class AgentLoop:
         self.renderer = Renderer(tokenizer, [spec.chat_template_entry for spec in self.specs])
         self.parser = resolve_parser(environment.tool_parser)
         limits = SandboxLimits(environment.sandbox_memory_mb, environment.tool_timeout_s, False,
-                               environment.sandbox_network)  # fmt: skip
+                               environment.sandbox_network, isolation == "require", tuple(sandbox_env))  # fmt: skip
         self.tools = ToolBox(self.specs, limits, environment.tool_workers, environment.tool_timeout_s)
         self.limits = Limits(environment.max_turns, environment.max_total_tokens, max_new_tokens)
         self.agent = resolve_named(environment.agent, {}, "environment.agent") if environment.agent else None

@@ -8,10 +8,10 @@ default are required. A function may carry its own `schema` attribute (the OpenA
 The `ToolBox` checks each call against the schema (unknown tool, missing, unexpected or mistyped arguments: an
 error the model reads) and runs the rest in sandbox processes of the generator (`grpo_dist.sandbox`: no network,
 limited memory, no processes), as many at once as `environment.tool_workers` (more wait for a free sandbox), each
-call bounded by
-`environment.tool_timeout_s` (past it the sandbox is killed with everything it started, and the call answered
-with a time-out error). A tool returns anything; what the model reads is its text (a `str` as is, anything else
-as JSON).
+call bounded by `environment.tool_timeout_s` (past it the sandbox is killed with everything it started, and the
+call answered with a time-out error). The built-in `python` tool runs the model's code, so each of its calls runs
+in a jail of its own instead (`grpo_dist.rewards.code`). A tool returns anything; what the model reads is its text
+(a `str` as is, anything else as JSON).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_dist.agents.protocol import ToolCall, resolve_named
+from grpo_dist.jail import Isolation
+from grpo_dist.rewards.code import run_python
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
@@ -64,7 +66,19 @@ def calculator(expression: str) -> str:
     return str(found)
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+def python(code: str) -> str:
+    """Run Python code in a fresh interpreter and read what it prints (its traceback if it raises).
+
+    Each call starts anew (nothing is kept between calls), jailed: no network, no files of the machine, no packages
+    beyond the standard library (README: Sandbox).
+    """
+    return run_python(code, PYTHON_TIMEOUT_S, Isolation.REQUIRE)
+
+
+PYTHON_TIMEOUT_S = 10.0  # when called outside a ToolBox, which gives it `environment.tool_timeout_s`
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}
+JAILED_TOOLS = ("python",)
+"""Built-in tools that run the model's code, each call jailed: run by the generator itself, not a tool sandbox."""
 
 
 def resolve_tool(name: str) -> Callable[..., Any]:
@@ -177,6 +191,12 @@ class ToolBox:
             call.seconds = time.monotonic() - started
 
     def _run(self, sandbox: Any, index: int, arguments: dict[str, Any]) -> tuple[Any, str | None, str | None]:
+        if self.paths[index] in JAILED_TOOLS:
+            isolation = Isolation.REQUIRE if self.limits.require else Isolation.BEST_EFFORT
+            try:
+                return sandbox, run_python(arguments["code"], self.timeout_s, isolation), None
+            except Exception as error:  # isolation refused on this node: the call fails, not the trajectory
+                return sandbox, None, f"{type(error).__name__}: {error}"
         if sandbox is None:
             sandbox = self._start()
         return sandbox, *sandbox.call_tool(index, arguments, self.timeout_s)

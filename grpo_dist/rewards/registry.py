@@ -19,7 +19,6 @@ from typing import Any
 
 from grpo_dist.rewards.builtin import (
     boxed_format,
-    code_tests,
     environment,
     exact_answer,
     judge,
@@ -28,6 +27,7 @@ from grpo_dist.rewards.builtin import (
     regex_format,
     tool_use,
 )
+from grpo_dist.rewards.code import code_tests
 
 RewardFn = Callable[..., float]
 """``(prompt: str, completion: str, **fields) -> float``."""
@@ -102,6 +102,11 @@ def combine(scores: list[float], weights: list[float]) -> float:
     if any(math.isnan(score) for score in scores):
         return math.nan
     return math.fsum(score * weight for score, weight in zip(scores, weights, strict=True))
+
+
+JAILED_REWARDS = ("code_tests",)
+"""Built-ins that run the model's code, each run jailed (`grpo_dist.rewards.code`): called by the reward worker
+itself, which is the trusted side of their protocol, given `isolation` and `memory_mb` from the reward config."""
 
 
 def _to_score(value: Any) -> float:

@@ -1,15 +1,21 @@
 """Running reward functions on completions: in a sandbox process (`reward.sandbox`, the default) or in threads of
 the calling process. The reward workers, the pre-flight check and `grpo-dist sft` all score through a `RewardRunner`,
-so user reward code runs the same way (and under the same limits) wherever it is called from."""
+so user reward code runs the same way (and under the same limits) wherever it is called from.
+
+The built-ins that run the model's code (`JAILED_REWARDS`: `code_tests`) are called here, in the trusted process:
+each run of the model's code is jailed (`grpo_dist.jail`), and this side alone reads its verdict."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from grpo_dist.config import RewardConfig
-from grpo_dist.rewards.registry import combine, resolve_reward, score_one
+from grpo_dist.rewards.registry import JAILED_REWARDS, _to_score, combine, resolve_reward, score_one
 from grpo_dist.sandbox import Limits, Sandbox
 
 log = logging.getLogger("grpo_dist")
@@ -23,9 +29,15 @@ class RewardRunner:
         self.names, self.timeout_s = names, reward.timeout_s
         self.sandbox: Sandbox | None = None
         self.executor = None
+        isolation = reward.isolation
+        if isolation == "auto":  # a config validated resolves it; a runner built from a bare RewardConfig does here
+            isolation = "require" if set(names) & set(JAILED_REWARDS) else "best_effort"
+        self.jailed = {index: functools.partial(resolve_reward(name), isolation=isolation,
+                                                memory_mb=min(reward.sandbox_memory_mb, 4096))
+                       for index, name in enumerate(names) if name in JAILED_REWARDS}  # fmt: skip
         if reward.sandbox:
             limits = Limits(reward.sandbox_memory_mb, reward.timeout_s, reward.sandbox_processes,
-                            reward.sandbox_network)  # fmt: skip
+                            reward.sandbox_network, isolation == "require", tuple(reward.sandbox_env))  # fmt: skip
             self.sandbox = Sandbox(names, limits, reap)
             for note in self.sandbox.notes:
                 log.warning(note)
@@ -42,15 +54,33 @@ class RewardRunner:
     ) -> tuple[float, list[float], list[str | None]]:  # fmt: skip
         """`functions` (indices into `names`) on one completion, called as `f(prompt, completion, **fields,
         **kwargs)`: (weighted sum, each score, each error or None); a failed call scores NaN, saying why."""
-        if self.sandbox is None:
+        if self.sandbox is None and not self.jailed:
             chosen = [self.functions[index] for index in functions]
             return score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
         scores, errors = [], []
         for index, extra in zip(functions, kwargs, strict=True):
-            score, error = self.sandbox.call(index, prompt, completion, {**fields, **extra}, self.timeout_s)
+            if index in self.jailed:
+                score, error = self._jailed(index, prompt, completion, {**fields, **extra})
+            elif self.sandbox is None:
+                chosen = [self.functions[index]]
+                _, [score], [error] = score_one(chosen, [1.0], [extra], prompt, completion, fields, self.timeout_s,
+                                                self.executor)  # fmt: skip
+            else:
+                score, error = self.sandbox.call(index, prompt, completion, {**fields, **extra}, self.timeout_s)
             scores.append(score)
             errors.append(error)
         return combine(scores, weights), scores, errors
+
+    def _jailed(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any]) -> tuple[float, str | None]:
+        """A jailed built-in on one completion: (score, None), or (NaN, why it has none)."""
+        started = time.monotonic()
+        try:
+            score = _to_score(self.jailed[index](prompt, completion, **kwargs))
+        except Exception as error:  # a row without tests, isolation refused on this node: this completion unscored
+            return math.nan, f"{type(error).__name__}: {error}"
+        if time.monotonic() - started > self.timeout_s:
+            return math.nan, f"timed out after {self.timeout_s:g}s (its tests together)"
+        return score, None
 
     @property
     def exhausted(self) -> bool:

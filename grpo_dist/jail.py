@@ -1,0 +1,267 @@
+"""Model-written code runs here: each run in a fresh process of its own, isolated by the kernel's namespaces through
+bubblewrap (`bwrap`, a small, widely deployed sandboxing tool), and judged only by what its trusted parent sees.
+
+A jailed process
+  - sees a file system of its own: the system's libraries and the Python interpreter read-only, an empty
+    writable `/tmp` and working directory (a tmpfs), nothing else: no home directory, no run directory, no Ray
+    session, no installed packages (it runs `python -I -S`);
+  - has PID, network, IPC and UTS namespaces of its own: it can signal nothing outside, has no network, and what it
+    starts dies with it (the namespace's first process ends, and the kernel kills the rest);
+  - runs as `nobody` with no capabilities (as root) or as the caller's user in a user namespace, with no new
+    privileges, an environment of PATH, LANG, HOME and TMPDIR only, and resource limits set before the code runs
+    that it cannot raise: address space, CPU time, written file size, open files, and processes (none unless
+    allowed);
+  - is killed, with everything in it, when it runs past its bound or its parent dies.
+
+Where bubblewrap is missing or the machine refuses a namespace, `Isolation.REQUIRE` refuses to run anything
+(`IsolationRefused`, before any engine starts) and `Isolation.BEST_EFFORT` runs a plain process instead: the same
+environment, working directory and limits, as `nobody` under root (which keeps the capability to read files, so
+the interpreter stays importable), in a session of its own that is killed whole. What is in force is `status()`.
+
+`run_program` is how `code_tests` and the `python` tool run code: the program comes on standard input after the
+process is up, so nothing it reads before it runs is anyone's secret; how a verdict leaves it is the caller's
+protocol (`grpo_dist.rewards.code`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+NOBODY = 65534
+SYSTEM_PATHS = ("/usr", "/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
+"""What a jailed process sees of the machine besides the interpreter (read-only)."""
+MERGED_USR = ("bin", "lib", "lib64", "sbin")  # links into /usr on today's distributions; bound if they are not
+PROBE_TIMEOUT_S = 30.0
+PR_SET_KEEPCAPS = 8
+CAP_DAC_READ_SEARCH = 2
+CAPABILITY_VERSION_3 = 0x20080522
+
+
+class Isolation(StrEnum):
+    REQUIRE = "require"
+    BEST_EFFORT = "best_effort"
+
+
+class IsolationRefused(RuntimeError):
+    """The machine refuses what `Isolation.REQUIRE` needs."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one jailed program may use."""
+
+    memory_mb: int  # address space
+    cpu_s: float  # CPU time (the wall-clock bound is the caller's)
+    processes: bool = False  # may start processes and threads
+    file_mb: int = 16  # largest file it may write
+    open_files: int = 64
+
+
+@dataclass(frozen=True)
+class Status:
+    """The isolation in force on this machine: `namespaces` true where bubblewrap runs, else why not."""
+
+    namespaces: bool
+    why_not: str | None = None
+
+    def describe(self) -> str:
+        if self.namespaces:
+            return "model-written code runs isolated by namespaces (bubblewrap): own PID, mount and network views"
+        return f"model-written code runs WITHOUT namespaces ({self.why_not}); only its user, limits and environment"
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+@functools.cache
+def status() -> Status:
+    """Whether a jailed process starts here (one probe per process: a jailed interpreter that prints)."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return Status(False, "bubblewrap (bwrap) is not installed")
+    workdir = tempfile.mkdtemp(prefix="grpo-jail-probe-")
+    try:
+        argv = wrap([sys_python(), "-I", "-S", "-c", "print('jailed')"], network=False, bwrap=bwrap)
+        done = subprocess.run(argv, capture_output=True, timeout=PROBE_TIMEOUT_S, cwd=workdir, env=clean_env(workdir))
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return Status(False, f"bubblewrap did not run: {error}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if done.returncode != 0 or done.stdout.strip() != b"jailed":
+        said = done.stderr.decode(errors="replace").strip().splitlines()
+        return Status(False, f"bubblewrap was refused: {said[-1] if said else f'exit code {done.returncode}'}")
+    return Status(True)
+
+
+def check(isolation: Isolation, what: str) -> Status:
+    """The isolation in force; `IsolationRefused` saying what was refused and what to do, where `require` is not met.
+    `what`: what runs model-written code (named in the error)."""
+    found = status()
+    if isolation is Isolation.REQUIRE and not found.namespaces:
+        raise IsolationRefused(
+            f"{what} runs model-written code, and reward.isolation=require, but {found.why_not}. Install bubblewrap "
+            "(`apt-get install bubblewrap`) and let the process create namespaces: in a container, run it with "
+            "seccomp and AppArmor unconfined (Kubernetes: securityContext.seccompProfile.type: Unconfined and "
+            "appArmorProfile.type: Unconfined; the bundled KubeRay manifests do), or on a host that allows "
+            "unprivileged user namespaces. Or set reward.isolation=best_effort to run it with only a user of its "
+            "own, limits and a clean environment (README: Sandbox)."
+        )
+    return found
+
+
+def sys_python() -> str:
+    """The interpreter, by its real path (a virtual environment's `python` is a link to it)."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+
+
+def clean_env(home: str) -> dict[str, str]:
+    """The whole environment a jailed process gets: never the run's tokens or keys."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home,
+            "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+
+def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
+    """`argv` under bubblewrap: the view and namespaces the module docstring lists; as root, `setpriv` then becomes
+    `nobody` with no capabilities inside (a user namespace would map nobody to root's files)."""
+    bwrap = bwrap or bwrap_path()
+    prefix = os.path.realpath(sys.base_prefix)
+    view = ["--ro-bind", "/usr", "/usr"]
+    for name in MERGED_USR:
+        path = f"/{name}"
+        if os.path.islink(path):
+            view += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            view += ["--ro-bind", path, path]
+    for path in SYSTEM_PATHS[1:]:
+        view += ["--ro-bind-try", path, path]
+    if not prefix.startswith("/usr/"):
+        view += ["--ro-bind", prefix, prefix]
+    view += ["--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp/work", "--chdir", "/tmp/work"]
+    namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    namespaces += [] if network else ["--unshare-net"]
+    env = ["--clearenv", *[arg for key, value in clean_env("/tmp/work").items() for arg in ("--setenv", key, value)]]
+    guard = ["--die-with-parent", "--new-session"]
+    if os.geteuid() == 0:
+        become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+                  "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
+        return [bwrap, *view, *namespaces, *env, *guard, "--", *become, *argv]
+    return [bwrap, *view, "--unshare-user", *namespaces, *env, *guard, "--cap-drop", "ALL", "--", *argv]
+
+
+def _as_nobody() -> None:
+    """Best effort without namespaces, as root: become `nobody`, keeping only the capability to read files."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    read = 1 << CAP_DAC_READ_SEARCH
+    libc.capset(ctypes.byref(Header(CAPABILITY_VERSION_3, 0)), (Data * 2)(Data(read, read, 0)))
+
+
+class Jailed:
+    """One program running jailed (or, best effort, in a plain process): `python -I -S -c <runner> <args>`, its
+    standard input a pipe from here, its output discarded, `status_fd` (its file descriptor for the caller's
+    protocol) the write end of a pipe this side reads. Use as a context manager: on leaving, it is killed with
+    everything it started."""
+
+    def __init__(self, runner: str, args: list[str], isolation: Isolation, output: bool = False) -> None:
+        """`output`: its standard output and error come back (`read_output`) instead of being discarded."""
+        found = check(isolation, "a program")
+        self.workdir = tempfile.mkdtemp(prefix="grpo-jail-")
+        self.read_end, write_end = os.pipe()
+        argv = [sys_python(), "-I", "-S", "-c", runner, str(write_end), *args]
+        jailed = found.namespaces
+        try:
+            self.process = subprocess.Popen(
+                wrap(argv, network=False) if jailed else argv, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+                stderr=subprocess.STDOUT if output else subprocess.DEVNULL, pass_fds=(write_end,), cwd=self.workdir,
+                env=clean_env(self.workdir),
+                start_new_session=True, preexec_fn=None if jailed or os.geteuid() != 0 else _as_nobody,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        if not jailed and os.geteuid() == 0:
+            os.chown(self.workdir, NOBODY, NOBODY)
+        self.received = b""
+
+    def send(self, data: bytes) -> bool:
+        """Write `data` to its standard input; False if it is gone."""
+        try:
+            self.process.stdin.write(data)
+            self.process.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def read_until(self, wanted: bytes, deadline: float) -> bool:
+        """Read its status pipe until what it wrote since the last match ends with `wanted` (True), or it wrote
+        something else of that length or more, closed the pipe, or `deadline` passed (False)."""
+        start = len(self.received)
+        while len(self.received) - start < len(wanted):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.read_end], [], [], remaining)[0]:
+                return False
+            chunk = os.read(self.read_end, len(wanted) - (len(self.received) - start))
+            if not chunk:
+                return False
+            self.received += chunk
+        return self.received[start:] == wanted
+
+    def read_output(self, limit: int, deadline: float) -> str:
+        """What it printed until it closed its output, `limit` characters were read, or `deadline` passed."""
+        out, data = self.process.stdout.fileno(), b""
+        while len(data) < limit:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
+                break
+            chunk = os.read(out, limit - len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data.decode(errors="replace")
+
+    def finish(self, deadline: float) -> int | None:
+        """Its exit status once it ends before `deadline` with nothing more on the status pipe, else None."""
+        try:
+            code = self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+        if select.select([self.read_end], [], [], 0)[0] and os.read(self.read_end, 1):
+            return None  # wrote more than its protocol allows
+        return code
+
+    def __enter__(self) -> Jailed:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError, AttributeError):
+                stream.close()
+        os.close(self.read_end)
+        shutil.rmtree(self.workdir, ignore_errors=True)

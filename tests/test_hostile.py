@@ -1,0 +1,316 @@
+"""Attacks, as a policy under RL (or a hostile reward or tool) would try them, each through the path a reward worker
+or a generator scores and runs with: the model's code in `code_tests` and the `python` tool, user reward functions
+in the sandbox. Each asserts the effect: the completion scores 0 (or is unscored, saying why), the secret was not
+read, the process outside is alive, nothing was written, other calls score as they should, nothing is left running.
+The same attacks run with namespaces refused (a `bwrap` that fails as a machine refusing them does), under
+`best_effort`; under `require` that refusal stops a run before anything starts."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import small_config
+from test_sandbox import runner_of, sandboxed_processes
+
+from grpo_dist import jail
+from grpo_dist.agents.protocol import ToolCall
+from grpo_dist.agents.tools import ToolBox, tool_spec
+from grpo_dist.sandbox import NOBODY, PR_SET_CHILD_SUBREAPER
+from grpo_dist.sandbox import Limits as SandboxLimits
+
+SECRET = "wandb-secret-3f9a"  # the run's token, in this process's environment for every test here
+TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(-1, 1) == 0"]
+WRONG = "def add(a, b):\n    return 0\n"  # passes the last test only
+REFUSED = "bwrap: No permissions to creating new namespace, likely because the kernel does not allow it\n"
+
+
+@pytest.fixture(autouse=True)
+def secrets_in_the_environment(monkeypatch, tmp_path_factory):
+    """The run's secrets as a worker has them: a token in its environment, a credentials file only root reads."""
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    secret_file = tmp_path_factory.getbasetemp() / "netrc"
+    secret_file.write_text(f"machine api.wandb.ai password {SECRET}\n")
+    secret_file.chmod(0o600)
+    monkeypatch.setenv("HOSTILE_SECRET_FILE", str(secret_file))
+    yield secret_file
+
+
+@pytest.fixture(params=["namespaces", "refused"])
+def isolation(request, tmp_path, monkeypatch):
+    """`require` on this machine; then `best_effort` on one that refuses namespaces."""
+    if request.param == "refused":
+        fake = tmp_path / "bin" / "bwrap"
+        fake.parent.mkdir()
+        fake.write_text(f"#!/bin/sh\nprintf '{REFUSED}' >&2\nexit 1\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    jail.status.cache_clear()
+    yield "require" if request.param == "namespaces" else "best_effort"
+    monkeypatch.undo()
+    jail.status.cache_clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reaping_only_here():
+    yield
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+@pytest.fixture
+def bystander():
+    """A process outside the sandbox, of the worker's user: the attacks try to kill it."""
+    process = subprocess.Popen(["sleep", "600"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def score(completion: str, isolation: str, tests=TESTS, **kwargs) -> tuple[float, str | None]:
+    runner = runner_of(["code_tests"], timeout_s=30.0, isolation=isolation)
+    try:
+        total, _, errors = runner.score([0], [1.0], [{"timeout_per_test_s": 2.0, **kwargs}], "add", completion,
+                                        {"tests": tests})  # fmt: skip
+        return total, errors[0]
+    finally:
+        runner.close()
+
+
+def solves_if(condition: str) -> str:
+    """A completion that solves the task only when `condition` (Python, run after its attack) holds."""
+    return f"def add(a, b):\n    return a + b if ({condition}) else 0\n"
+
+
+FORGERIES = {
+    "exit-0": WRONG + "import os\nos._exit(0)\n",
+    "sys-exit": WRONG + "import sys\nsys.exit(0)\n",
+    "raise-systemexit-in-finally": WRONG + "try:\n    pass\nfinally:\n    raise SystemExit(0)\n",
+    "every-fd": WRONG + "import os\nlines = (b'up\\n', b'ran\\n', b'1.0\\n', b'{\"id\": 1, \"value\": 1.0}\\n')\n"
+    "for fd in range(1024):\n    for line in lines:\n        try:\n            os.write(fd, line)\n"
+    "        except OSError:\n            pass\n",
+    "frames": WRONG + "import sys\nframe = sys._getframe()\nwhile frame is not None:\n"
+    "    for name, value in frame.f_globals.items():\n        if 'nonce' in name or 'test' in name:\n"
+    "            raise SystemExit(0)\n    frame = frame.f_back\n",
+    "read-stdin-for-the-tests": WRONG + "import sys\nseen = sys.stdin.read()\n",
+    "kill-its-parent": WRONG + "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
+}
+
+
+@pytest.mark.parametrize("completion", FORGERIES.values(), ids=FORGERIES.keys())
+def test_code_that_forges_its_verdict_gets_the_score_of_what_it_solves(completion, isolation):
+    """Each of these fails two tests of three; no way out of the protocol passes them."""
+    total, error = score(completion, isolation)
+    assert total in (0.0, pytest.approx(1 / 3)) and error is None, (total, error)
+    assert score(solves_if("True"), isolation) == (1.0, None)  # the honest answer is scored as ever
+
+
+def test_the_tests_are_not_in_the_process_while_the_code_runs(isolation):
+    """The code looks for the tests everywhere it can (its frames, every container in the interpreter) and answers
+    them by lookup: it finds none, so it solves nothing (reading standard input is among `FORGERIES`)."""
+    looks = (
+        "import gc, sys\nneedle = 'assert ' + 'add'\n"
+        "def strings(value):\n    if isinstance(value, dict):\n        value = list(value.values())\n"
+        "    if isinstance(value, (list, tuple)):\n        return [v for v in value if isinstance(v, str)]\n"
+        "    return []\n"
+        "found = [text for o in gc.get_objects() for text in strings(o)]\nframe = sys._getframe()\n"
+        "while frame is not None:\n    found += strings(frame.f_locals) + strings(frame.f_globals)\n"
+        "    frame = frame.f_back\nSEEN = any(needle in text and text is not needle for text in found)\n"
+    )
+    assert score(looks + solves_if("SEEN"), isolation) == (pytest.approx(1 / 3), None)
+
+
+SECRETS = {
+    "environment": "'WANDB_API_KEY' in __import__('os').environ",
+    "credentials-file": "__import__('pathlib').Path(__import__('os').environ['HOSTILE_SECRET_FILE']).exists()"
+    " and 'wandb' in open(__import__('os').environ['HOSTILE_SECRET_FILE']).read()",
+    "parents-environ": "b'wandb-secret' in open(f'/proc/{__import__(\"os\").getppid()}/environ', 'rb').read()",
+    "any-process-environ": "any(b'wandb-secret' in open(f'/proc/{p}/environ', 'rb').read() for p in "
+    "__import__('os').listdir('/proc') if p.isdigit())",
+}
+
+
+@pytest.mark.parametrize("reads", SECRETS.values(), ids=SECRETS.keys())
+def test_code_that_reads_a_secret_finds_none(reads, isolation, secrets_in_the_environment):
+    """It solves the task only if it read the secret; it scores what a wrong answer scores."""
+    if reads == SECRETS["credentials-file"] and isolation == "best_effort" and os.geteuid() == 0:
+        pytest.skip("best effort under root keeps the capability to read files (README: Sandbox, what is not)")
+    guarded = f"try:\n    READ = bool({reads})\nexcept Exception:\n    READ = False\n"
+    assert score(guarded + solves_if("READ"), isolation) == (pytest.approx(1 / 3), None)
+
+
+def test_code_cannot_kill_write_plant_or_leave_a_process(isolation, bystander, tmp_path):
+    """It tries to kill a process of the worker's user, to write into the installed package and the worker's
+    working directory, and to start processes that outlive it (also in a session of their own)."""
+    import grpo_dist
+
+    install = Path(grpo_dist.__file__).parent / "planted_by_the_model.py"
+    planted = Path.cwd() / "json.py"
+    attack = (
+        "import os, signal, subprocess\n"
+        f"for pid in ({bystander.pid}, -1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n"
+        "        pass\n"
+        f"for path in ({str(install)!r}, {str(planted)!r}):\n    try:\n        open(path, 'w').write('x = 1')\n"
+        "    except OSError:\n        pass\n"
+        "for argv in (['sleep', '600'], ['setsid', 'sleep', '600']):\n    try:\n"
+        "        subprocess.Popen(argv, start_new_session=True)\n    except OSError:\n        pass\n"
+    )
+    assert score(attack + solves_if("True"), isolation)[0] == 1.0  # the attack ran to its end
+    assert bystander.poll() is None
+    assert not install.exists() and not planted.exists()
+    assert not [p for p in psutil.process_iter(["name", "cmdline"]) if p.info["cmdline"] == ["sleep", "600"]
+                and p.pid != bystander.pid]  # fmt: skip
+
+
+def test_a_runaway_is_killed_and_unscored_tests_do_not_wait_on_it(isolation):
+    """An endless loop and a memory grab fail their tests within the bound; the call itself is scored."""
+    assert score("while True:\n    pass\n", isolation, tests=TESTS[:1], timeout_per_test_s=1.0) == (0.0, None)
+    assert score("x = bytearray(8 << 30)\n" + solves_if("True"), isolation) == (0.0, None)
+
+
+def test_a_row_without_tests_leaves_its_completion_unscored_saying_why(isolation):
+    total, error = score(solves_if("True"), isolation, tests=[])
+    assert math.isnan(total) and "holds no test" in error
+
+
+def test_require_stops_a_run_before_anything_starts_where_namespaces_are_refused(tmp_path, monkeypatch):
+    """`grpo-dist train` with `code_tests` on a machine that refuses namespaces: exit 2, one line saying what was
+    refused and what to do, before Ray or an engine starts; `best_effort` lets the same config through the
+    pre-flight, saying what isolation is in force."""
+    fake = tmp_path / "bin" / "bwrap"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nprintf '{REFUSED}' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    raw = small_config(tmp_path, reward={"functions": [{"name": "code_tests", "kwargs": {"tests": TESTS}}]})
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    cli = [sys.executable, "-m", "grpo_dist", "check", str(config)]
+    done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "reward.isolation=require" in done.stderr and "bwrap: No permissions" in done.stderr
+    assert "securityContext.seccompProfile" in done.stderr
+    allowed = subprocess.run([*cli, "reward.isolation=best_effort"], capture_output=True, text=True, env=env,
+                             timeout=300)  # fmt: skip
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "runs WITHOUT namespaces (bubblewrap was refused" in allowed.stdout
+
+
+# The python tool: the model's code as a tool call, run by the generator's ToolBox.
+
+
+def run_tool(code: str, isolation: str) -> ToolCall:
+    limits = SandboxLimits(1024, 5.0, False, False, isolation == "require")
+    box = ToolBox([tool_spec("python")], limits, workers=1, timeout_s=5.0)
+    call = ToolCall(name="python", arguments={"code": code})
+    try:
+        import asyncio
+
+        asyncio.run(box.run([call]))
+    finally:
+        box.close()
+    return call
+
+
+def test_the_python_tool_runs_the_models_code_and_reaches_nothing_else(isolation, bystander):
+    assert run_tool("print(6 * 7)", isolation).result.strip() == "42"
+    assert "ZeroDivisionError" in run_tool("1 / 0", isolation).result  # the model reads its traceback
+    reads = (
+        "import os\nprint(os.environ.get('WANDB_API_KEY'), end=' ')\n"
+        f"try:\n    os.kill({bystander.pid}, 9)\nexcept OSError as error:\n    print(type(error).__name__)\n"
+    )
+    said = run_tool(reads, isolation).result
+    assert SECRET not in said and said.split() == ["None", "ProcessLookupError" if isolation == "require"
+                                                   else "PermissionError"]  # fmt: skip
+    assert bystander.poll() is None
+    assert "stopped: ran past 5s" in run_tool("while True:\n    pass\n", isolation).result
+
+
+# User reward functions in the sandbox: values and answers out of protocol, secrets, planted modules.
+
+
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("nan_reward", "expected a finite number"),
+        ("inf_reward", "expected a finite number"),
+        ("float32_overflow_reward", "beyond float32's range"),
+        ("huge_int_reward", "OverflowError"),
+        ("string_reward", "expected a float"),
+        ("forging_reward", "out of protocol"),
+        ("garbage_reward", "out of protocol (not JSON"),
+    ],
+)
+def test_a_reward_answer_out_of_protocol_leaves_only_its_completion_unscored(name, said):
+    runner = runner_of([f"reward_fixtures.{name}", "reward_fixtures.length_reward"])
+    try:
+        total, _, errors = runner.score([0], [1.0], [{}], "q", "abc", {})
+        assert math.isnan(total) and said in errors[0], errors
+        for completion in ("abcd", "abcde"):  # every later call answered by its own function, nothing left over
+            assert runner.score([1], [1.0], [{}], "q", completion, {}) == (len(completion), [len(completion)], [None])
+    finally:
+        runner.close()
+    assert sandboxed_processes() == []
+
+
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "threads"])
+def test_rewards_whose_sum_overflows_leave_the_completion_unscored(sandbox):
+    """3e38 twice is beyond float32's range (and 1e308 twice beyond float64's): unscored, never raised."""
+    runner = runner_of(["reward_fixtures.big_reward", "reward_fixtures.big_reward"], sandbox=sandbox)
+    try:
+        total, scores, errors = runner.score([0, 1], [1.0, 1.0], [{}, {}], "q", "abc", {})
+        assert scores == [3e38, 3e38] and errors == [None, None] and math.isnan(total)
+        assert math.isnan(runner.score([0, 1], [1e270, 1e270], [{}, {}], "q", "abc", {})[0])
+    finally:
+        runner.close()
+
+
+def test_the_sandbox_gets_no_secret_unless_named():
+    for passed, expected in (([], 0.0), (["WANDB_API_KEY"], 1.0)):
+        runner = runner_of(["reward_fixtures.secret_reward"], sandbox_env=passed)
+        try:
+            assert runner.score([0], [1.0], [{}], "q", "abc", {})[0] == expected
+        finally:
+            runner.close()
+
+
+def test_a_module_planted_on_the_import_path_never_runs_as_root(tmp_path, monkeypatch):
+    """The worker's working directory is writable by anyone (the worst case): the reward plants a module there,
+    and the next sandbox that imports it does so as `nobody`, after installed modules on the path."""
+    if os.geteuid() != 0:
+        pytest.skip("the change of user happens under root")
+    tmp_path.chmod(0o777)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    runner = runner_of(["reward_fixtures.planting_reward"])
+    try:
+        assert runner.score([0], [1.0], [{"module": "planted_probe"}], "q", "abc", {})[0] == 1.0
+    finally:
+        runner.close()
+    assert (tmp_path / "planted_probe.py").exists()
+    probe = runner_of(["planted_probe.probe"])
+    try:
+        assert probe.score([0], [1.0], [{}], "q", "abc", {})[0] == float(NOBODY)
+    finally:
+        probe.close()
+
+
+def test_a_process_a_reward_detaches_dies_with_the_sandbox():
+    runner = runner_of(["reward_fixtures.detaching_reward"], sandbox_processes=True)
+    try:
+        assert runner.score([0], [1.0], [{}], "q", "abc", {})[0] == 1.0
+    finally:
+        runner.close()
+    assert sandboxed_processes() == []
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "600"]]
+    for process in leftover:
+        process.send_signal(signal.SIGKILL)
+    assert leftover == []
