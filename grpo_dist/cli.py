@@ -142,7 +142,8 @@ def reference_markdown() -> str:
     return "\n".join(rows)
 
 
-FLAGS_WITH_URIS = {"resume": "--resume", "checkpoint": "--checkpoint", "address": "--address", "cluster": "--cluster"}
+FLAGS_WITH_URIS = {"resume": "--resume", "checkpoint": "--checkpoint", "address": "--address", "cluster": "--cluster",
+                   "source": "SOURCE"}  # fmt: skip
 """The flags that may name a URI: one carrying credentials is refused (it would be printed and recorded)."""
 
 

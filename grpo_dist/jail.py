@@ -4,7 +4,7 @@ bubblewrap (`bwrap`, a small, widely deployed sandboxing tool), and judged only 
 A jailed process
   - sees a file system of its own: the system's libraries and the Python interpreter read-only, an empty
     writable `/tmp` and working directory (a tmpfs), nothing else: no home directory, no run directory, no Ray
-    session, no installed packages (it runs `python -I -S`);
+    session, no installed packages (it runs `python -I -S`), no `/proc`;
   - has PID, network, IPC and UTS namespaces of its own: it can signal nothing outside, has no network, and what it
     starts dies with it (the namespace's first process ends, and the kernel kills the rest);
   - runs as `nobody` with no capabilities (as root) or as the caller's user in a user namespace, with no new
@@ -100,6 +100,7 @@ def status() -> Status:
         return Status(False, f"bubblewrap did not run: {error}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        reap_orphans()
     if done.returncode != 0 or done.stdout.strip() != b"jailed":
         said = done.stderr.decode(errors="replace").strip().splitlines()
         return Status(False, f"bubblewrap was refused: {said[-1] if said else f'exit code {done.returncode}'}")
@@ -149,7 +150,7 @@ def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
         view += ["--ro-bind-try", path, path]
     if not prefix.startswith("/usr/"):
         view += ["--ro-bind", prefix, prefix]
-    view += ["--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev", "--dir", "/tmp/work", "--chdir", "/tmp/work"]
+    view += ["--tmpfs", "/tmp", "--dev", "/dev", "--dir", "/tmp/work", "--chdir", "/tmp/work"]
     namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     namespaces += [] if network else ["--unshare-net"]
     env = ["--clearenv", *[arg for key, value in clean_env("/tmp/work").items() for arg in ("--setenv", key, value)]]
@@ -179,6 +180,29 @@ def _as_nobody() -> None:
     libc.capset(ctypes.byref(Header(CAPABILITY_VERSION_3, 0)), (Data * 2)(Data(read, read, 0)))
 
 
+RUNNING: set[int] = set()
+"""The bubblewrap processes of the jails running in this process (their `Popen` reaps them)."""
+
+
+def reap_orphans(wait_s: float = 1.0) -> None:
+    """Reap the namespaces' first processes left to this process. Bubblewrap exits on its command's exit status,
+    before that first process has ended; a reward worker is a subreaper (`grpo_dist.sandbox`), so those are
+    re-parented here and, unreaped, would pile up as zombies for the life of the worker. Each is ending: waited
+    for up to `wait_s`."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        orphans = []
+        for child in psutil.Process().children():
+            with contextlib.suppress(psutil.Error, ChildProcessError):
+                if child.pid not in RUNNING and child.name() == "bwrap" and not os.waitpid(child.pid, os.WNOHANG)[0]:
+                    orphans.append(child)
+        if not orphans or time.monotonic() > deadline:
+            return
+        time.sleep(0.01)
+
+
 class Jailed:
     """One program running jailed (or, best effort, in a plain process): `python -I -S -c <runner> <args>`, its
     standard input a pipe from here, its output discarded, `status_fd` (its file descriptor for the caller's
@@ -202,6 +226,7 @@ class Jailed:
             )  # fmt: skip
         finally:
             os.close(write_end)
+        RUNNING.add(self.process.pid)
         if not jailed and os.geteuid() == 0:
             os.chown(self.workdir, NOBODY, NOBODY)
         self.received = b""
@@ -252,14 +277,30 @@ class Jailed:
             return None  # wrote more than its protocol allows
         return code
 
+    def _kill(self) -> None:
+        """Kill it with everything it started: every process under it (jailed, the namespace then dies whole), then
+        its session."""
+        import psutil
+
+        try:
+            inside = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            inside = []
+        for process in reversed(inside):
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     def __enter__(self) -> Jailed:
         return self
 
     def __exit__(self, *_: object) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.kill()
+        if self.process.poll() is None:
+            self._kill()
         self.process.wait()
+        RUNNING.discard(self.process.pid)
+        reap_orphans()
         for stream in (self.process.stdin, self.process.stdout):
             with contextlib.suppress(OSError, AttributeError):
                 stream.close()

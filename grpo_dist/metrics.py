@@ -60,7 +60,8 @@ def rollout_metrics(
 
 def episode_metrics(completions: list[Completion]) -> dict[str, float]:
     """Of multi-turn trajectories: turns, tool calls, tool errors and tool seconds per trajectory (mean), the
-    slowest trajectory's tool seconds, the share of tool calls that failed, and the share of trajectories cut."""
+    slowest trajectory's tool seconds, the share of tool calls that failed, the share of trajectories cut, and how
+    many trajectories failed (`agent/failed`: their environment, tool parser or agent raised)."""
     episodes = [c.episode for c in completions if c.episode is not None]
     if not episodes:
         return {}
@@ -74,6 +75,7 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
         "agent/tool_seconds_max": max(e.tool_seconds for e in episodes),
         "agent/truncated_fraction": sum(e.truncated for e in episodes) / count,
         "agent/diverged_fraction": sum(e.diverged for e in episodes) / count,
+        "agent/failed": float(sum(e.failure is not None for e in episodes)),
     }
 
 

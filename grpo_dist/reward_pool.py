@@ -7,7 +7,10 @@ reporting half its threads stuck in calls past `reward.timeout_s` is replaced be
 
 `RewardFailures` counts each function's failures per step (`reward_failures/<name>`) and their reasons by kind
 (`reward_failures/why/<kind>`: timeout, sandbox_died, memory, processes, network, raised), prints the first error
-of each kind with the function's name, and stops a run that is scoring (almost) nothing.
+of each kind with the function's name, and stops a run that is scoring (almost) nothing. A completion whose
+functions all scored but whose weighted sum is out of range is counted in `reward_failures/weighted_sum`; a
+trajectory whose environment or agent raised (`ScoreRequest.failure`) is unscored without a call, the first such
+failure of the run printed.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.config import Config
 from grpo_dist.faults import ActorPool, Bounds, FaultLog, RunFailed, split
 from grpo_dist.placement import Placement
+from grpo_dist.rewards.registry import WEIGHTED_SUM
 from grpo_dist.sandbox import FAILURE_KINDS, failure_kind
 from grpo_dist.types import Score, ScoreRequest
+
+TRAJECTORY = "a trajectory"
+"""Where `RewardFailures` keeps the first failed trajectory's reason, beside each reward function's first error."""
 
 
 class RewardPool:
@@ -54,7 +61,18 @@ class RewardPool:
     def score(self, requests: list[ScoreRequest], judge: str | None = None) -> list[Score]:
         """Score in parallel across the workers, order kept; lost shares are scored again, then left unscored.
         `judge`: by that eval reward (one of `Config.judges`) alone; its failures are not counted as the training
-        rewards' are. With an LLM judge its verdicts are asked first and handed to the reward function `judge`."""
+        rewards' are. With an LLM judge its verdicts are asked first and handed to the reward function `judge`.
+        A request whose trajectory failed (`ScoreRequest.failure`) is unscored without calling any function."""
+        kept = [request for request in requests if request.failure is None]
+        scored = iter(self._score(kept, judge) if kept else [])
+        width = 1 if judge is not None else len(self.names)
+        scores = [next(scored) if request.failure is None else _unscored(width) for request in requests]
+        if judge is None:
+            self.failures.observe(scores, [request.failure for request in requests if request.failure is not None])
+        return scores
+
+    def _score(self, requests: list[ScoreRequest], judge: str | None) -> list[Score]:
+        """`score` of requests that can be scored."""
         if self.judge is not None and (judge or "judge") == "judge":
             requests = [ScoreRequest(request.prompt, request.completion, {**request.fields, **_verdict(*found)})
                         for request, found in zip(requests, self.judge.score(requests), strict=True)]  # fmt: skip
@@ -79,10 +97,7 @@ class RewardPool:
             self.faults.record("unscored", f"{_count(span)} completions left unscored: their reward worker was lost "
                                f"{attempts} times", _count(span))  # fmt: skip
             scored[slot] = [self._lost() for _ in range(_count(span))]
-        scores = [score for slot in sorted(scored) for score in scored[slot]]
-        if judge is None:
-            self.failures.observe(scores)
-        return scores
+        return [score for slot in sorted(scored) for score in scored[slot]]
 
     def _lost(self) -> Score:
         why = f"the reward worker died or hung while running these functions: {', '.join(self.names)}"
@@ -98,6 +113,11 @@ class RewardPool:
         self.pool.shutdown()
         if self.judge is not None:
             self.judge.shutdown()
+
+
+def _unscored(width: int) -> Score:
+    """The score of a failed trajectory: none, from none of the `width` functions (no function failed)."""
+    return Score(math.nan, [math.nan] * width)
 
 
 def _verdict(score: float, why: str | None) -> dict:
@@ -118,11 +138,18 @@ class RewardFailures:
         self.unscored = self.total = 0
         self.bad_steps = 0
 
-    def observe(self, scores: list[Score]) -> None:
+    def observe(self, scores: list[Score], failed_trajectories: list[str] = ()) -> None:
+        """Count a batch's failures; `failed_trajectories`: why each of its trajectories that failed did (their
+        scores are among `scores`, unscored), the first printed once per run (they are counted in `agent/failed`)."""
+        for why in failed_trajectories:
+            if TRAJECTORY not in self.first:
+                tqdm.write(f"a trajectory failed: {why} (it is unscored; later failures are counted in agent/failed)")
+            self.first.setdefault(TRAJECTORY, why)
         for score in scores:
             for name, error in score.failures.items():
                 self.counts[name] += 1
-                self.why[failure_kind(error)] += 1
+                if name != WEIGHTED_SUM:  # not a call that failed
+                    self.why[failure_kind(error)] += 1
                 self.first.setdefault(name, error)
                 kind = (name, error.split(":")[0].split(" ")[0])
                 if kind not in self.printed:
@@ -132,8 +159,9 @@ class RewardFailures:
         self.total += len(scores)
 
     def end_step(self) -> dict[str, float]:
-        """This step's `reward_failures/*` metrics; raises `RunFailed` after too many steps scoring nothing."""
-        metrics = {f"reward_failures/{name}": float(self.counts[name]) for name in self.names}
+        """This step's `reward_failures/*` metrics (`reward_failures/weighted_sum`: completions whose functions all
+        scored but whose weighted sum is out of range); raises `RunFailed` after too many steps scoring nothing."""
+        metrics = {f"reward_failures/{name}": float(self.counts[name]) for name in [*self.names, WEIGHTED_SUM]}
         metrics.update({f"reward_failures/why/{kind}": float(self.why[kind]) for kind in FAILURE_KINDS})
         fraction = self.unscored / max(1, self.total)
         self.bad_steps = self.bad_steps + 1 if fraction > self.max_fraction else 0
@@ -143,7 +171,7 @@ class RewardFailures:
             raise RunFailed(
                 f"over {self.max_fraction:.0%} of the completions were unscored for {self.bad_steps} steps in a row "
                 f"(reward.max_unscored_fraction / max_unscored_steps): nothing would be learned. "
-                f"First error of each reward function: {errors}"
+                f"First error of each reward function (and of a failed trajectory): {errors}"
             )
         return metrics
 

@@ -20,7 +20,8 @@ class Completion:
     logprobs: list[float]
     """Log-probability of each sampled token under the sampling distribution, [T]."""
     finish_reason: str
-    """`stop` (EOS or stop string) or `length` (hit max_new_tokens)."""
+    """`stop` (EOS or stop string) or `length` (hit max_new_tokens); of a trajectory also `failed` (user code
+    raised: `episode.failure`; it holds no tokens and is unscored)."""
     weight_version: int
     """Version of the policy weights that produced it (0 = the initial model); the oldest, when its tokens were
     sampled by more than one (a weight update came while it was generated)."""
@@ -60,6 +61,10 @@ class Episode:
     """The environment's reward parts, summed per name over its turns (of an agent: what it returned)."""
     diverged: bool = False
     """An agent sent a conversation that did not extend the previous call's: its later calls are not trained."""
+    failure: str | None = None
+    """Why the trajectory failed, when the user's code raised: `<where> raised <type>: <first line>` (its
+    environment's constructor, `reset` or `step`, the tool parser, or the agent). It then holds no tokens and is
+    unscored; `messages` are those up to the failure."""
 
 
 @dataclass
@@ -82,6 +87,8 @@ class ScoreRequest:
     """The completion text."""
     fields: dict = field(default_factory=dict)
     """The dataset row's other fields (e.g. `answer`), passed to the reward functions as keyword arguments."""
+    failure: str | None = None
+    """Why it cannot be scored (its trajectory failed: `Episode.failure`): no function is called, it is unscored."""
 
 
 @dataclass
@@ -89,9 +96,11 @@ class Score:
     """The reward of one completion: reward worker -> driver."""
 
     total: float
-    """Weighted sum of the functions' values; NaN when any function failed (the completion is unscored)."""
+    """Weighted sum of the functions' values (float64); NaN (the completion is unscored) when any function failed,
+    the sum overflows or a value is beyond `grpo_dist.rewards.REWARD_LIMIT`, or its trajectory failed."""
     per_function: list[float]
     """Value of each configured reward function, in config order; NaN where it failed."""
     failures: dict[str, str] = field(default_factory=dict)
     """Why the completion is unscored: each failing function's configured name -> its exception, time-out or the
-    worker's loss. Empty when every function returned a finite number."""
+    worker's loss, or `weighted_sum` -> why the sum of scores that are all there is out of range. Empty when it is
+    scored, and for a failed trajectory (`Episode.failure` says why)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from grpo_dist.agents import Environment, Observation, ToolCall, Turn
@@ -103,3 +104,79 @@ def hermes_and_sleep(text: str) -> list[ToolCall]:
 
     calls = hermes(text)
     return [*calls, ToolCall("sleep", {"seconds": 3.0})] if calls else calls
+
+
+# User code that raises: each fails its own trajectory, never the run.
+
+
+class RaisingEnvironment(CountingEnvironment):
+    """`CountingEnvironment` failing where `fail_in` says: `init` (its constructor, every trajectory), and for rows
+    whose `fail` field is true `reset`, `messages` (first messages without a role), `step`, `reward` (a reward part
+    that is not a number) or `exit` (`sys.exit` in `step`)."""
+
+    def __init__(self, fail_in: str, turns: int = 2) -> None:
+        if fail_in == "init":
+            raise RuntimeError("cannot connect to the task server\nTraceback line that is not shown")
+        super().__init__(turns)
+        self.fail_in = fail_in
+
+    def reset(self, row: dict) -> list[dict]:
+        self.failing = bool(row.get("fail"))
+        if self.failing and self.fail_in == "reset":
+            raise KeyError("question")
+        if self.failing and self.fail_in == "messages":
+            return [{"content": "a message without a role"}]
+        return super().reset(row)
+
+    def step(self, turn: Turn) -> Observation:
+        if self.failing and self.fail_in == "step":
+            raise ValueError(f"turn {turn.number} is not what I expected")
+        if self.failing and self.fail_in == "exit":
+            raise SystemExit(3)
+        observation = super().step(turn)
+        if self.failing and self.fail_in == "reward":
+            observation.reward = {"step": "plenty"}
+        return observation
+
+
+def raising_parser(text: str) -> list[ToolCall]:
+    raise RuntimeError("the parser's own bug")
+
+
+def echo_twice(text: str) -> list[ToolCall]:
+    """Two `echo` calls per turn: the first without an id, the second with the id `mine` the model gave it (taken
+    after the first turn, so renamed)."""
+    return [ToolCall("echo", {"text": f"{text[:3]}-1"}), ToolCall("echo", {"text": f"{text[:3]}-2"}, id="mine")]
+
+
+async def one_call_agent(client, row: dict) -> float:
+    """Asks the model once; rewarded 1."""
+    messages = [{"role": "user", "content": row["messages"][-1]["content"]}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    return 1.0
+
+
+async def raising_agent(client, row: dict) -> float:
+    """Asks the model once, then, for a row whose `fail` is true, raises (its own bug)."""
+    await one_call_agent(client, row)
+    if row.get("fail"):
+        raise KeyError("the reply has no answer")
+    return 1.0
+
+
+async def exiting_agent(client, row: dict) -> float:
+    """Calls `sys.exit(2)` for a row whose `fail` is true, before asking anything."""
+    if row.get("fail"):
+        sys.exit(2)
+    return await one_call_agent(client, row)
+
+
+async def silent_agent(client, row: dict) -> float:
+    """For a row whose `fail` is true, never asks the model: there is nothing to train on."""
+    return 1.0 if row.get("fail") else await one_call_agent(client, row)
+
+
+async def wordy_agent(client, row: dict) -> float | dict:
+    """Asks the model once; for a row whose `fail` is true, returns a reward that is not a number."""
+    await one_call_agent(client, row)
+    return {"answer": "correct"} if row.get("fail") else 1.0

@@ -72,6 +72,29 @@ def test_keeps_float32_dtype() -> None:
 @pytest.mark.parametrize(
     ("rewards", "group_size", "estimator", "expected"),
     [
+        # mean 0, deviations +-3e38; squares 9e76 (inf in float32: the std would be inf and the advantages 0)
+        # sample std sqrt((9e76 + 9e76) / 1) = 4.242641e38 -> +-3e38 / 4.242641e38 = +-0.707107
+        pytest.param([3e38, -3e38], 2, "grpo", [0.5**0.5, -(0.5**0.5)], id="grpo_squares_beyond_float32"),
+        # sum 6e38 (inf in float32), mean 2e38; deviations [1e38, 1e38, -2e38], squares sum 6e76, sample std
+        # sqrt(3e76) = 1.732051e38 -> [0.577350, 0.577350, -1.154701]
+        pytest.param([3e38, 3e38, 0.0], 3, "grpo", [1 / 3**0.5, 1 / 3**0.5, -2 / 3**0.5], id="grpo_sum_beyond"),
+        # r - mean: 3e38 - 0 and -3e38 - 0 fit float32 once the mean is taken in float64
+        pytest.param([3e38, -3e38], 2, "dr_grpo", [3e38, -3e38], id="dr_grpo_near_float32_max"),
+        # the largest total a run scores (REWARD_LIMIT = 1e30): squares 1e60, beyond float32 too
+        pytest.param([1e30, -1e30], 2, "grpo", [0.5**0.5, -(0.5**0.5)], id="grpo_at_reward_limit"),
+    ],
+)
+def test_float32_rewards_near_its_limit_do_not_overflow_the_statistics(
+    rewards: list[float], group_size: int, estimator: str, expected: list[float]
+) -> None:
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size, estimator, eps=0.0)
+    assert advantages.dtype == torch.float32
+    torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("rewards", "group_size", "estimator", "expected"),
+    [
         # valid [1, 3]: mean 2, sample std sqrt(2) = 1.414214; NaN member gets 0
         pytest.param([1.0, NAN, 3.0], 3, "grpo", [-(0.5**0.5), 0.0, 0.5**0.5], id="grpo_skips_nan"),
         # valid [1, 3, 5]: 1 - (3+5)/2 = -3, 3 - (1+5)/2 = 0, 5 - (1+3)/2 = 3

@@ -21,6 +21,7 @@ import yaml
 from agent_fixtures import NAP_MARK, NAP_S
 from conftest import small_config
 
+from grpo_dist.agents.episode import TURN_SEED_STRIDE
 from grpo_dist.agents.parsers import hermes
 from grpo_dist.agents.protocol import ToolCall
 from grpo_dist.agents.render import Renderer, TemplateError
@@ -164,6 +165,189 @@ def test_an_episode_opens_with_the_environments_first_messages_and_tools(tokeniz
     assert tokenizer.decode(loop.first_tokens(row)).startswith("<|tools|>calculator<eos>")
     with pytest.raises(ValueError, match="not `tools` nor the dotted path of a grpo_dist.agents.Environment"):
         AgentLoop(EnvironmentConfig(name="agent_fixtures.echo"), tokenizer, max_new_tokens=8)
+
+
+def scripted(tokenizer, replies: list[str]):
+    """A stand-in for the engine: turn i of a trajectory is `replies[i]` (the last one again after), then the
+    end-of-sequence token; each token's logprob -0.5, sampled by weight version 0."""
+    from grpo_dist.agents.episode import Sampled
+
+    turns: dict[int | None, int] = {}  # seed (one per trajectory) -> turns sampled
+
+    async def sample(prefix: list[int], max_tokens: int, seed: int | None) -> Sampled:
+        trajectory = None if seed is None else seed % TURN_SEED_STRIDE
+        number = turns.get(trajectory, 0)
+        turns[trajectory] = number + 1
+        text = replies[min(number, len(replies) - 1)]
+        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id][:max_tokens]
+        return Sampled(ids, [-0.5] * len(ids), "stop" if ids[-1] == tokenizer.eos_token_id else "length", [0])
+
+    return sample
+
+
+ROW = {"messages": [{"role": "user", "content": "2*3="}]}
+FAILING_ROW = {**ROW, "fail": True}
+DRIVER_PROMPT = [7, 8, 9]
+"""The driver's rendering of a row: what a failed trajectory keeps as its prompt."""
+
+
+def failing_and_working(loop, sample) -> tuple:
+    """A trajectory of `FAILING_ROW` and one of `ROW`, run at once on `loop` (its endpoint up, for an agent)."""
+
+    async def both():
+        await loop.start()
+        try:
+            return await asyncio.gather(loop.trajectory(FAILING_ROW, sample, 0, DRIVER_PROMPT),
+                                        loop.trajectory(ROW, sample, 1, DRIVER_PROMPT))  # fmt: skip
+        finally:
+            if loop.endpoint is not None:
+                await loop.endpoint.runner.cleanup()
+
+    try:
+        return tuple(asyncio.run(both()))
+    finally:
+        loop.tools.close()
+
+
+def assert_failed_alone(failed, worked, reason: str, replies: int) -> None:
+    """`failed` holds no tokens, only the driver's prompt, and says why (the first line of the error); `worked`
+    went on as if nothing happened: `replies` turns of "hi" and the end-of-sequence token, 3 sampled tokens each."""
+    assert (failed.prompt_token_ids, failed.token_ids, failed.mask, failed.finish_reason) == (DRIVER_PROMPT, [], [],
+                                                                                              "failed")  # fmt: skip
+    assert failed.episode.failure == reason
+    assert (worked.finish_reason, worked.episode.failure, sum(worked.mask)) == ("stop", None, 3 * replies)
+    assert worked.prompt_token_ids != DRIVER_PROMPT  # its own rendering of its first messages
+
+
+@pytest.mark.parametrize(
+    ("fail_in", "reason"),
+    [
+        pytest.param("reset", "RaisingEnvironment.reset raised KeyError: 'question'", id="reset"),
+        pytest.param("messages", "RaisingEnvironment.reset raised TypeError: returned the message {'content': 'a "
+                     "message without a role'}, not a dict with a str 'role'", id="first_messages_without_a_role"),
+        pytest.param("step", "RaisingEnvironment.step raised ValueError: turn 1 is not what I expected", id="step"),
+        pytest.param("reward", "RaisingEnvironment.step raised ValueError: could not convert string to float: "
+                     "'plenty'", id="reward_not_a_number"),
+        pytest.param("exit", "RaisingEnvironment.step raised SystemExit: 3", id="sys_exit_in_step"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_raises_fails_only_its_own_trajectory(tokenizer, fail_in, reason):
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.config import EnvironmentConfig
+
+    config = EnvironmentConfig(name="agent_fixtures.RaisingEnvironment", kwargs={"fail_in": fail_in})
+    failed, worked = failing_and_working(AgentLoop(config, tokenizer, max_new_tokens=8), scripted(tokenizer, ["hi"]))
+    assert_failed_alone(failed, worked, reason, replies=2)
+    if fail_in == "step":  # its conversation up to the failure is kept, for the completion table
+        assert failed.episode.messages == [*ROW["messages"], {"role": "assistant", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        pytest.param({"name": "agent_fixtures.RaisingEnvironment", "kwargs": {"fail_in": "init"}},
+                     "RaisingEnvironment.__init__ raised RuntimeError: cannot connect to the task server",
+                     id="constructor"),
+        pytest.param({"name": "agent_fixtures.CountingEnvironment", "tool_parser": "agent_fixtures.raising_parser"},
+                     "tool parser raising_parser raised RuntimeError: the parser's own bug", id="tool_parser"),
+    ],
+)  # fmt: skip
+def test_user_code_failing_every_trajectory_fails_each_alone_with_the_first_line_of_its_error(tokenizer, config, reason):
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.config import EnvironmentConfig
+
+    loop = AgentLoop(EnvironmentConfig(**config), tokenizer, max_new_tokens=8)
+    for trajectory in failing_and_working(loop, scripted(tokenizer, ["hi"])):
+        assert (trajectory.token_ids, trajectory.finish_reason, trajectory.episode.failure) == ([], "failed", reason)
+
+
+@pytest.mark.parametrize(
+    ("agent", "reason"),
+    [
+        pytest.param("raising_agent", "raised KeyError: 'the reply has no answer'", id="raises"),
+        pytest.param("exiting_agent", "raised SystemExit: 2", id="sys_exit"),
+        pytest.param("silent_agent", "raised RuntimeError: it got no reply from the model to train on (no call, or "
+                     "none with room under environment.max_total_tokens)", id="never_asks_the_model"),
+        pytest.param("wordy_agent", "(its return value) raised ValueError: could not convert string to float: "
+                     "'correct'", id="returns_no_number"),
+    ],
+)  # fmt: skip
+def test_an_agent_that_raises_fails_only_its_own_trajectory(tokenizer, agent, reason):
+    """Through the real endpoint and `openai` client; the engine is scripted."""
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.config import EnvironmentConfig
+
+    config = EnvironmentConfig(agent=f"agent_fixtures.{agent}", tool_parser="none")
+    failed, worked = failing_and_working(AgentLoop(config, tokenizer, max_new_tokens=8), scripted(tokenizer, ["hi"]))
+    assert_failed_alone(failed, worked, f"environment.agent agent_fixtures.{agent} {reason}", replies=1)
+    assert worked.episode.rewards == {"agent": 1.0}
+
+
+def test_each_tool_result_names_its_call_by_an_id_unique_in_the_trajectory(tokenizer):
+    """Two calls a turn (`echo_twice`): ids are given where the model gave none (`call_<n>`) and where it gave one
+    the trajectory already used (`mine`, from the second turn on); each `tool` message carries the id of the call it
+    answers, listed in the assistant message before it, and that call's own result."""
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.config import EnvironmentConfig
+
+    config = EnvironmentConfig(tools=["agent_fixtures.echo"], tool_parser="agent_fixtures.echo_twice", max_turns=3)
+    _, trajectory = failing_and_working(AgentLoop(config, tokenizer, max_new_tokens=8),
+                                        scripted(tokenizer, ["one", "two", "six"]))  # fmt: skip
+    messages = trajectory.episode.messages[1:]
+    listed = [[call["id"] for call in m["tool_calls"]] for m in messages if m["role"] == "assistant"]
+    assert listed == [["call_0", "mine"], ["call_1", "call_2"], ["call_3", "call_4"]]  # the third turn's not run
+    answered = {call["id"]: json.loads(call["function"]["arguments"])["text"]
+                for m in messages if m["role"] == "assistant" for call in m["tool_calls"]}  # fmt: skip
+    tools = [(m["tool_call_id"], m["content"]) for m in messages if m["role"] == "tool"]
+    assert tools == [("call_0", "echo one-1"), ("mine", "echo one-2"), ("call_1", "echo two-1"),
+                     ("call_2", "echo two-2")]  # fmt: skip
+    assert all(content == f"echo {answered[call_id]}" for call_id, content in tools)
+
+
+def test_a_parsers_call_ids_are_kept_and_the_missing_ones_assigned():
+    from grpo_dist.agents.protocol import assign_call_ids
+
+    calls = hermes('<tool_call>{"name": "f", "arguments": {}, "id": "x7"}</tool_call><tool_call>{"name": "g"}'
+                   '</tool_call><tool_call>{"name": "h", "id": "call_0"}</tool_call>')  # fmt: skip
+    assert [call.id for call in calls] == ["x7", None, "call_0"]
+    taken = {"call_1"}  # an id of an earlier turn
+    assign_call_ids(calls, taken)
+    # g: the first free call_<n> is call_0; h's own call_0 is then taken, and call_1 too: call_2.
+    assert [call.id for call in calls] == ["x7", "call_0", "call_2"] and taken == {"x7", "call_0", "call_1", "call_2"}
+
+
+def test_a_failed_trajectory_is_unscored_untrained_counted_and_printed_once(capsys):
+    """No reward function is called for it; it is unscored (so out of its group's statistics), its row trains no
+    token, `agent/failed` counts it, its reason is printed once per run, and a run of nothing but failures stops
+    naming it (`reward.max_unscored_fraction`)."""
+    import torch
+
+    from grpo_dist.data import PromptRecord
+    from grpo_dist.faults import RunFailed
+    from grpo_dist.metrics import episode_metrics
+    from grpo_dist.reward_pool import RewardFailures, RewardPool
+    from grpo_dist.rollouts import score_requests
+    from grpo_dist.types import Completion, Episode, Score
+
+    why = "RaisingEnvironment.step raised ValueError: turn 1 is not what I expected"
+    failed = Completion(0, [1, 2], [], "", [], "failed", 0, mask=[], episode=Episode(failure=why))
+    worked = Completion(0, [1, 2], [5, 6], "6", [-0.5, -0.5], "stop", 0, mask=[1, 1], episode=Episode(turns=1))
+    requests = score_requests([PromptRecord("2*3=", [1, 2], {"answer": "6"}, 0)], [failed, worked, failed])
+    assert [request.failure for request in requests] == [why, None, why]
+    pool = RewardPool.__new__(RewardPool)  # its `score` alone, the workers' part stood in for
+    pool.names, pool.failures, asked = ["math_answer"], RewardFailures(["math_answer"], 0.5, 2), []
+    pool._score = lambda kept, judge: asked.extend(kept) or [Score(1.0, [1.0]) for _ in kept]
+    scores = pool.score(requests)
+    assert asked == [requests[1]]
+    assert [math.isnan(score.total) for score in scores] == [True, False, True]
+    assert math.isnan(scores[0].per_function[0]) and scores[0].failures == {}
+    pool.failures.end_step()
+    pool.score(requests)
+    assert capsys.readouterr().out.count(f"a trajectory failed: {why} (it is unscored") == 1
+    with pytest.raises(RunFailed, match=f"a trajectory: {why}"):
+        pool.failures.end_step()  # 2 of 3 unscored, over 0.5, 2 steps in a row
+    assert episode_metrics([failed, worked, failed])["agent/failed"] == 2.0
+    assert collate([failed, worked], torch.zeros(2), pad_token_id=0).completion_mask.sum(1).tolist() == [0.0, 2.0]
 
 
 def test_an_environment_must_fit_the_engine_and_name_tools_that_exist(tmp_path):
@@ -503,7 +687,7 @@ def test_the_agent_rewards_and_metrics_read_the_episode():
     assert metrics == {
         "agent/turns": 1.5, "agent/tool_calls": 1.0, "agent/tool_errors": 0.5, "agent/tool_error_fraction": 0.5,
         "agent/tool_seconds": 0.25, "agent/tool_seconds_max": 0.5, "agent/truncated_fraction": 0.5,
-        "agent/diverged_fraction": 0.5,
+        "agent/diverged_fraction": 0.5, "agent/failed": 0.0,
     }  # fmt: skip
     assert episode_metrics([completion(None)]) == {}
 

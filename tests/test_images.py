@@ -108,3 +108,10 @@ def test_the_cpu_image_builds_and_knows_the_command_line():
     subprocess.run(["docker", "build", "-f", str(DOCKERFILES["cpu"]), "-t", tag, str(REPO)], check=True, timeout=3600)
     result = subprocess.run(["docker", "run", "--rm", tag, "grpo-dist", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "train" in result.stdout
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_an_image_ships_bubblewrap_for_the_models_code(kind):
+    """`reward.isolation: require` (the default where the model's code runs) needs `bwrap` on every node."""
+    runs = " ; ".join(args for instruction, args in instructions(DOCKERFILES[kind]) if instruction == "RUN")
+    assert re.search(r"apt-get install[^;]*\bbubblewrap\b", runs), f"the {kind} image has no bubblewrap"

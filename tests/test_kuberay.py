@@ -128,3 +128,15 @@ def test_grpo_dist_check_passes_the_config_the_rayjob_runs():
     done = grpo_dist("check", config, *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = done.communicate(timeout=300)
     assert done.returncode == 0, out
+
+
+def test_every_pod_lets_bubblewrap_make_the_namespaces_isolation_requires():
+    """The image runs as a non-root user, so bubblewrap needs user namespaces, which the container runtime's default
+    seccomp and AppArmor profiles refuse: every pod template of both manifests lifts them (README: Sandbox)."""
+    cluster = manifest("raycluster.yaml")["spec"]
+    job = manifest("rayjob.yaml")["spec"]["rayClusterSpec"]
+    for spec in (cluster, job):
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            context = group["template"]["spec"]["securityContext"]
+            assert context["seccompProfile"] == {"type": "Unconfined"}, group.get("groupName", "head")
+            assert context["appArmorProfile"] == {"type": "Unconfined"}, group.get("groupName", "head")

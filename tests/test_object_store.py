@@ -1,8 +1,10 @@
 """The object store a run's files can live in (`grpo_dist.storage`), against an S3 server on this machine (moto):
 trees up and down, a missing key, and what a run checks before it starts (the store answers; an earlier run there
-is never overwritten; checkpoint.dir stays a path)."""
+is never overwritten; checkpoint.dir stays a path; the staging directory is never a planted link)."""
 
 from __future__ import annotations
+
+import stat
 
 import pyarrow.fs as pafs
 import pytest
@@ -10,7 +12,7 @@ from conftest import small_config
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.run_dir import PROBE, StorageError, resolve_paths, start_run_dir
-from grpo_dist.storage import ObjectStore, StoreError
+from grpo_dist.storage import ObjectStore, StagingError, StoreError
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,21 @@ def test_a_run_in_an_object_store_stages_locally_and_never_overwrites_an_earlier
     with pytest.raises(ConfigError, match=f"{s3}/test holds an earlier run: continue it with --resume"):
         start_run_dir(cfg)
     assert ObjectStore(s3).read_text("test/metrics.jsonl") == "{}\n"
+
+
+def test_a_staging_directory_planted_as_a_link_stops_the_run_before_anything_is_written(s3, tmp_path):
+    """The default staging directory is under /tmp, where anyone can plant `grpo-dist-staging` as a link to a
+    directory they read: the run refuses it rather than stage its checkpoints there."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (tmp_path / "staging").symlink_to(theirs)
+    cfg = validate_config(small_config(tmp_path, run={"output_dir": s3, "staging_dir": str(tmp_path / "staging")}))
+    with pytest.raises(StagingError, match=r"run.staging_dir: .*/staging is a symbolic link .*remove it, or set"):
+        resolve_paths(cfg)
+    assert list(theirs.iterdir()) == []
+    (tmp_path / "staging").unlink()
+    resolve_paths(cfg)  # made here instead: this user's alone
+    assert stat.S_IMODE((tmp_path / "staging").stat().st_mode) == 0o700 and (tmp_path / "staging" / "test").is_dir()
 
 
 def test_a_store_that_does_not_answer_stops_the_run_before_it_starts(tmp_path):

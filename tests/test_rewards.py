@@ -18,6 +18,7 @@ from grpo_dist.rewards import (
     number_format,
     resolve_reward,
     score_one,
+    weighted_sum,
 )
 from grpo_dist.types import Score, ScoreRequest
 
@@ -162,6 +163,64 @@ def test_combine(scores: list[float], weights: list[float], expected: float) -> 
 def test_combine_length_mismatch() -> None:
     with pytest.raises(ValueError, match="2 scores but 1 weights"):
         combine([1.0, 1.0], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("scores", "weights", "expected", "why"),
+    [
+        # 1e308 + 1e308 = 2e308 > float64's largest (1.8e308): fsum raises OverflowError, caught.
+        pytest.param([1e308, 1e308], [1.0, 1.0], math.nan, "the weighted sum of the rewards overflows", id="1e308x2"),
+        # 1e300 * 1e300 = inf for one term alone.
+        pytest.param([1e300], [1e300], math.nan, "the weighted sum of the rewards overflows", id="term_overflows"),
+        # 1e200 * 1e200 = inf and 1e200 * -1e200 = -inf: fsum raises ValueError for inf - inf, caught.
+        pytest.param([1e200, 1e200], [1e200, -1e200], math.nan, "the weighted sum of the rewards overflows",
+                     id="inf_minus_inf"),
+        # 3.5e38 is beyond float32's largest 3.4e38 (it would be inf in a float32 tensor), and beyond 1e30.
+        pytest.param([3.5e38], [1.0], math.nan, "the weighted sum of the rewards, 3.5e+38, is beyond +-1e+30",
+                     id="3.5e38"),
+        # 1e31 - 1e31 = 0, but each weighted score is beyond 1e30.
+        pytest.param([1e31, 1e31], [1.0, -1.0], math.nan, "a reward or weighted reward, 1e+31, is beyond +-1e+30",
+                     id="cancelling_terms_beyond_the_limit"),
+        pytest.param([math.inf, 1.0], [1.0, 1.0], math.nan, "a reward is inf, not a finite number", id="inf"),
+        pytest.param([1.0, -math.inf], [1.0, 1.0], math.nan, "a reward is -inf, not a finite number", id="-inf"),
+        pytest.param([math.nan, 1.0], [1.0, 1.0], math.nan, "a reward function failed", id="nan"),
+        # 1e30 * 1 + 0 * 5 = 1e30: at the limit, scored.
+        pytest.param([1e30, 0.0], [1.0, 5.0], 1e30, None, id="at_the_limit"),
+        # 0.1 + 0.2 summed exactly (fsum): 0.30000000000000004 as float64 rounds the exact 0.3000...0166.
+        pytest.param([0.1, 0.2], [1.0, 1.0], 0.1 + 0.2, None, id="small"),
+    ],
+)  # fmt: skip
+def test_weighted_sum_is_float64_and_unscored_out_of_range(
+    scores: list[float], weights: list[float], expected: float, why: str | None
+) -> None:
+    total, reason = weighted_sum(scores, weights)
+    assert math.isnan(total) if math.isnan(expected) else total == expected
+    assert reason is None if why is None else reason.startswith(why), reason
+    assert combine(scores, weights) == total or math.isnan(total)  # combine never raises either
+
+
+def test_a_sum_out_of_range_is_the_completions_failure_counted_in_reward_failures(capsys) -> None:
+    """Both functions score 1e308: each is a number, their sum is not. The worker names why, the pool counts it in
+    `reward_failures/weighted_sum` (no call failed: `why/*` stay 0), and advantages leave the completion out."""
+    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.config import RewardConfig, RewardFunctionConfig
+    from grpo_dist.reward_pool import RewardFailures
+
+    functions = [RewardFunctionConfig(name=f"{FIXTURES}.length_reward", kwargs={"scale": 1e308})] * 2
+    worker = RewardWorker(RewardConfig(functions=functions, sandbox=False), judges=[])
+    try:
+        # "a" scores 1e308 * 1 twice: unscored; "" scores 0 twice: 0.
+        (overflowing, empty), _ = worker.score([ScoreRequest("q", "a", {}), ScoreRequest("q", "", {})])
+    finally:
+        worker.runner.close()
+    assert math.isnan(overflowing.total) and overflowing.per_function == [1e308, 1e308]
+    assert overflowing.failures == {"weighted_sum": "the weighted sum of the rewards overflows"}
+    assert (empty.total, empty.failures) == (0.0, {})
+    failures = RewardFailures([f"{FIXTURES}.length_reward"] * 2, max_fraction=0.9, max_steps=3)
+    failures.observe([overflowing, empty])
+    metrics = failures.end_step()
+    assert metrics["reward_failures/weighted_sum"] == 1.0 and metrics["reward_failures/why/raised"] == 0.0
+    assert "reward weighted_sum failed: the weighted sum of the rewards overflows" in capsys.readouterr().out
 
 
 def test_reward_spec_rejects_nan_weight() -> None:

@@ -1,7 +1,8 @@
 """User reward code in the sandbox: each way reward code misbehaves (starting processes or threads, never returning,
 asking for far too much memory, using the network, ending its process) fails only its own completion, saying why and
 counted by kind; the sandbox is back for the next call; nothing it started outlives it. A real run with such a
-reward goes on to its end and leaves no process behind. The bundled `code_tests` reward runs the model's code there."""
+reward goes on to its end and leaves no process behind. The bundled `code_tests` reward runs the model's code jailed
+(`test_hostile.py` attacks it)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from conftest import small_config
 from test_resume import training
 
-from grpo_dist.config import RewardConfig, RewardFunctionConfig, validate_config
+from grpo_dist.config import RewardConfig, RewardFunctionConfig
 from grpo_dist.rewards.runner import RewardRunner
 from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, failure_kind
 
@@ -142,10 +143,15 @@ def test_code_tests_scores_the_fraction_of_tests_the_models_code_passes(completi
         runner.close()
 
 
-def test_code_tests_refuses_to_run_outside_the_sandbox(tmp_path):
-    raw = small_config(tmp_path, reward={"sandbox": False, "functions": [{"name": "code_tests"}]})
-    with pytest.raises(ValueError, match="code_tests reward runs the model's code: it needs reward.sandbox=true"):
-        validate_config(raw)
+def test_code_tests_runs_the_models_code_jailed_with_the_sandbox_off_too(monkeypatch):
+    """`reward.sandbox: false` runs user rewards in the worker's threads; the model's code is jailed all the same."""
+    monkeypatch.setenv("WANDB_API_KEY", "a-token")
+    runner = runner_of(["code_tests"], sandbox=False, timeout_s=10.0)
+    completion = "import os\ndef add(a, b):\n    return a + b if 'WANDB_API_KEY' in os.environ else 0\n"
+    try:  # add(-1, 1) == 0 passes either way; add(1, 2) == 3 only with the token
+        assert runner.score([0], [1.0], [{}], "add", completion, {"tests": TESTS}) == (0.5, [0.5], [None])
+    finally:
+        runner.close()
 
 
 @pytest.mark.slow
@@ -160,7 +166,8 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
         "kwargs": {"state_dir": str(claims), "port": server.getsockname()[1]},
     }
     raw = small_config(tmp_path, run={"steps": 3})
-    raw["reward"].update(functions=[misbehaving], timeout_s=3, sandbox_memory_mb=1024)
+    model_code = {"name": "code_tests", "weight": 0.0, "kwargs": {"tests": ["assert len(str(x)) >= 0"] * 2}}
+    raw["reward"].update(functions=[misbehaving, model_code], timeout_s=3, sandbox_memory_mb=1024)
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
@@ -168,8 +175,11 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
     why = {kind: sum(row[f"reward_failures/why/{kind}"] for row in rows)
            for kind in ("processes", "timeout", "memory", "network", "sandbox_died", "raised")}  # fmt: skip
     assert why == {"processes": 2, "timeout": 1, "memory": 1, "network": 1, "sandbox_died": 1, "raised": 0}
+    assert [row["sandbox/namespaces"] for row in rows] == [1.0, 1.0, 1.0]  # the model's code ran jailed
+    assert [row["reward_failures/code_tests"] for row in rows] == [0.0, 0.0, 0.0]
     assert sorted(os.listdir(claims)) == [str(index) for index in range(6)]
     with pytest.raises(TimeoutError):
         server.accept()
     assert sandboxed_processes() == []
     assert subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True).stdout == b""
+    assert subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True).stdout == b""

@@ -1,6 +1,8 @@
 """`grpo-dist submit` and `grpo-dist job` against a real Ray head started with token authentication on this
 machine: a run submitted with the token is followed to success and its reward workers see a forwarded variable
-(whose value is never printed); a submission without the token, or with a wrong one, is a one-line error."""
+(whose value is never printed); a submission without the token, or with a wrong one, is a one-line error. And what a
+submission sends (its job server stood in for): secrets only with `--forward-secrets`, which warns that Ray logs them;
+without it, the secrets set here are named as not forwarded."""
 
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import yaml
 from conftest import REPO, small_config
 from ray_nodes import RAY, free_port, node_env, own_ports, stop_processes_under
 
-pytestmark = pytest.mark.slow
 SECRET = "GRPO_DIST_TEST_SECRET"
 
 
@@ -41,6 +42,7 @@ def grpo_dist(*args: str, env: dict[str, str], timeout: float = 600) -> subproce
                           text=True, timeout=timeout)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(token_head, tmp_path):
     secret = uuid.uuid4().hex
     work = tmp_path / "work"  # the job's files: its config only (grpo-dist and the fixtures are on the cluster)
@@ -51,9 +53,12 @@ def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(to
     (work / "run.yaml").write_text(yaml.safe_dump(raw))
     env = {**node_env(), SECRET: secret}
     result = grpo_dist("submit", str(work / "run.yaml"), "--address", token_head, "--env", SECRET,
-                       "--working-dir", str(work), env=env)  # fmt: skip
+                       "--forward-secrets", "--working-dir", str(work), env=env)  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert f"forwarded: {SECRET} (values not shown)" in result.stdout
+    warning = [line for line in result.stdout.splitlines() if line.startswith("warning: --forward-secrets: ")]
+    assert len(warning) == 1 and SECRET in warning[0]  # a secret by its name: forwarded only when asked, with this
+    assert "Ray writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node" in warning[0]
     assert "SUCCEEDED" in result.stdout and "run directory:" in result.stdout  # the job's own output, followed
     assert secret not in result.stdout + result.stderr
     rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
@@ -63,6 +68,7 @@ def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(to
     assert status.returncode == 0 and f"{job_id}: SUCCEEDED" in status.stdout
 
 
+@pytest.mark.slow
 def test_job_stop_lets_the_run_write_its_checkpoint(token_head, tmp_path):
     """`grpo-dist job stop` is SIGTERM to the run; the wait Ray leaves before killing it (3 s by default) is raised,
     so the run writes a checkpoint of its last finished step and its policy before it exits."""
@@ -90,6 +96,7 @@ def test_job_stop_lets_the_run_write_its_checkpoint(token_head, tmp_path):
     assert (tmp_path / "outputs" / "test" / "interrupted" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("token", [None, "0" * 64], ids=["missing", "wrong"])
 def test_a_submission_without_the_right_token_says_what_to_set(token_head, tmp_path, token):
     config = tmp_path / "run.yaml"
@@ -108,6 +115,7 @@ def test_a_submission_without_the_right_token_says_what_to_set(token_head, tmp_p
     ]
 
 
+@pytest.mark.slow
 def test_a_relative_output_dir_is_refused_before_anything_is_sent(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path, run={"output_dir": "outputs"})))
@@ -115,3 +123,64 @@ def test_a_relative_output_dir_is_refused_before_anything_is_sent(tmp_path):
                        env=node_env(), timeout=60)  # fmt: skip
     assert result.returncode == 2
     assert "run.output_dir: 'outputs' is relative; a submitted run needs an absolute path" in result.stderr
+
+
+LOCAL_SECRETS = {"WANDB_API_KEY": "wandb-" + "7" * 32, "HF_TOKEN": "hf_" + "x" * 30, "AWS_ACCESS_KEY_ID": "AKIA7",
+                 "AWS_SECRET_ACCESS_KEY": "aws/secret+" + "k" * 20}  # fmt: skip
+LOCAL_SETTINGS = {"HF_HOME": "/shared/hf", "AWS_ENDPOINT_URL": "http://minio:9000", "AWS_REGION": "eu-west-1"}
+
+
+@pytest.fixture
+def sent(monkeypatch, tmp_path):
+    """What `grpo-dist submit` sends to the job server (stood in for: nothing is reached), one runtime_env per job;
+    WANDB_API_KEY, HF_TOKEN and AWS keys set here, and settings that are not secrets."""
+    from grpo_dist import submit
+
+    jobs = []
+    monkeypatch.setattr(submit, "JobServer", lambda address: None)
+    monkeypatch.setattr(submit, "submit_job", lambda server, entrypoint, runtime_env: jobs.append(runtime_env) or "j1")
+    for name in (*submit.FORWARDED, *submit.STORE_CREDENTIALS):  # only what the test sets
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**LOCAL_SECRETS, **LOCAL_SETTINGS}.items():
+        monkeypatch.setenv(name, value)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path, run={"output_dir": "s3://bucket/runs"})))
+    return jobs
+
+
+def submit_here(tmp_path, *flags: str) -> int:
+    from grpo_dist.cli import main
+
+    return main(["submit", str(tmp_path / "run.yaml"), "--address", "http://head:8265", "--working-dir",
+                 str(tmp_path), "--no-follow", *flags])  # fmt: skip
+
+
+def test_secrets_are_not_forwarded_unless_asked_and_each_is_named_once(sent, tmp_path, capsys):
+    assert submit_here(tmp_path) == 0
+    printed = capsys.readouterr()
+    assert sent[0]["env_vars"] == {"RAY_JOB_STOP_WAIT_TIME_S": "600", **LOCAL_SETTINGS}  # no secret sent to Ray
+    told = [line for line in printed.out.splitlines() if line.startswith("not forwarded")]
+    assert len(told) == 1 and "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY;" in told[0]
+    assert "runtime_env_agent.log on every node" in told[0] and "a Kubernetes Secret mounted as env vars" in told[0]
+    assert "--forward-secrets" in told[0] and "warning" not in printed.out
+    assert not any(value in printed.out + printed.err for value in LOCAL_SECRETS.values())
+
+
+def test_forward_secrets_sends_them_with_a_one_line_warning_that_ray_logs_them(sent, tmp_path, capsys):
+    assert submit_here(tmp_path, "--forward-secrets") == 0
+    printed = capsys.readouterr()
+    assert sent[0]["env_vars"] == {"RAY_JOB_STOP_WAIT_TIME_S": "600", **LOCAL_SETTINGS, **LOCAL_SECRETS}
+    warned = [line for line in printed.out.splitlines() if line.startswith("warning: --forward-secrets: ")]
+    assert len(warned) == 1
+    assert "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, HF_TOKEN, WANDB_API_KEY forwarded" in warned[0]
+    assert "Ray writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node" in warned[0]
+    assert "not forwarded" not in printed.out
+    assert not any(value in printed.out + printed.err for value in LOCAL_SECRETS.values())
+
+
+def test_an_env_secret_without_forward_secrets_is_refused_before_anything_is_sent(sent, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "t0ps3cret")
+    assert submit_here(tmp_path, "--env", "MY_SERVICE_TOKEN", "--env", "HF_HOME") == 2
+    err = capsys.readouterr().err
+    assert sent == [] and "t0ps3cret" not in err
+    assert "--env MY_SERVICE_TOKEN: a secret, by its name" in err and "or pass --forward-secrets" in err

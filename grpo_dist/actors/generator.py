@@ -133,7 +133,7 @@ class Generator:
 
         sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
         if self.agent is not None:
-            return await self._trajectories(row, group_size, sampling, prompt_index, seed)
+            return await self._trajectories(row, prompt_token_ids, group_size, sampling, prompt_index, seed)
         params = SamplingParams(
             n=group_size,
             temperature=sampling.temperature,
@@ -145,8 +145,13 @@ class Generator:
         output = await self._sample(prompt_token_ids, params)
         return [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
 
-    async def _trajectories(self, row: dict, group_size: int, sampling: Sampling, prompt_index: int, seed: int | None):
-        """`group_size` trajectories from `row`, each advancing on its own; the group once all have ended."""
+    async def _trajectories(
+        self, row: dict, prompt_token_ids: list[int], group_size: int, sampling: Sampling, prompt_index: int,
+        seed: int | None,
+    ) -> list[Completion]:  # fmt: skip
+        """`group_size` trajectories from `row`, each advancing on its own; the group once all have ended. One whose
+        user code raised comes back failed (no tokens after `prompt_token_ids`, `episode.failure`), the rest as
+        they ended."""
         import asyncio
         import copy
 
@@ -163,7 +168,7 @@ class Generator:
         seeds = [None if seed is None else seed + number for number in range(group_size)]
         rows = [copy.deepcopy(row) for _ in seeds]  # each its own: an environment may change what it is given
         trajectories = await asyncio.gather(
-            *(self.agent.trajectory(r, sample, each) for r, each in zip(rows, seeds, strict=True))
+            *(self.agent.trajectory(r, sample, each, prompt_token_ids) for r, each in zip(rows, seeds, strict=True))
         )
         return [
             Completion(

@@ -3,10 +3,13 @@ failing on user code, which runs in its sandbox process (`grpo_dist.sandbox`) un
 
 from __future__ import annotations
 
+import math
+
 import ray
 
 from grpo_dist.actors import die_with_parent
 from grpo_dist.config import RewardConfig
+from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum
 from grpo_dist.types import Score, ScoreRequest
 
 
@@ -46,6 +49,8 @@ class RewardWorker:
                 functions, weights, kwargs, request.prompt, request.completion, request.fields
             )
             failures = {name: error for name, error in zip(names, errors, strict=True) if error is not None}
+            if not failures and math.isnan(total):  # every function scored, but their weighted sum is out of range
+                failures[WEIGHTED_SUM] = weighted_sum(per_function, weights)[1]
             scores.append(Score(total=total, per_function=per_function, failures=failures))
             self.done += 1
         return scores, self.runner.exhausted

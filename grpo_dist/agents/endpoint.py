@@ -166,8 +166,8 @@ class Endpoint:
         from aiohttp import web
 
         if not self.authorized(request):
-            return error_answer(401, "missing or wrong API key: send the endpoint's key as `Authorization: Bearer <key>` "
-                         "(the `openai` client's api_key)", "authentication_error")  # fmt: skip
+            why = "missing or wrong API key: send the endpoint's key as `Authorization: Bearer <key>` (`api_key=`)"
+            return error_answer(401, why, "authentication_error")
         session = self.sessions.get(request.match_info["session"])
         if session is None:
             return error_answer(404, "no such session (its trajectory ended)", "not_found_error")

@@ -2,7 +2,8 @@
 with `error` set (the model reads the error and may try again), never as an exception.
 
 - `hermes` (the format of Qwen2.5, Hermes and many others): each call is a JSON object
-  `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`.
+  `{"name": ..., "arguments": {...}}` between `<tool_call>` and `</tool_call>`, with an `"id"` when the model
+  writes one (else the episode assigns it one, unique within the trajectory).
 - `none`: the model calls no tools (every turn ends the episode with the base environment).
 - A dotted path names a function of your own.
 """
@@ -45,9 +46,10 @@ def _read_call(body: str) -> ToolCall:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             pass
+    given = found["id"] if isinstance(found.get("id"), str) and found["id"] else None  # the model's own id, if any
     if not isinstance(arguments, dict):
-        return ToolCall(found["name"], error="the tool call's arguments must be a JSON object")
-    return ToolCall(found["name"], arguments)
+        return ToolCall(found["name"], error="the tool call's arguments must be a JSON object", id=given)
+    return ToolCall(found["name"], arguments, id=given)
 
 
 def no_tools(text: str) -> list[ToolCall]:

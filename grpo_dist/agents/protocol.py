@@ -12,11 +12,20 @@ with `environment.kwargs`:
 The base class answers every tool call with a `tool` message holding its result or error and ends the episode at
 the first turn without a tool call: the plain tool-use loop. Subclasses override either method; neither may block
 for long (they run in the generator, between engine calls: slow work belongs in a tool).
+
+Every tool call of a trajectory has an id unique within it (the model's own, or `call_<n>`): the assistant message
+lists its calls with their ids and each `tool` message names the call it answers (`tool_call_id`).
+
+An exception raised by the environment (its constructor, `reset`, `step`, or reading what they return), by a tool
+parser of your own, or by an agent fails that trajectory alone (`UserCodeError`): it holds no tokens, is unscored,
+counted in `agent/failed`, and the run's first such failure is printed.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +44,19 @@ class ToolCall:
     """Why there is no result: the call was malformed, named no tool, had wrong arguments, raised or timed out."""
     seconds: float = 0.0
     """Wall time the tool took."""
+    id: str | None = None
+    """The call's id, which its result's `tool` message carries as `tool_call_id`: the model's own when it wrote
+    one, else (or when the trajectory already used it) one assigned by the episode, `call_<n>`, unique within the
+    trajectory (`assign_call_ids`)."""
+
+
+def assign_call_ids(calls: list[ToolCall], taken: set[str]) -> None:
+    """Give each call without an id, or with one already in `taken` (the ids of the trajectory so far), the first
+    free `call_<n>`; every call's id is then added to `taken`."""
+    for call in calls:
+        if not call.id or call.id in taken:
+            call.id = next(f"call_{number}" for number in itertools.count() if f"call_{number}" not in taken)
+        taken.add(call.id)
 
 
 @dataclass
@@ -63,9 +85,34 @@ class Observation:
 
 
 def tool_message(call: ToolCall) -> dict[str, str]:
-    """The `tool` message answering one call: its result, or `error: ...`."""
+    """The `tool` message answering one call: its result, or `error: ...`, with the call's id when it has one."""
     content = call.result if call.error is None else f"error: {call.error}"
-    return {"role": "tool", "name": call.name, "content": content}
+    return {"role": "tool", "name": call.name, "content": content} | ({"tool_call_id": call.id} if call.id else {})
+
+
+def assistant_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The model's turn as a chat message: its text and, when it called tools, each call with its id in the OpenAI
+    shape (so each `tool` message's `tool_call_id` names the call it answers)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name, "arguments": json.dumps(call.arguments, default=str)}}
+                                 for call in calls]  # fmt: skip
+    return message
+
+
+class UserCodeError(Exception):
+    """The user's code (an environment's constructor, `reset` or `step`, a tool parser, an agent) raised: its
+    trajectory fails alone. `reason`: `<where> raised <type>: <the first line of its message>`."""
+
+    def __init__(self, where: str, error: BaseException) -> None:
+        lines = str(error).strip().splitlines()
+        self.reason = f"{where} raised {type(error).__name__}" + (f": {lines[0][:300]}" if lines else "")
+        super().__init__(self.reason)
+
+
+USER_CODE_ERRORS = (Exception, SystemExit)
+"""What user code may raise without stopping the run (a `sys.exit()` included; not a cancellation, nor Ctrl-C)."""
 
 
 class Environment:

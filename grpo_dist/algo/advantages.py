@@ -22,7 +22,10 @@ Where this departs from the papers:
 - ``reinforce_pp`` whitens over the completions that have a group baseline (valid, in a group with at least 2
   valid rewards); the others stay 0. Since every group-centred value sums to 0 per group, the batch mean is 0 up to
   rounding and whitening mostly rescales.
-- Statistics are computed in at least float32 and cast back to the rewards' dtype.
+- Statistics are computed in float64 and cast back to the rewards' dtype, so float32 rewards near float32's largest
+  value (3.4e38) do not overflow the sums and squares of the mean and std. An advantage itself must fit the rewards'
+  dtype: ``grpo`` and the whitened estimators are of order 1, ``dr_grpo`` and ``rloo`` up to 4x the largest reward
+  (``grpo_dist.rewards.REWARD_LIMIT`` bounds the rewards a run computes advantages of).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def group_advantages(
     """
     _check_arguments(rewards, group_size, estimator, std, eps)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
-    grouped = rewards.to(torch.promote_types(out_dtype, torch.float32)).reshape(-1, group_size)  # [N, G]
+    grouped = rewards.to(torch.float64).reshape(-1, group_size)  # [N, G]
     valid = ~grouped.isnan()  # [N, G]
     centered = torch.where(valid, grouped - _masked_mean(grouped, valid), 0.0)  # [N, G]
     ddof = 1 if std == "sample" else 0

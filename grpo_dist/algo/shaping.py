@@ -20,6 +20,8 @@ Where this departs from the papers and the libraries:
   out of the statistics of every function, not only the one that failed, as ``sum_then_normalize`` leaves it out.
 - GDPO whitens the summed advantages over the batch after the sum; ``normalize_then_sum`` does not, its scale grows
   with the weights. Whitening is the learner's business (or pick ``estimator="reinforce_pp"`` per function).
+- The weighted sum and the advantages are computed in float64 (large float32 rewards do not overflow their sum) and
+  returned in ``per_function``'s dtype.
 """
 
 from __future__ import annotations
@@ -90,21 +92,21 @@ def multi_reward_advantages(
     advantage 0. ``options`` go to ``group_advantages`` (``std``, ``eps``). Raises ValueError for an unknown
     combine, mismatched shapes, or anything ``group_advantages`` rejects.
     """
-    weight_vector = _check_multi_reward_arguments(per_function, weights, combine)  # [F]
-    dtype = weight_vector.dtype
-    scores = per_function.to(dtype)  # [N, F]
+    weight_vector = _check_multi_reward_arguments(per_function, weights, combine)  # [F], float64
+    dtype = per_function.dtype if per_function.is_floating_point() else torch.get_default_dtype()
+    scores = per_function.to(torch.float64)  # [N, F]
     rewards = (scores * weight_vector).sum(-1)  # [N]; NaN propagates from any failed column
     if combine == "sum_then_normalize":
-        return rewards, group_advantages(rewards, group_size, estimator, **options)
+        return rewards.to(dtype), group_advantages(rewards, group_size, estimator, **options).to(dtype)
     scorable = ~rewards.isnan()  # [N]
     masked = torch.where(scorable.unsqueeze(-1), scores, torch.nan)  # [N, F]: a failed row is NaN in every column
     per_column = [group_advantages(column, group_size, estimator, **options) for column in masked.unbind(-1)]
     advantages = (torch.stack(per_column, dim=-1) * weight_vector).sum(-1)  # [N, F] -> [N]
-    return rewards, advantages
+    return rewards.to(dtype), advantages.to(dtype)
 
 
 def _check_multi_reward_arguments(per_function: Tensor, weights: Sequence[float] | Tensor, combine: str) -> Tensor:
-    """Validates the arguments and returns the weights as a float tensor [F] on per_function's device."""
+    """Validates the arguments and returns the weights as a float64 tensor [F] on per_function's device."""
     if combine not in COMBINES:
         raise ValueError(f"multi_reward_advantages: unknown combine {combine!r}; valid values: {', '.join(COMBINES)}")
     if per_function.dim() != 2 or per_function.shape[1] == 0:
@@ -118,8 +120,7 @@ def _check_multi_reward_arguments(per_function: Tensor, weights: Sequence[float]
             f"multi_reward_advantages: per_function is infinite at [row, column] {positions}; a "
             "reward function must return a finite value, or NaN for a completion it cannot score"
         )
-    dtype = per_function.dtype if per_function.is_floating_point() else torch.get_default_dtype()
-    weight_vector = torch.as_tensor(weights, dtype=dtype, device=per_function.device)
+    weight_vector = torch.as_tensor(weights, dtype=torch.float64, device=per_function.device)
     if weight_vector.shape != (per_function.shape[1],):
         raise ValueError(
             f"multi_reward_advantages: weights have shape {tuple(weight_vector.shape)} but per_function has shape "

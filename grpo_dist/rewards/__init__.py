@@ -1,10 +1,20 @@
 """Reward functions: built-ins, lookup by name or dotted path, and fault-tolerant scoring of one completion."""
 
 from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format, regex_format
-from grpo_dist.rewards.registry import BUILTIN_REWARDS, RewardFn, RewardSpec, combine, resolve_reward, score_one
+from grpo_dist.rewards.registry import (
+    BUILTIN_REWARDS,
+    REWARD_LIMIT,
+    RewardFn,
+    RewardSpec,
+    combine,
+    resolve_reward,
+    score_one,
+    weighted_sum,
+)
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "REWARD_LIMIT",
     "RewardFn",
     "RewardSpec",
     "boxed_format",
@@ -15,4 +25,5 @@ __all__ = [
     "regex_format",
     "resolve_reward",
     "score_one",
+    "weighted_sum",
 ]

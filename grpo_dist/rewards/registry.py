@@ -3,7 +3,9 @@
 A reward is named either as a built-in (``"math_answer"``, see :data:`BUILTIN_REWARDS`) or as the dotted path
 of a user function (``"my_pkg.rewards.length_penalty"``). A completion's reward is the weighted sum of its
 functions' scores; a function that raises or runs past its time limit scores NaN, and a NaN anywhere makes the
-weighted sum NaN, marking the completion as unscored rather than silently scoring it 0.
+weighted sum NaN, marking the completion as unscored rather than silently scoring it 0. So does a weighted sum that
+overflows or any value beyond ``REWARD_LIMIT`` (what the float32 advantages hold safely): no value a reward
+returns can stop the run.
 """
 
 from __future__ import annotations
@@ -95,13 +97,45 @@ def resolve_reward(name: str) -> RewardFn:
     return _import_user_reward(name)
 
 
-def combine(scores: list[float], weights: list[float]) -> float:
-    """Weighted sum ``sum(w * s)``; NaN if any score is NaN (the completion is unscored)."""
+REWARD_LIMIT = 1e30
+"""The largest magnitude a score, a weighted score or a completion's weighted sum may have; beyond it the completion
+is unscored. Rewards reach the advantages as float32 tensors (largest 3.4e38): within this limit every sum, group
+difference and leave-one-out scaling the estimators make (at most 4 x F x the limit, for F reward functions) stays
+finite, with room for F up to about 1e7."""
+
+WEIGHTED_SUM = "weighted_sum"
+"""The key of `Score.failures` (and `reward_failures/weighted_sum`) naming why a completion whose functions all
+scored is unscored all the same: the weighted sum of their scores overflows or is beyond `REWARD_LIMIT`."""
+
+
+def weighted_sum(scores: list[float], weights: list[float]) -> tuple[float, str | None]:
+    """``(sum(w * s), None)``, summed exactly in float64; or ``(NaN, why)``: a score is NaN (its function failed)
+    or infinite, the sum overflows, or a score, a weighted score or the sum is beyond ``REWARD_LIMIT``."""
     if len(scores) != len(weights):
         raise ValueError(f"combine: {len(scores)} scores but {len(weights)} weights; pass one weight per score.")
     if any(math.isnan(score) for score in scores):
-        return math.nan
-    return math.fsum(score * weight for score, weight in zip(scores, weights, strict=True))
+        return math.nan, "a reward function failed"
+    if not all(math.isfinite(score) for score in scores):
+        return math.nan, f"a reward is {next(s for s in scores if not math.isfinite(s))}, not a finite number"
+    terms = [score * weight for score, weight in zip(scores, weights, strict=True)]
+    try:
+        total = math.fsum(terms)
+    except (OverflowError, ValueError):  # an intermediate sum beyond float64, or inf - inf of two weighted scores
+        return math.nan, "the weighted sum of the rewards overflows"
+    if math.isinf(total):  # a finite score times a large weight: that term alone is beyond float64
+        return math.nan, "the weighted sum of the rewards overflows"
+    if not abs(total) <= REWARD_LIMIT:
+        return math.nan, f"the weighted sum of the rewards, {total:g}, is beyond +-{REWARD_LIMIT:g} (REWARD_LIMIT)"
+    beyond = next((value for value in [*scores, *terms] if not abs(value) <= REWARD_LIMIT), None)
+    if beyond is not None:
+        return math.nan, f"a reward or weighted reward, {beyond:g}, is beyond +-{REWARD_LIMIT:g} (REWARD_LIMIT)"
+    return total, None
+
+
+def combine(scores: list[float], weights: list[float]) -> float:
+    """Weighted sum ``sum(w * s)`` in float64; NaN (the completion is unscored) where ``weighted_sum`` gives a
+    reason: a NaN score, an overflow, or a value beyond ``REWARD_LIMIT``. Never raises for the values."""
+    return weighted_sum(scores, weights)[0]
 
 
 JAILED_REWARDS = ("code_tests",)

@@ -159,8 +159,10 @@ class Scoring:
 
 def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -> list[ScoreRequest]:
     """What the reward functions judge: the prompt, the completion (a trajectory's last turn) and the row's fields;
-    of a trajectory also its conversation (`messages`) and the environment's reward (`environment_reward`)."""
-    return [ScoreRequest(prompts[c.prompt_index].text, c.text, {**prompts[c.prompt_index].fields, **_episode(c)})
+    of a trajectory also its conversation (`messages`) and the environment's reward (`environment_reward`), or why
+    it failed (then it is not scored)."""
+    return [ScoreRequest(prompts[c.prompt_index].text, c.text, {**prompts[c.prompt_index].fields, **_episode(c)},
+                         c.episode.failure if c.episode is not None else None)
             for c in completions]  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,8 +23,11 @@ class Rollout:
     """[P*G] the score of each completion."""
 
     def per_function(self) -> torch.Tensor:
-        """[P*G, F] each reward function's value (NaN where it failed)."""
-        return torch.tensor([score.per_function for score in self.scores], dtype=torch.float)
+        """[P*G, F] each reward function's value (NaN where it failed); a whole row NaN where the completion is
+        unscored, whatever its values (a sum out of range, a failed trajectory), so none enters an advantage."""
+        rows = [score.per_function if math.isfinite(score.total) else [math.nan] * len(score.per_function)
+                for score in self.scores]  # fmt: skip
+        return torch.tensor(rows, dtype=torch.float)
 
     def lengths(self) -> torch.Tensor:
         """[P*G] completion lengths: the tokens the model sampled (of a trajectory, not its observations)."""
