@@ -20,9 +20,9 @@ but the model's own code never runs here (`grpo_dist.jail` runs it). The sandbox
 (PATH, LANG, a HOME and working directory of its own, the import path; never the run's tokens: names listed in
 `reward.sandbox_env` are passed on), imports the user's modules only after it became `nobody`, with the worker's
 working directory last on its import path, and every answer it gives is checked here: one JSON line per request,
-carrying the request's number and, for a reward, one finite number; anything else leaves that call unscored and the
-sandbox replaced. Under `reward.isolation: require` a sandbox the machine refuses a network namespace or the change
-of user does not start (`SandboxError`, saying what was refused).
+carrying the request's number and, for a reward, one finite number within ±1e30; anything else leaves that call
+unscored and the sandbox replaced. Under `reward.isolation: require` a sandbox the machine refuses a network
+namespace or the change of user does not start (`SandboxError`, saying what was refused).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from grpo_dist.rewards.registry import REWARD_LIMIT
+
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
 """In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
 START_TIMEOUT_S = 120.0  # importing the reward modules
@@ -52,7 +54,6 @@ CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 CAP_DAC_READ_SEARCH = 2  # linux/capability.h: read any file, search any directory
 CAPABILITY_VERSION_3 = 0x20080522
 NOBODY = 65534
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
 def checked_answer(line: bytes, request: int, kind: str) -> tuple[dict, str | None]:
     """One answer line as the sandbox gave it: (the answer, None), or ({}, why it is out of protocol). An answer is
     a JSON object with the request's `id` and either an `error` (text) or, for a reward, a `value` (a finite number
-    within float32's range) or, for a tool, a `result` (text)."""
+    within `REWARD_LIMIT`) or, for a tool, a `result` (text)."""
     try:
         answer = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
     except (ValueError, UnicodeDecodeError) as error:
@@ -242,8 +243,8 @@ def checked_answer(line: bytes, request: int, kind: str) -> tuple[dict, str | No
     value = answer[wanted]
     if kind != "rewards":
         return (answer, None) if isinstance(value, str) else ({}, "a tool's result is text")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= FLOAT32_MAX:
-        return {}, f"a reward is one finite number within float32's range, got {str(value)[:40]}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= REWARD_LIMIT:
+        return {}, f"a reward is one finite number within ±{REWARD_LIMIT:g}, got {str(value)[:40]}"
     return {"id": request, "value": float(value)}, None
 
 
@@ -393,8 +394,8 @@ def _serve() -> None:
             else:
                 function = functions[request["call"]]
                 score = _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
-                if abs(score) > FLOAT32_MAX:
-                    raise ValueError(f"returned {score:g}, beyond float32's range (the advantages are float32)")
+                if abs(score) > REWARD_LIMIT:
+                    raise ValueError(f"returned {score:g}, beyond ±{REWARD_LIMIT:g} (rewards.REWARD_LIMIT)")
                 answer({"value": score})
         except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
             said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -252,7 +252,7 @@ def test_an_environment_that_raises_fails_only_its_own_trajectory(tokenizer, fai
                      "tool parser raising_parser raised RuntimeError: the parser's own bug", id="tool_parser"),
     ],
 )  # fmt: skip
-def test_user_code_failing_every_trajectory_fails_each_alone_with_the_first_line_of_its_error(tokenizer, config, reason):
+def test_user_code_failing_every_trajectory_fails_each_with_the_first_line_of_its_error(tokenizer, config, reason):
     from grpo_dist.agents.episode import AgentLoop
     from grpo_dist.config import EnvironmentConfig
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_dist.agents.episode import Limits, Sampled, Sampler, Trajectory
+from grpo_dist.agents.protocol import assign_call_ids
 from grpo_dist.agents.render import Renderer
 from grpo_dist.types import Episode
 
@@ -58,6 +59,7 @@ class Session:
     tool_calls: int = 0
     replies: int = 0  # replies recorded in the trajectory
     diverged: bool = False
+    call_ids: set[str] = field(default_factory=set)  # the tool-call ids given so far: each new one unique
     ended_on_eos: bool = True  # the last recorded reply ended with the end-of-sequence token
     closed: bool = False  # its trajectory was taken: a call finishing later is not recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time extends the trajectory
@@ -188,6 +190,7 @@ class Endpoint:
             session.calls += 1
             text = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True)
             calls = [call for call in self.parser(text) if call.error is None]
+            assign_call_ids(calls, session.call_ids)
             reply = {"role": "assistant", "content": text}
             if observed is not None and sampled.token_ids and not session.closed:
                 self._record(session, messages, reply, sampled, observed, len(calls))
@@ -226,9 +229,9 @@ class Endpoint:
 
     def _response(self, body: dict, reply: dict, calls: list, sampled: Sampled, prompt_tokens: int) -> dict:
         tool_calls = [
-            {"id": f"call_{number}", "type": "function",
+            {"id": call.id, "type": "function",
              "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-            for number, call in enumerate(calls)
+            for call in calls
         ]  # fmt: skip
         finish = "tool_calls" if calls else ("length" if sampled.finish_reason == "length" else "stop")
         completion = len(sampled.token_ids)

@@ -171,7 +171,9 @@ def _parse(parser: Callable, text: str, taken: set[str]) -> list[ToolCall]:
     return calls
 
 
-def _step(environment: Environment, turn: Turn, renderer: Renderer, rewards: dict[str, float]):
+def _step(
+    environment: Environment, turn: Turn, renderer: Renderer, rewards: dict[str, float]
+) -> tuple[bool, list[dict[str, Any]], list[int]]:
     """The environment's answer to `turn`: whether it is done, its messages and their tokens (none when done). Its
     reward parts are added to `rewards` once it is all read."""
     observation = environment.step(turn)
