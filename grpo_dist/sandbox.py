@@ -20,9 +20,9 @@ but the model's own code never runs here (`grpo_dist.jail` runs it). The sandbox
 (PATH, LANG, a HOME and working directory of its own, the import path; never the run's tokens: names listed in
 `reward.sandbox_env` are passed on), imports the user's modules only after it became `nobody`, with the worker's
 working directory last on its import path, and every answer it gives is checked here: one JSON line per request,
-carrying the request's number and, for a reward, one finite number within ±1e30; anything else leaves that call
-unscored and the sandbox replaced. Under `reward.isolation: require` a sandbox the machine refuses a network
-namespace or the change of user does not start (`SandboxError`, saying what was refused).
+carrying the request's id (drawn at random) and, for a reward, one finite number within ±1e30; anything else
+leaves that call unscored and the sandbox replaced. Under `reward.isolation: require` a sandbox the machine
+refuses a network namespace or the change of user does not start (`SandboxError`, saying what was refused).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ import ctypes
 import errno
 import functools
 import json
+import logging
 import math
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -44,8 +46,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from grpo_dist import jail
+from grpo_dist.actors import die_with_parent
 from grpo_dist.rewards.registry import REWARD_LIMIT
 
+log = logging.getLogger("grpo_dist")
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
 """In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
 START_TIMEOUT_S = 120.0  # importing the reward modules
@@ -84,7 +89,7 @@ class Sandbox:
         self.process: subprocess.Popen | None = None
         self.buffer = b""
         self.ended = False  # its answers' pipe closed: the process is gone
-        self.requests = 0  # requests sent to this process: each answer carries the number of its own
+        self.request = ""  # the id of the last request, drawn at random: its answer carries it
         self.home: str | None = None  # its HOME and working directory
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
         if reap and sys.platform.startswith("linux"):
@@ -136,7 +141,7 @@ class Sandbox:
                 stray.kill()
         psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
         self.process = None
-        self.buffer, self.ended, self.requests = b"", False, 0
+        self.buffer, self.ended, self.request = b"", False, ""
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
@@ -147,8 +152,9 @@ class Sandbox:
         if os.geteuid() == 0:
             os.chown(self.home, NOBODY, NOBODY)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grpo_dist.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            pid_namespace([sys.executable, "-m", "grpo_dist.sandbox"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=sandbox_env(self.home, self.limits.env), cwd=self.home, start_new_session=True,
+            preexec_fn=die_with_parent,
         )  # fmt: skip
         self.process.stdin.write(json.dumps({"functions": self.names, "kind": self.kind,
                                              "limits": asdict(self.limits)}).encode() + b"\n")  # fmt: skip
@@ -176,8 +182,11 @@ class Sandbox:
         return f"{why} (the {self.label} sandbox was killed with everything it started)" if timed_out else why
 
     def _send(self, message: dict) -> None:
-        self.requests += 1
-        message = {**message, "id": self.requests}
+        if self.buffer or select.select([self.process.stdout.fileno()], [], [], 0)[0]:
+            log.warning(f"the {self.label} sandbox wrote past its last answer: replaced")  # not this call's fault
+            self._start()
+        self.request = secrets.token_hex(8)
+        message = {**message, "id": self.request}
         self.process.stdin.write(json.dumps(message, default=str).encode() + b"\n")
         self.process.stdin.flush()
 
@@ -205,7 +214,7 @@ class Sandbox:
             return None
         out = self.process.stdout.fileno()
         extra = self.buffer or (select.select([out], [], [], 0)[0] and os.read(out, 1))
-        answer, why = checked_answer(line, self.requests, self.kind)
+        answer, why = checked_answer(line, self.request, self.kind)
         if why is None and extra:
             why = "more than one answer to one request"
         if why is not None:
@@ -214,18 +223,28 @@ class Sandbox:
         return answer
 
 
+def pid_namespace(argv: list[str]) -> list[str]:
+    """`argv` as the first process of a PID namespace of its own, where bubblewrap runs (`grpo_dist.jail`): whatever
+    it starts, in a session of its own or not, dies with it, even when the worker is killed without closing it. Its
+    view of the machine is unchanged (the sandbox limits itself). Elsewhere `argv` as it is."""
+    if not jail.status().namespaces:
+        return argv
+    user = [] if os.geteuid() == 0 else ["--unshare-user", "--uid", str(os.geteuid()), "--gid", str(os.getegid())]
+    return [jail.bwrap_path(), "--dev-bind", "/", "/", *user, "--unshare-pid", "--die-with-parent", "--", *argv]
+
+
 def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
     """A sandbox's whole environment: what Python needs, the import path (this process's, the working directory
     last so nothing planted there shadows an installed module), and the variables named in `passed`."""
     env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": home,
            "TMPDIR": home, SANDBOX_MARK: str(os.getpid()), "TOKENIZERS_PARALLELISM": "false",
            **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")}  # fmt: skip
-    env["PYTHONPATH"] = os.pathsep.join([*filter(None, sys.path), os.getcwd()])
+    env["PYTHONPATH"] = os.pathsep.join([*map(os.path.abspath, filter(None, sys.path)), os.getcwd()])
     env.update({name: os.environ[name] for name in passed if name in os.environ})
     return env
 
 
-def checked_answer(line: bytes, request: int, kind: str) -> tuple[dict, str | None]:
+def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | None]:
     """One answer line as the sandbox gave it: (the answer, None), or ({}, why it is out of protocol). An answer is
     a JSON object with the request's `id` and either an `error` (text) or, for a reward, a `value` (a finite number
     within `REWARD_LIMIT`) or, for a tool, a `result` (text)."""
@@ -251,6 +270,8 @@ def checked_answer(line: bytes, request: int, kind: str) -> tuple[dict, str | No
 def _exit_reason(code: int | None, label: str = "reward") -> str:
     if code is None:
         return "no answer"
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:  # bubblewrap's way of saying a signal
+        code = 128 - code
     if code < 0:
         name = signal.Signals(-code).name
         why = {
@@ -342,7 +363,7 @@ def _become_nobody() -> str | None:
     return None
 
 
-def answer_to(answers: Any, request: int | None, message: dict) -> None:
+def answer_to(answers: Any, request: str | None, message: dict) -> None:
     answers.write(json.dumps(message if request is None else {"id": request, **message}).encode() + b"\n")
     answers.flush()
 
@@ -350,7 +371,6 @@ def answer_to(answers: Any, request: int | None, message: dict) -> None:
 def _serve() -> None:
     import resource
 
-    from grpo_dist.actors import die_with_parent
     from grpo_dist.agents.tools import resolve_tool
     from grpo_dist.rewards.registry import _to_score, resolve_reward
 

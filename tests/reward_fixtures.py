@@ -146,7 +146,7 @@ def misbehaving_reward(prompt: str, completion: str, state_dir: str, port: int, 
 
 
 def big_reward(prompt: str, completion: str, **_: Any) -> float:
-    return 3e38  # within float32's range; two of them are not
+    return 6e29  # within rewards.REWARD_LIMIT (1e30); two of them are not
 
 
 def float32_overflow_reward(prompt: str, completion: str, **_: Any) -> float:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -263,11 +264,11 @@ def test_a_reward_answer_out_of_protocol_leaves_only_its_completion_unscored(nam
 
 @pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "threads"])
 def test_rewards_whose_sum_overflows_leave_the_completion_unscored(sandbox):
-    """3e38 twice is beyond float32's range (and 1e308 twice beyond float64's): unscored, never raised."""
+    """6e29 twice passes rewards.REWARD_LIMIT (1e30), and 6e299 twice float64's range: unscored, never raised."""
     runner = runner_of(["reward_fixtures.big_reward", "reward_fixtures.big_reward"], sandbox=sandbox)
     try:
         total, scores, errors = runner.score([0, 1], [1.0, 1.0], [{}, {}], "q", "abc", {})
-        assert scores == [3e38, 3e38] and errors == [None, None] and math.isnan(total)
+        assert scores == [6e29, 6e29] and errors == [None, None] and math.isnan(total)
         assert math.isnan(runner.score([0, 1], [1e270, 1e270], [{}, {}], "q", "abc", {})[0])
     finally:
         runner.close()
@@ -314,3 +315,31 @@ def test_a_process_a_reward_detaches_dies_with_the_sandbox():
     for process in leftover:
         process.send_signal(signal.SIGKILL)
     assert leftover == []
+
+
+def test_what_a_reward_starts_dies_with_a_worker_killed_without_closing_its_sandbox(tmp_path):
+    """A reward worker SIGKILLed at the end of a run closes nothing: what its reward started in a session of its own
+    dies all the same (the sandbox is the first process of a PID namespace of its own, killed with the worker)."""
+    script = (
+        "import sys, time\nsys.path.insert(0, 'tests')\nfrom test_sandbox import runner_of\n"
+        "runner = runner_of(['reward_fixtures.detaching_reward'], sandbox_processes=True)\n"
+        "print(runner.score([0], [1.0], [{}], 'q', 'abc', {})[0], flush=True)\ntime.sleep(600)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "1.0"
+        deadline = time.monotonic() + 10
+        while not sleepers() and time.monotonic() < deadline:  # its exec may still be on its way
+            time.sleep(0.05)
+        assert sleepers(), "the reward started nothing"
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 10
+    while sleepers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sleepers() == []
+
+
+def sleepers() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == ["sleep", "600"]]

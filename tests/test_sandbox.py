@@ -27,15 +27,18 @@ from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, failure_kind
 FIXTURES = "reward_fixtures"
 
 
-def sandboxed_processes() -> list[psutil.Process]:
-    """Every process on this machine that carries a sandbox's mark (a sandbox, or anything one started)."""
+def sandboxed_processes(owner: int | None = -1) -> list[psutil.Process]:
+    """Every process on this machine that carries the sandbox mark of `owner` (a sandbox, or anything one started):
+    by default this process's, None: anyone's."""
+    owner = os.getpid() if owner == -1 else owner
     found = []
     for process in psutil.process_iter():
         try:
-            if SANDBOX_MARK in process.environ():
-                found.append(process)
+            mark = process.environ().get(SANDBOX_MARK)
         except psutil.Error:
             continue
+        if mark is not None and (owner is None or mark == str(owner)):
+            found.append(process)
     return found
 
 
@@ -180,6 +183,6 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
     assert sorted(os.listdir(claims)) == [str(index) for index in range(6)]
     with pytest.raises(TimeoutError):
         server.accept()
-    assert sandboxed_processes() == []
+    assert sandboxed_processes(owner=None) == []
     assert subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True).stdout == b""
     assert subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True).stdout == b""
