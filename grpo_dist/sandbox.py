@@ -48,7 +48,8 @@ from typing import Any
 
 from grpo_dist import jail
 from grpo_dist.actors import die_with_parent
-from grpo_dist.rewards.registry import REWARD_LIMIT
+from grpo_dist.agents.tools import resolve_tool
+from grpo_dist.rewards.registry import REWARD_LIMIT, resolve_reward, to_score
 
 log = logging.getLogger("grpo_dist")
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
@@ -371,8 +372,6 @@ def answer_to(answers: Any, request: str | None, message: dict) -> None:
 def _serve() -> None:
     import resource
 
-    from grpo_dist.agents.tools import resolve_tool
-    from grpo_dist.rewards.registry import _to_score, resolve_reward
 
     # The requests and answers keep the pipes; the reward code gets no input and prints to the log.
     requests, answers = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
@@ -413,7 +412,7 @@ def _serve() -> None:
                 answer({"result": found if isinstance(found, str) else json.dumps(found, default=str)})
             else:
                 function = functions[request["call"]]
-                score = _to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
+                score = to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
                 if abs(score) > REWARD_LIMIT:
                     raise ValueError(f"returned {score:g}, beyond ±{REWARD_LIMIT:g} (rewards.REWARD_LIMIT)")
                 answer({"value": score})

@@ -143,7 +143,7 @@ JAILED_REWARDS = ("code_tests",)
 itself, which is the trusted side of their protocol, given `isolation` and `memory_mb` from the reward config."""
 
 
-def _to_score(value: Any) -> float:
+def to_score(value: Any) -> float:
     """``float(value)``, rejecting values that are not numbers (a str "1" is a bug in the reward, not a score)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(f"returned {type(value).__name__} {value!r}, expected a float")
@@ -156,7 +156,7 @@ def _to_score(value: Any) -> float:
 def _wait_for_score(future: concurrent.futures.Future, deadline: float, timeout_s: float) -> tuple[float, str | None]:
     """The score of one submitted call, or NaN and the reason it has none."""
     try:
-        return _to_score(future.result(timeout=max(0.0, deadline - time.monotonic()))), None
+        return to_score(future.result(timeout=max(0.0, deadline - time.monotonic()))), None
     except concurrent.futures.TimeoutError:
         future.cancel()  # frees the slot if it never started; a running call cannot be stopped
         return math.nan, f"timed out after {timeout_s:g}s"

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from grpo_dist.config import RewardConfig
-from grpo_dist.rewards.registry import JAILED_REWARDS, _to_score, combine, resolve_reward, score_one
+from grpo_dist.rewards.registry import JAILED_REWARDS, combine, resolve_reward, score_one, to_score
 from grpo_dist.sandbox import Limits, Sandbox
 
 log = logging.getLogger("grpo_dist")
@@ -75,7 +75,7 @@ class RewardRunner:
         """A jailed built-in on one completion: (score, None), or (NaN, why it has none)."""
         started = time.monotonic()
         try:
-            score = _to_score(self.jailed[index](prompt, completion, **kwargs))
+            score = to_score(self.jailed[index](prompt, completion, **kwargs))
         except Exception as error:  # a row without tests, isolation refused on this node: this completion unscored
             return math.nan, f"{type(error).__name__}: {error}"
         if time.monotonic() - started > self.timeout_s:
