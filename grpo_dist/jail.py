@@ -3,8 +3,9 @@ bubblewrap (`bwrap`, a small, widely deployed sandboxing tool), and judged only 
 
 A jailed process
   - sees a file system of its own: the system's libraries and the Python interpreter read-only, an empty
-    writable `/tmp` and working directory (a tmpfs), nothing else: no home directory, no run directory, no Ray
-    session, no installed packages (it runs `python -I -S`), no `/proc`;
+    writable `/tmp` and working directory (a tmpfs of `TMP_MB`), nothing else: no home directory, no run
+    directory, no Ray session, no installed packages (it runs `python -I -S`), no `/proc`; and a kernel keyring of
+    its own;
   - has PID, network, IPC and UTS namespaces of its own: it can signal nothing outside, has no network, and what it
     starts dies with it (the namespace's first process ends, and the kernel kills the rest);
   - runs as `nobody` with no capabilities (as root) or as the caller's user in a user namespace, with no new
@@ -15,10 +16,10 @@ A jailed process
 
 Where bubblewrap is missing or the machine refuses a namespace, `Isolation.REQUIRE` refuses to run anything
 (`IsolationRefused`, before any engine starts) and `Isolation.BEST_EFFORT` runs a plain process instead: the same
-environment, working directory and limits, as `nobody` under root (which keeps the capability to read files, so
-the interpreter stays importable), in a session of its own that is killed whole. What is in force is `status()`.
+environment, working directory and limits, as `nobody` under root (with no capabilities once it runs), in a session
+of its own that is killed whole. What is in force is `status()`.
 
-`run_program` is how `code_tests` and the `python` tool run code: the program comes on standard input after the
+`Jailed` is how `code_tests` and the `python` tool run code: the program comes on standard input after the
 process is up, so nothing it reads before it runs is anyone's secret; how a verdict leaves it is the caller's
 protocol (`grpo_dist.rewards.code`).
 """
@@ -29,6 +30,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import platform
 import select
 import shutil
 import signal
@@ -38,8 +40,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 NOBODY = 65534
+TMP_MB = 64  # the jail's /tmp, its working directory included (each file at most `Limits.file_mb`)
+KEYCTL_JOIN_SESSION_KEYRING = 1
+KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}  # keyctl(2) by machine
+PR_SET_PDEATHSIG = 1
 SYSTEM_PATHS = ("/usr", "/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 """What a jailed process sees of the machine besides the interpreter (read-only)."""
 MERGED_USR = ("bin", "lib", "lib64", "sbin")  # links into /usr on today's distributions; bound if they are not
@@ -148,9 +155,32 @@ def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
             view += ["--ro-bind", path, path]
     for path in SYSTEM_PATHS[1:]:
         view += ["--ro-bind-try", path, path]
-    if not prefix.startswith("/usr/"):
+    if not prefix.startswith("/usr/"):  # its directories made searchable, else Python misses its own library
+        for parent in reversed(Path(prefix).parents[:-1]):
+            view += ["--perms", "0755", "--dir", str(parent)]
         view += ["--ro-bind", prefix, prefix]
-    view += ["--tmpfs", "/tmp", "--dev", "/dev", "--dir", "/tmp/work", "--chdir", "/tmp/work"]
+    view += [
+        "--perms",
+        "1777",
+        "--size",
+        str(TMP_MB << 20),
+        "--tmpfs",
+        "/tmp",
+        "--perms",
+        "1777",
+        "--dir",
+        "/tmp/work",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(1 << 20),
+        "--tmpfs",
+        "/dev/shm",
+        "--chdir",
+        "/tmp/work",
+    ]
     namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     namespaces += [] if network else ["--unshare-net"]
     env = ["--clearenv", *[arg for key, value in clean_env("/tmp/work").items() for arg in ("--setenv", key, value)]]
@@ -159,16 +189,28 @@ def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
         become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
                   "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
         return [bwrap, *view, *namespaces, *env, *guard, "--", *become, *argv]
-    return [bwrap, *view, "--unshare-user", *namespaces, *env, *guard, "--cap-drop", "ALL", "--", *argv]
+    return [bwrap, *view, "--unshare-user", "--disable-userns", *namespaces, *env, *guard, "--cap-drop", "ALL", "--",
+            *argv]  # fmt: skip
+
+
+def _own_keyring() -> None:
+    """A session keyring of its own: the kernel's keyrings are not namespaced, and the caller's would be shared."""
+    number = KEYCTL_SYSCALL.get(platform.machine())
+    if number is not None:
+        ctypes.CDLL(None, use_errno=True).syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
 def _as_nobody() -> None:
-    """Best effort without namespaces, as root: become `nobody`, keeping only the capability to read files."""
+    """Best effort without namespaces, as root: a keyring of its own, then become `nobody`, keeping the capability to
+    read files only up to its `exec` (so an interpreter installed where only root may read starts), and die with
+    the process that started it."""
+    _own_keyring()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of user clears it
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -222,7 +264,7 @@ class Jailed:
                 stdout=subprocess.PIPE if output else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT if output else subprocess.DEVNULL, pass_fds=(write_end,), cwd=self.workdir,
                 env=clean_env(self.workdir),
-                start_new_session=True, preexec_fn=None if jailed or os.geteuid() != 0 else _as_nobody,
+                start_new_session=True, preexec_fn=_own_keyring if jailed or os.geteuid() != 0 else _as_nobody,
             )  # fmt: skip
         finally:
             os.close(write_end)
@@ -231,14 +273,22 @@ class Jailed:
             os.chown(self.workdir, NOBODY, NOBODY)
         self.received = b""
 
-    def send(self, data: bytes) -> bool:
-        """Write `data` to its standard input; False if it is gone."""
-        try:
-            self.process.stdin.write(data)
-            self.process.stdin.flush()
-            return True
-        except (BrokenPipeError, OSError):
-            return False
+    def send(self, data: bytes, deadline: float) -> bool:
+        """Write `data` to its standard input by `deadline`; False if it is gone or does not read it in time."""
+        stdin = self.process.stdin.fileno()
+        os.set_blocking(stdin, False)
+        view = memoryview(data)
+        while view:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([], [stdin], [], remaining)[1]:
+                return False
+            try:
+                view = view[os.write(stdin, view) :]
+            except BlockingIOError:
+                continue
+            except OSError:  # its end closed
+                return False
+        return True
 
     def read_until(self, wanted: bytes, deadline: float) -> bool:
         """Read its status pipe until what it wrote since the last match ends with `wanted` (True), or it wrote
@@ -305,4 +355,7 @@ class Jailed:
             with contextlib.suppress(OSError, AttributeError):
                 stream.close()
         os.close(self.read_end)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        try:
+            shutil.rmtree(self.workdir)
+        except (OSError, RecursionError):  # best effort: a tree too deep for rmtree, made by the code
+            subprocess.run(["rm", "-rf", "--", self.workdir], check=False)

@@ -372,7 +372,6 @@ def answer_to(answers: Any, request: str | None, message: dict) -> None:
 def _serve() -> None:
     import resource
 
-
     # The requests and answers keep the pipes; the reward code gets no input and prints to the log.
     requests, answers = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)

@@ -74,8 +74,8 @@ def bystander():
     process.wait()
 
 
-def score(completion: str, isolation: str, tests=TESTS, **kwargs) -> tuple[float, str | None]:
-    runner = runner_of(["code_tests"], timeout_s=30.0, isolation=isolation)
+def score(completion: str, isolation: str, tests=TESTS, timeout_s=30.0, **kwargs) -> tuple[float, str | None]:
+    runner = runner_of(["code_tests"], timeout_s=timeout_s, isolation=isolation)
     try:
         total, _, errors = runner.score([0], [1.0], [{"timeout_per_test_s": 2.0, **kwargs}], "add", completion,
                                         {"tests": tests})  # fmt: skip
@@ -140,8 +140,6 @@ SECRETS = {
 @pytest.mark.parametrize("reads", SECRETS.values(), ids=SECRETS.keys())
 def test_code_that_reads_a_secret_finds_none(reads, isolation, secrets_in_the_environment):
     """It solves the task only if it read the secret; it scores what a wrong answer scores."""
-    if reads == SECRETS["credentials-file"] and isolation == "best_effort" and os.geteuid() == 0:
-        pytest.skip("best effort under root keeps the capability to read files (README: Sandbox, what is not)")
     guarded = f"try:\n    READ = bool({reads})\nexcept Exception:\n    READ = False\n"
     assert score(guarded + solves_if("READ"), isolation) == (pytest.approx(1 / 3), None)
 
@@ -173,6 +171,48 @@ def test_a_runaway_is_killed_and_unscored_tests_do_not_wait_on_it(isolation):
     """An endless loop and a memory grab fail their tests within the bound; the call itself is scored."""
     assert score("while True:\n    pass\n", isolation, tests=TESTS[:1], timeout_per_test_s=1.0) == (0.0, None)
     assert score("x = bytearray(8 << 30)\n" + solves_if("True"), isolation) == (0.0, None)
+
+
+def test_slow_code_scores_what_it_solved_in_time_never_unscored(isolation):
+    """A completion that sleeps past the reward's bound is not unscored (which would spare it a low advantage): the
+    tests it did not reach fail."""
+    assert score("import time\ntime.sleep(100)\n" + solves_if("True"), isolation, timeout_s=3.0) == (0.0, None)
+
+
+def test_code_that_stops_reading_cannot_hang_the_worker(isolation):
+    """It shrinks its input pipe to one page, says it ran, and never reads the (long) test: the test fails in its
+    bound, the call returns."""
+    stall = ("import fcntl, os, sys, time\nfcntl.fcntl(0, 1031, 4096)\nos.write(int(sys.argv[1]), b'ran\\n')\n"
+             "time.sleep(3600)\n")  # fmt: skip
+    long_test = "assert add(1, 2) == 3  # " + "x" * 70_000
+    assert score(stall + solves_if("True"), isolation, tests=[long_test], timeout_per_test_s=1.0) == (0.0, None)
+
+
+def test_code_cannot_fill_the_disk_or_reach_the_callers_keyring(isolation):
+    """It writes 200 MB to its temporary directory and /dev/shm, and searches the session keyring for a key the
+    worker holds: it solves the task only where either worked."""
+    key = keyring_key(SECRET)
+    fills = (
+        "import ctypes, os\nFILLED = False\nfor path in ('/tmp/fill', '/dev/shm/fill', 'fill'):\n    try:\n"
+        "        with open(path, 'wb') as file:\n            for _ in range(200):\n"
+        "                file.write(b'x' * (1 << 20))\n        FILLED = True\n    except OSError:\n        pass\n"
+        f"found = ctypes.CDLL(None).syscall({KEYCTL_SEARCH[0]}, 10, -3, b'user', b'grpo-hostile', 0)\n"
+    )
+    assert score(fills + solves_if("not FILLED and found == -1"), isolation) == (1.0, None)
+    assert score(fills + solves_if("FILLED or found != -1"), isolation) == (pytest.approx(1 / 3), None)
+    assert key > 0  # the key was there to find
+
+
+KEYCTL_SEARCH = {"x86_64": (250, 248), "aarch64": (219, 217)}.get(__import__("platform").machine(), (250, 248))
+
+
+def keyring_key(payload: str) -> int:
+    """A key in this process's session keyring (a fresh one), as a worker could hold a credential there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    keyctl, add_key = KEYCTL_SEARCH
+    libc.syscall(keyctl, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING: a new anonymous session keyring
+    data = payload.encode()
+    return libc.syscall(add_key, b"user", b"grpo-hostile", data, len(data), -3)  # KEY_SPEC_SESSION_KEYRING
 
 
 def test_a_row_without_tests_leaves_its_completion_unscored_saying_why(isolation):

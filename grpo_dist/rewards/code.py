@@ -33,7 +33,8 @@ MEMORY_MB = 1024  # address space of each run
 OUTPUT_LIMIT = 4096  # characters of a `python` tool call's output the model reads
 
 RUNNER = r"""
-import json, os, resource, sys
+import ctypes, json, os, resource, sys
+ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: no process of its user reads or writes its memory
 status, limits = int(sys.argv[1]), json.loads(sys.argv[2])
 for kind, value in [(resource.RLIMIT_AS, limits["memory_mb"] << 20), (resource.RLIMIT_CPU, limits["cpu_s"]),
                     (resource.RLIMIT_FSIZE, limits["file_mb"] << 20), (resource.RLIMIT_NOFILE, limits["open_files"]),
@@ -76,53 +77,71 @@ def limits_json(timeout_s: float, memory_mb: int, tool: bool) -> str:
     return json.dumps({**asdict(limits), "tool": tool})
 
 
-def _started(jailed: Jailed) -> None:
-    if not jailed.read_until(b"up\n", time.monotonic() + START_TIMEOUT_S):
-        raise RuntimeError(f"a jailed interpreter did not come up within {START_TIMEOUT_S:g}s")
+def _started(jailed: Jailed) -> bool:
+    """Whether the jailed interpreter came up (said so) within `START_TIMEOUT_S`."""
+    return jailed.read_until(b"up\n", time.monotonic() + START_TIMEOUT_S)
 
 
-def passes(code: str, test: str, timeout_s: float, isolation: Isolation, memory_mb: int = MEMORY_MB) -> bool:
-    """Whether `test` passes after `code` ran, in a fresh jailed process (the protocol above), each given
-    `timeout_s` of wall-clock time."""
-    with Jailed(RUNNER, [limits_json(timeout_s, memory_mb, tool=False)], isolation) as jailed:
-        _started(jailed)
-        if not jailed.send(json.dumps({"code": code}).encode() + b"\n"):
-            return False
-        if not jailed.read_until(b"ran\n", time.monotonic() + timeout_s):
-            return False
-        nonce = secrets.token_hex(16)
-        if not jailed.send(json.dumps({"test": test, "nonce": nonce}).encode() + b"\n"):
-            return False
-        deadline = time.monotonic() + timeout_s
-        return jailed.read_until(nonce.encode() + b"\n", deadline) and jailed.finish(deadline) == 0
+def passes(
+    code: str, test: str, timeout_s: float, isolation: Isolation, memory_mb: int = MEMORY_MB,
+    deadline: float = math.inf,
+) -> bool:  # fmt: skip
+    """Whether `test` passes after `code` ran, in a fresh jailed process (the protocol above): the code and then the
+    test each given `timeout_s` of wall-clock time, and neither past `deadline`. Raises `RuntimeError` only where no
+    jail comes up, twice (the machine, not the code)."""
+    for _ in range(2):  # best effort, a sibling's code may kill a jail before it is up (`kill(-1)` as nobody)
+        with Jailed(RUNNER, [limits_json(timeout_s, memory_mb, tool=False)], isolation) as jailed:
+            if _started(jailed):
+                return _judged(jailed, code, test, timeout_s, deadline)
+    raise RuntimeError(f"a jailed interpreter did not come up within {START_TIMEOUT_S:g}s, twice")
+
+
+def _judged(jailed: Jailed, code: str, test: str, timeout_s: float, deadline: float) -> bool:
+    phase = min(time.monotonic() + timeout_s, deadline)
+    if not jailed.send(json.dumps({"code": code}).encode() + b"\n", phase):
+        return False
+    if not jailed.read_until(b"ran\n", phase):
+        return False
+    nonce = secrets.token_hex(16)
+    phase = min(time.monotonic() + timeout_s, deadline)
+    if not jailed.send(json.dumps({"test": test, "nonce": nonce}).encode() + b"\n", phase):
+        return False
+    return jailed.read_until(nonce.encode() + b"\n", phase) and jailed.finish(phase) == 0
 
 
 def code_tests(
     prompt: str, completion: str, tests: Any, timeout_per_test_s: float = 2.0, isolation: str = "require",
-    memory_mb: int = MEMORY_MB, **_: Any,
+    memory_mb: int = MEMORY_MB, budget_s: float = math.inf, **_: Any,
 ) -> float:  # fmt: skip
     """The fraction of ``tests`` (a row field: Python statements, usually ``assert``s, as a list or one per line)
     that pass after the completion's code has run: its last fenced Python block, or the whole completion. Each test
     runs in a jailed process of its own (`grpo_dist.jail`), the code and then the test each given
-    ``timeout_per_test_s``; code that fails to run fails every test."""
+    ``timeout_per_test_s``; code that fails to run fails every test. All of them get ``budget_s`` (the reward
+    worker's `reward.timeout_s`): a test not done by then fails, so slow code scores what it solved, never more."""
     statements = [line for line in tests.splitlines() if line.strip()] if isinstance(tests, str) else list(tests)
     if not statements or not all(isinstance(test, str) for test in statements):
         raise ValueError("code_tests: the row's `tests` field holds no test (a list of Python statements)")
     code = program_of(completion)
-    mode = Isolation(isolation)
-    return sum(passes(code, test, timeout_per_test_s, mode, memory_mb) for test in statements) / len(statements)
+    mode, deadline = Isolation(isolation), time.monotonic() + budget_s
+    passed = 0
+    for test in statements:
+        if time.monotonic() < deadline:
+            passed += passes(code, test, timeout_per_test_s, mode, memory_mb, deadline)
+    return passed / len(statements)
 
 
 def run_python(code: str, timeout_s: float, isolation: Isolation, memory_mb: int = MEMORY_MB) -> str:
-    """What `code` prints (its traceback if it raises), at most `OUTPUT_LIMIT` characters, run jailed: the
-    `python` tool."""
+    """What `code` prints (its traceback if it raises), at most `OUTPUT_LIMIT` characters, run jailed within
+    `timeout_s`: the `python` tool."""
     with Jailed(RUNNER, [limits_json(timeout_s, memory_mb, tool=True)], isolation, output=True) as jailed:
-        _started(jailed)
+        if not _started(jailed):
+            raise RuntimeError(f"a jailed interpreter did not come up within {START_TIMEOUT_S:g}s")
         deadline = time.monotonic() + timeout_s
-        if jailed.send(json.dumps({"code": code}).encode() + b"\n"):
+        if jailed.send(json.dumps({"code": code}).encode() + b"\n", deadline):
             jailed.process.stdin.close()
         output = jailed.read_output(OUTPUT_LIMIT, deadline)
-        code_ = jailed.finish(deadline)
-    if code_ is None:
-        return output + f"\n[stopped: ran past {timeout_s:g}s]"
-    return output if len(output) < OUTPUT_LIMIT else output + "\n[output cut]"
+        if len(output) >= OUTPUT_LIMIT:
+            return output + "\n[output cut]"  # leaving the block kills it
+        if jailed.finish(deadline) is None:
+            return output + f"\n[stopped: ran past {timeout_s:g}s]"
+    return output

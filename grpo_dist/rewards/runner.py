@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -72,15 +71,12 @@ class RewardRunner:
         return combine(scores, weights), scores, errors
 
     def _jailed(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any]) -> tuple[float, str | None]:
-        """A jailed built-in on one completion: (score, None), or (NaN, why it has none)."""
-        started = time.monotonic()
+        """A jailed built-in on one completion, within `reward.timeout_s` (what it has not done by then fails, so
+        a completion cannot escape a low score by being slow): (score, None), or (NaN, why it has none)."""
         try:
-            score = to_score(self.jailed[index](prompt, completion, **kwargs))
-        except Exception as error:  # a row without tests, isolation refused on this node: this completion unscored
+            return to_score(self.jailed[index](prompt, completion, budget_s=self.timeout_s, **kwargs)), None
+        except Exception as error:  # a row without tests, no jail on this node: this completion unscored
             return math.nan, f"{type(error).__name__}: {error}"
-        if time.monotonic() - started > self.timeout_s:
-            return math.nan, f"timed out after {self.timeout_s:g}s (its tests together)"
-        return score, None
 
     @property
     def exhausted(self) -> bool:
