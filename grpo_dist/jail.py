@@ -118,7 +118,7 @@ def check(isolation: Isolation, what: str) -> Status:
     """The isolation in force; `IsolationRefused` saying what was refused and what to do, where `require` is not met.
     `what`: what runs model-written code (named in the error)."""
     found = status()
-    if isolation is Isolation.REQUIRE and not found.namespaces:
+    if isolation == Isolation.REQUIRE and not found.namespaces:
         raise IsolationRefused(
             f"{what} runs model-written code, and reward.isolation=require, but {found.why_not}. Install bubblewrap "
             "(`apt-get install bubblewrap`) and let the process create namespaces: in a container, run it with "
