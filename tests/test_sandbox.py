@@ -171,6 +171,7 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
     raw = small_config(tmp_path, run={"steps": 3})
     model_code = {"name": "code_tests", "weight": 0.0, "kwargs": {"tests": ["assert len(str(x)) >= 0"] * 2}}
     raw["reward"].update(functions=[misbehaving, model_code], timeout_s=3, sandbox_memory_mb=1024)
+    jails_before = set(bwrap_pids())  # other tests' actors, idle in a shared cluster, may hold some
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
@@ -185,4 +186,8 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
         server.accept()
     assert sandboxed_processes(owner=None) == []
     assert subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True).stdout == b""
-    assert subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True).stdout == b""
+    assert set(bwrap_pids()) <= jails_before  # the run's jails and sandboxes went with it
+
+
+def bwrap_pids() -> list[int]:
+    return [int(pid) for pid in subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split()]

@@ -50,6 +50,7 @@ def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(to
     raw = small_config(tmp_path, run={"output_dir": str(tmp_path / "outputs"), "steps": 2})
     digest = hashlib.sha256(secret.encode()).hexdigest()
     raw["reward"]["functions"] = [{"name": "reward_fixtures.env_reward", "kwargs": {"name": SECRET, "sha256": digest}}]
+    raw["reward"]["sandbox_env"] = [SECRET]  # the sandbox gets no variable of the run's environment unless named
     (work / "run.yaml").write_text(yaml.safe_dump(raw))
     env = {**node_env(), SECRET: secret}
     result = grpo_dist("submit", str(work / "run.yaml"), "--address", token_head, "--env", SECRET,
