@@ -223,26 +223,20 @@ def _as_nobody() -> None:
 
 
 RUNNING: set[int] = set()
-"""The bubblewrap processes of the jails running in this process (their `Popen` reaps them)."""
+"""The bubblewrap processes this process started and reaps itself (`Jailed`, and the sandboxes' `pid_namespace`)."""
 
 
-def reap_orphans(wait_s: float = 1.0) -> None:
+def reap_orphans() -> None:
     """Reap the namespaces' first processes left to this process. Bubblewrap exits on its command's exit status,
     before that first process has ended; a reward worker is a subreaper (`grpo_dist.sandbox`), so those are
-    re-parented here and, unreaped, would pile up as zombies for the life of the worker. Each is ending: waited
-    for up to `wait_s`."""
+    re-parented here and, unreaped, would pile up as zombies for the life of the worker. Only zombies are reaped,
+    never a bubblewrap this process started and waits for itself (`RUNNING`); one still ending is reaped next time."""
     import psutil
 
-    deadline = time.monotonic() + wait_s
-    while True:
-        orphans = []
-        for child in psutil.Process().children():
-            with contextlib.suppress(psutil.Error, ChildProcessError):
-                if child.pid not in RUNNING and child.name() == "bwrap" and not os.waitpid(child.pid, os.WNOHANG)[0]:
-                    orphans.append(child)
-        if not orphans or time.monotonic() > deadline:
-            return
-        time.sleep(0.01)
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            if child.pid not in RUNNING and child.name() == "bwrap" and child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
 
 
 class Jailed:
@@ -254,6 +248,7 @@ class Jailed:
     def __init__(self, runner: str, args: list[str], isolation: Isolation, output: bool = False) -> None:
         """`output`: its standard output and error come back (`read_output`) instead of being discarded."""
         found = check(isolation, "a program")
+        reap_orphans()  # what an earlier jail left still ending when it closed
         self.workdir = tempfile.mkdtemp(prefix="grpo-jail-")
         self.read_end, write_end = os.pipe()
         argv = [sys_python(), "-I", "-S", "-c", runner, str(write_end), *args]

@@ -136,6 +136,7 @@ class Sandbox:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.kill()
         self.process.wait()
+        jail.RUNNING.discard(self.process.pid)
         strays = _marked_children(os.getpid())  # left its group (setsid), re-parented here
         for stray in strays:
             with contextlib.suppress(psutil.Error):
@@ -157,6 +158,7 @@ class Sandbox:
             env=sandbox_env(self.home, self.limits.env), cwd=self.home, start_new_session=True,
             preexec_fn=die_with_parent,
         )  # fmt: skip
+        jail.RUNNING.add(self.process.pid)
         self.process.stdin.write(json.dumps({"functions": self.names, "kind": self.kind,
                                              "limits": asdict(self.limits)}).encode() + b"\n")  # fmt: skip
         self.process.stdin.flush()
