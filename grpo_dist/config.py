@@ -113,10 +113,9 @@ class Config(_Section):
 
     @property
     def model_code_runs(self) -> bool:
-        """Whether the model's own code runs: the `code_tests` reward, or the `python` tool."""
-        names = [spec.name for spec in self.reward.functions] + self.judges
+        """Whether the model's own code runs (`runs_model_code`)."""
         tools = (self.environment.tools or []) if self.environment is not None else []
-        return "code_tests" in names or "python" in tools
+        return runs_model_code([spec.name for spec in self.reward.functions] + self.judges, tools)
 
     @model_validator(mode="after")
     def _judge_is_a_reward(self) -> Config:
@@ -258,6 +257,17 @@ class Config(_Section):
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+
+MODEL_CODE_REWARDS = ("code_tests",)
+"""Built-in rewards that run the model's code, each run jailed (`grpo_dist.rewards.code`)."""
+MODEL_CODE_TOOLS = ("python",)
+"""Built-in tools that run the model's code, each call jailed: run by the generator itself, not a tool sandbox."""
+
+
+def runs_model_code(rewards: list[str], tools: list[str] = ()) -> bool:
+    """Whether rewards and tools so named run the model's code (where `reward.isolation: auto` means `require`)."""
+    return bool(set(rewards) & set(MODEL_CODE_REWARDS) or set(tools) & set(MODEL_CODE_TOOLS))
 
 
 def uri_join(uri: str, *parts: str) -> str:

@@ -47,8 +47,8 @@ TMP_MB = 64  # the jail's /tmp, its working directory included (each file at mos
 KEYCTL_JOIN_SESSION_KEYRING = 1
 KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}  # keyctl(2) by machine
 PR_SET_PDEATHSIG = 1
-SYSTEM_PATHS = ("/usr", "/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
-"""What a jailed process sees of the machine besides the interpreter (read-only)."""
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
+"""What a jailed process sees of `/etc` (read-only, where present), besides `/usr` and the interpreter."""
 MERGED_USR = ("bin", "lib", "lib64", "sbin")  # links into /usr on today's distributions; bound if they are not
 PROBE_TIMEOUT_S = 30.0
 PR_SET_KEEPCAPS = 8
@@ -101,7 +101,7 @@ def status() -> Status:
         return Status(False, "bubblewrap (bwrap) is not installed")
     workdir = tempfile.mkdtemp(prefix="grpo-jail-probe-")
     try:
-        argv = wrap([sys_python(), "-I", "-S", "-c", "print('jailed')"], network=False, bwrap=bwrap)
+        argv = wrap([sys_python(), "-I", "-S", "-c", "print('jailed')"], bwrap=bwrap)
         done = subprocess.run(argv, capture_output=True, timeout=PROBE_TIMEOUT_S, cwd=workdir, env=clean_env(workdir))
     except (OSError, subprocess.TimeoutExpired) as error:
         return Status(False, f"bubblewrap did not run: {error}")
@@ -141,7 +141,7 @@ def clean_env(home: str) -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
-def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
+def wrap(argv: list[str], bwrap: str | None = None) -> list[str]:
     """`argv` under bubblewrap: the view and namespaces the module docstring lists; as root, `setpriv` then becomes
     `nobody` with no capabilities inside (a user namespace would map nobody to root's files)."""
     bwrap = bwrap or bwrap_path()
@@ -153,7 +153,7 @@ def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
             view += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             view += ["--ro-bind", path, path]
-    for path in SYSTEM_PATHS[1:]:
+    for path in SYSTEM_FILES:
         view += ["--ro-bind-try", path, path]
     if not prefix.startswith("/usr/"):  # its directories made searchable, else Python misses its own library
         for parent in reversed(Path(prefix).parents[:-1]):
@@ -181,8 +181,7 @@ def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
         "--chdir",
         "/tmp/work",
     ]
-    namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    namespaces += [] if network else ["--unshare-net"]
+    namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-net"]
     env = ["--clearenv", *[arg for key, value in clean_env("/tmp/work").items() for arg in ("--setenv", key, value)]]
     guard = ["--die-with-parent", "--new-session"]
     if os.geteuid() == 0:
@@ -193,6 +192,16 @@ def wrap(argv: list[str], network: bool, bwrap: str | None = None) -> list[str]:
             *argv]  # fmt: skip
 
 
+def in_pid_namespace(argv: list[str]) -> list[str]:
+    """`argv` as the first process of a PID namespace of its own where bubblewrap runs (else as it is): whatever it
+    starts, in a session of its own or not, dies with it, even when its parent is killed without closing it. Its
+    view of the machine is unchanged (the reward and tool sandboxes limit themselves)."""
+    if not status().namespaces:
+        return argv
+    user = [] if os.geteuid() == 0 else ["--unshare-user", "--uid", str(os.geteuid()), "--gid", str(os.getegid())]
+    return [bwrap_path(), "--dev-bind", "/", "/", *user, "--unshare-pid", "--die-with-parent", "--", *argv]
+
+
 def _own_keyring() -> None:
     """A session keyring of its own: the kernel's keyrings are not namespaced, and the caller's would be shared."""
     number = KEYCTL_SYSCALL.get(platform.machine())
@@ -200,30 +209,38 @@ def _own_keyring() -> None:
         ctypes.CDLL(None, use_errno=True).syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None)
 
 
-def _as_nobody() -> None:
-    """Best effort without namespaces, as root: a keyring of its own, then become `nobody`, keeping the capability to
-    read files only up to its `exec` (so an interpreter installed where only root may read starts), and die with
-    the process that started it."""
-    _own_keyring()
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def become_nobody() -> None:
+    """As root, become `nobody` (whom a process limit binds; the kernel never applies one to root), keeping one
+    capability where it holds it, reading files, until its next `exec` (so an interpreter installed where only root
+    may read stays importable). `OSError` where the machine refuses the change of user."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of user clears it
-
-    class Header(ctypes.Structure):
-        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-    class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
     read = 1 << CAP_DAC_READ_SEARCH
-    libc.capset(ctypes.byref(Header(CAPABILITY_VERSION_3, 0)), (Data * 2)(Data(read, read, 0)))
+    if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
+        libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
+
+
+def _as_nobody() -> None:
+    """Best effort without namespaces, as root: a keyring of its own, `nobody`, and death with the process that
+    started it (a change of user clears that)."""
+    _own_keyring()
+    become_nobody()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 RUNNING: set[int] = set()
-"""The bubblewrap processes this process started and reaps itself (`Jailed`, and the sandboxes' `pid_namespace`)."""
+"""The bubblewrap processes this process started and reaps itself (`Jailed`, and the sandboxes' `in_pid_namespace`)."""
 
 
 def reap_orphans() -> None:
@@ -255,7 +272,7 @@ class Jailed:
         jailed = found.namespaces
         try:
             self.process = subprocess.Popen(
-                wrap(argv, network=False) if jailed else argv, stdin=subprocess.PIPE,
+                wrap(argv) if jailed else argv, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE if output else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT if output else subprocess.DEVNULL, pass_fds=(write_end,), cwd=self.workdir,
                 env=clean_env(self.workdir),

@@ -39,6 +39,7 @@ class RewardPool:
         self.cfg, self.placement, self.faults = cfg, placement, faults
         self.bounds = Bounds.of(cfg)
         self.names = [spec.name for spec in cfg.reward.functions]
+        self.isolation = {"sandbox/namespaces": float(jail.status().namespaces)} if cfg.model_code_runs else {}
         self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
         self.pool = ActorPool(
             "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
@@ -106,8 +107,8 @@ class RewardPool:
     def step_metrics(self) -> dict[str, float]:
         """This step's `reward_failures/*` (see `RewardFailures.end_step`), the judge's `judge/seconds`, and where
         the model's code runs, `sandbox/namespaces` (1: it runs in namespaces of its own; 0: best effort)."""
-        isolation = {"sandbox/namespaces": float(jail.status().namespaces)} if self.cfg.model_code_runs else {}
-        return self.failures.end_step() | isolation | (self.judge.step_metrics() if self.judge is not None else {})
+        judge = self.judge.step_metrics() if self.judge is not None else {}
+        return self.failures.end_step() | self.isolation | judge
 
     def shutdown(self) -> None:
         self.pool.shutdown()

@@ -55,11 +55,9 @@ log = logging.getLogger("grpo_dist")
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
 """In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
 START_TIMEOUT_S = 120.0  # importing the reward modules
-PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER = 8, 36  # linux/prctl.h
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
-CAP_DAC_READ_SEARCH = 2  # linux/capability.h: read any file, search any directory
-CAPABILITY_VERSION_3 = 0x20080522
-NOBODY = 65534
+NOBODY = jail.NOBODY
 
 
 @dataclass(frozen=True)
@@ -154,8 +152,8 @@ class Sandbox:
         if os.geteuid() == 0:
             os.chown(self.home, NOBODY, NOBODY)
         self.process = subprocess.Popen(
-            pid_namespace([sys.executable, "-m", "grpo_dist.sandbox"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=sandbox_env(self.home, self.limits.env), cwd=self.home, start_new_session=True,
+            jail.in_pid_namespace([sys.executable, "-m", "grpo_dist.sandbox"]), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=sandbox_env(self.home, self.limits.env), cwd=self.home, start_new_session=True,
             preexec_fn=die_with_parent,
         )  # fmt: skip
         jail.RUNNING.add(self.process.pid)
@@ -165,7 +163,7 @@ class Sandbox:
         line = self._line(START_TIMEOUT_S)
         ready = json.loads(line) if line is not None else None
         if ready is None:
-            why = _exit_reason(self.process.poll(), self.label) if self.process.poll() is not None else "no answer"
+            why = exit_reason(self.process.poll(), self.label) if self.process.poll() is not None else "no answer"
             self.close()
             raise SandboxError(f"the {self.label} sandbox did not start: {why}")
         if "error" in ready:
@@ -180,7 +178,7 @@ class Sandbox:
         else:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=5)
-            why = _exit_reason(self.process.poll(), self.label)
+            why = exit_reason(self.process.poll(), self.label)
         self.close()
         return f"{why} (the {self.label} sandbox was killed with everything it started)" if timed_out else why
 
@@ -226,16 +224,6 @@ class Sandbox:
         return answer
 
 
-def pid_namespace(argv: list[str]) -> list[str]:
-    """`argv` as the first process of a PID namespace of its own, where bubblewrap runs (`grpo_dist.jail`): whatever
-    it starts, in a session of its own or not, dies with it, even when the worker is killed without closing it. Its
-    view of the machine is unchanged (the sandbox limits itself). Elsewhere `argv` as it is."""
-    if not jail.status().namespaces:
-        return argv
-    user = [] if os.geteuid() == 0 else ["--unshare-user", "--uid", str(os.geteuid()), "--gid", str(os.getegid())]
-    return [jail.bwrap_path(), "--dev-bind", "/", "/", *user, "--unshare-pid", "--die-with-parent", "--", *argv]
-
-
 def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
     """A sandbox's whole environment: what Python needs, the import path (this process's, the working directory
     last so nothing planted there shadows an installed module), and the variables named in `passed`."""
@@ -270,7 +258,7 @@ def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | No
     return {"id": request, "value": float(value)}, None
 
 
-def _exit_reason(code: int | None, label: str = "reward") -> str:
+def exit_reason(code: int | None, label: str = "reward") -> str:
     if code is None:
         return "no answer"
     if code > 128 and code - 128 in signal.Signals._value2member_map_:  # bubblewrap's way of saying a signal
@@ -338,31 +326,14 @@ def _network_off() -> str | None:
     return None
 
 
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-
 def _become_nobody() -> str | None:
-    """Run as root, become `nobody` (whom a process limit binds; the kernel never applies one to root), keeping one
-    capability where it holds it: reading files (not writing them), so an interpreter installed where only root may
-    read stays importable. Why not, where the machine refuses."""
+    """Run as root, become `nobody` (`jail.become_nobody`); why not, where the machine refuses."""
     if os.geteuid() != 0:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
     try:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+        jail.become_nobody()
     except OSError as err:
         return f"the sandbox runs as root here (cannot become nobody: {err.strerror})"
-    read = 1 << CAP_DAC_READ_SEARCH
-    if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
-        libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
     return None
 
 

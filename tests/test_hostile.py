@@ -171,6 +171,8 @@ def test_a_runaway_is_killed_and_unscored_tests_do_not_wait_on_it(isolation):
     """An endless loop and a memory grab fail their tests within the bound; the call itself is scored."""
     assert score("while True:\n    pass\n", isolation, tests=TESTS[:1], timeout_per_test_s=1.0) == (0.0, None)
     assert score("x = bytearray(8 << 30)\n" + solves_if("True"), isolation) == (0.0, None)
+    # 2 GiB is within the reward sandbox's 4 GiB (reward.sandbox_memory_mb) but past a jail's 1 GiB
+    assert score("x = bytearray(2 << 30)\n" + solves_if("True"), isolation) == (0.0, None)
 
 
 def test_slow_code_scores_what_it_solved_in_time_never_unscored(isolation):

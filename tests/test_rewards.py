@@ -196,7 +196,8 @@ def test_weighted_sum_is_float64_and_unscored_out_of_range(
     total, reason = weighted_sum(scores, weights)
     assert math.isnan(total) if math.isnan(expected) else total == expected
     assert reason is None if why is None else reason.startswith(why), reason
-    assert combine(scores, weights) == total or math.isnan(total)  # combine never raises either
+    combined = combine(scores, weights)  # combine never raises either
+    assert math.isnan(combined) if math.isnan(total) else combined == total
 
 
 def test_a_sum_out_of_range_is_the_completions_failure_counted_in_reward_failures(capsys) -> None:

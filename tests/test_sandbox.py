@@ -22,7 +22,7 @@ from test_resume import training
 
 from grpo_dist.config import RewardConfig, RewardFunctionConfig
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, failure_kind
+from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, exit_reason, failure_kind
 
 FIXTURES = "reward_fixtures"
 
@@ -191,3 +191,13 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
 
 def bwrap_pids() -> list[int]:
     return [int(pid) for pid in subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split()]
+
+
+@pytest.mark.parametrize(
+    "code, said",
+    [(3, "exited with code 3"), (-9, "killed (SIGKILL"), (137, "killed (SIGKILL"), (139, "crashed (SIGSEGV)")],
+    ids=["exit", "signal", "signal-through-bubblewrap", "crash-through-bubblewrap"],
+)
+def test_an_ended_sandbox_is_named_by_how_it_ended_also_through_bubblewrap(code, said):
+    """Bubblewrap, which runs the sandbox in a PID namespace of its own, reports a signal as 128 + its number."""
+    assert said in exit_reason(code)

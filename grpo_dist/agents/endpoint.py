@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_dist.agents.episode import Limits, Sampled, Sampler, Trajectory
-from grpo_dist.agents.protocol import assign_call_ids
+from grpo_dist.agents.protocol import assign_call_ids, assistant_message
 from grpo_dist.agents.render import Renderer
 from grpo_dist.types import Episode
 
@@ -228,17 +228,13 @@ class Endpoint:
         session.replies += 1
 
     def _response(self, body: dict, reply: dict, calls: list, sampled: Sampled, prompt_tokens: int) -> dict:
-        tool_calls = [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-            for call in calls
-        ]  # fmt: skip
+        tool_calls = assistant_message(reply["content"], calls).get("tool_calls")
         finish = "tool_calls" if calls else ("length" if sampled.finish_reason == "length" else "stop")
         completion = len(sampled.token_ids)
         return {
             "id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model", ""),
-            "choices": [{"index": 0, "message": {**reply, "tool_calls": tool_calls or None}, "finish_reason": finish,
+            "choices": [{"index": 0, "message": {**reply, "tool_calls": tool_calls}, "finish_reason": finish,
                          "logprobs": None}],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                       "total_tokens": prompt_tokens + completion},

@@ -84,12 +84,11 @@ Sampler = Callable[[list[int], int, int | None], Awaitable[Sampled]]
 
 async def run_episode(
     environment: Environment, row: dict[str, Any], renderer: Renderer, parser: Callable, tools: ToolBox,
-    sample: Sampler, limits: Limits, seed: int | None, episode: Episode | None = None,
+    sample: Sampler, limits: Limits, seed: int | None, episode: Episode,
 ) -> Trajectory:  # fmt: skip
-    """One trajectory in `environment` from `row`, told in `episode` (a new one if None) as it goes. Raises
+    """One trajectory in `environment` from `row`, told in `episode` as it goes. Raises
     `UserCodeError` when the environment's `reset` or `step` or the tool parser raises, or returns what cannot be
     read; `episode` then holds the conversation up to there."""
-    episode = Episode() if episode is None else episode
     where = type(environment).__qualname__
     messages, prompt = _guarded(f"{where}.reset", _reset, environment, row, renderer)
     tokens: list[int] = []
@@ -271,19 +270,15 @@ class AgentLoop:
         base_url = self.endpoint.open(sample, seed)
         bound = self.config.episode_timeout_s
         client = openai.AsyncOpenAI(base_url=base_url, api_key=self.endpoint.api_key, max_retries=0, timeout=bound)
-        found, cut, failure = None, False, None
+        found, cut = None, False
         try:
             found = await asyncio.wait_for(self._run_agent(client, row), bound)
         except TimeoutError:
             cut = True
-        except UserCodeError as error:
-            failure = error
         finally:
             session = self.endpoint.close(base_url)
+            episode.messages = list(session.history)
             await client.close()
-        episode.messages = list(session.history)
-        if failure is not None:
-            raise failure
         rewards = _guarded(f"environment.agent {self.config.agent} (its return value)", _agent_rewards, found)
         if not session.mask:
             raise UserCodeError(f"environment.agent {self.config.agent}", RuntimeError(

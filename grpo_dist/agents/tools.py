@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_dist.agents.protocol import ToolCall, resolve_named
+from grpo_dist.config import MODEL_CODE_TOOLS
 from grpo_dist.jail import Isolation
 from grpo_dist.rewards.code import run_python
 
@@ -77,8 +78,6 @@ def python(code: str) -> str:
 
 PYTHON_TIMEOUT_S = 10.0  # when called outside a ToolBox, which gives it `environment.tool_timeout_s`
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}
-JAILED_TOOLS = ("python",)
-"""Built-in tools that run the model's code, each call jailed: run by the generator itself, not a tool sandbox."""
 
 
 def resolve_tool(name: str) -> Callable[..., Any]:
@@ -191,7 +190,7 @@ class ToolBox:
             call.seconds = time.monotonic() - started
 
     def _run(self, sandbox: Any, index: int, arguments: dict[str, Any]) -> tuple[Any, str | None, str | None]:
-        if self.paths[index] in JAILED_TOOLS:
+        if self.paths[index] in MODEL_CODE_TOOLS:
             isolation = Isolation.REQUIRE if self.limits.require else Isolation.BEST_EFFORT
             try:
                 return sandbox, run_python(arguments["code"], self.timeout_s, isolation), None

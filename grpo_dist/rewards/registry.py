@@ -138,11 +138,6 @@ def combine(scores: list[float], weights: list[float]) -> float:
     return weighted_sum(scores, weights)[0]
 
 
-JAILED_REWARDS = ("code_tests",)
-"""Built-ins that run the model's code, each run jailed (`grpo_dist.rewards.code`): called by the reward worker
-itself, which is the trusted side of their protocol, given `isolation` and `memory_mb` from the reward config."""
-
-
 def to_score(value: Any) -> float:
     """``float(value)``, rejecting values that are not numbers (a str "1" is a bug in the reward, not a score)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):

@@ -2,8 +2,8 @@
 the calling process. The reward workers, the pre-flight check and `grpo-dist sft` all score through a `RewardRunner`,
 so user reward code runs the same way (and under the same limits) wherever it is called from.
 
-The built-ins that run the model's code (`JAILED_REWARDS`: `code_tests`) are called here, in the trusted process:
-each run of the model's code is jailed (`grpo_dist.jail`), and this side alone reads its verdict."""
+The built-ins that run the model's code (`config.MODEL_CODE_REWARDS`: `code_tests`) are called here, in the trusted
+process: each run of the model's code is jailed (`grpo_dist.jail`), and this side alone reads its verdict."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from grpo_dist.config import RewardConfig
-from grpo_dist.rewards.registry import JAILED_REWARDS, combine, resolve_reward, score_one, to_score
+from grpo_dist.config import MODEL_CODE_REWARDS, RewardConfig, runs_model_code
+from grpo_dist.rewards.code import MEMORY_MB
+from grpo_dist.rewards.registry import combine, resolve_reward, score_one, to_score
 from grpo_dist.sandbox import Limits, Sandbox
 
 log = logging.getLogger("grpo_dist")
@@ -30,10 +31,10 @@ class RewardRunner:
         self.executor = None
         isolation = reward.isolation
         if isolation == "auto":  # a config validated resolves it; a runner built from a bare RewardConfig does here
-            isolation = "require" if set(names) & set(JAILED_REWARDS) else "best_effort"
+            isolation = "require" if runs_model_code(names) else "best_effort"
         self.jailed = {index: functools.partial(resolve_reward(name), isolation=isolation,
-                                                memory_mb=min(reward.sandbox_memory_mb, 4096))
-                       for index, name in enumerate(names) if name in JAILED_REWARDS}  # fmt: skip
+                                                memory_mb=min(reward.sandbox_memory_mb, MEMORY_MB))
+                       for index, name in enumerate(names) if name in MODEL_CODE_REWARDS}  # fmt: skip
         if reward.sandbox:
             limits = Limits(reward.sandbox_memory_mb, reward.timeout_s, reward.sandbox_processes,
                             reward.sandbox_network, isolation == "require", tuple(reward.sandbox_env))  # fmt: skip
