@@ -99,7 +99,7 @@ def status() -> Status:
     bwrap = bwrap_path()
     if bwrap is None:
         return Status(False, "bubblewrap (bwrap) is not installed")
-    workdir = tempfile.mkdtemp(prefix="grpo-jail-probe-")
+    workdir = scratch_dir("jail-probe")
     try:
         argv = wrap([sys_python(), "-I", "-S", "-c", "print('jailed')"], bwrap=bwrap)
         done = subprocess.run(argv, capture_output=True, timeout=PROBE_TIMEOUT_S, cwd=workdir, env=clean_env(workdir))
@@ -128,6 +128,32 @@ def check(isolation: Isolation, what: str) -> Status:
             "own, limits and a clean environment (README: Sandbox)."
         )
     return found
+
+
+def scratch_dir(kind: str) -> str:
+    """A new temporary directory for a jail or a sandbox of this process, named with its pid. The first one a
+    process makes also removes those left by processes that are gone (killed, like a worker at the end of a run,
+    before they could remove their own)."""
+    if not _swept:
+        _swept.append(True)
+        for stale in Path(tempfile.gettempdir()).glob("grpo-*-pid*-*"):
+            owner = stale.name.partition("-pid")[2].partition("-")[0]
+            if owner.isdigit() and not _alive(int(owner)):
+                shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"grpo-{kind}-pid{os.getpid()}-")
+
+
+_swept: list[bool] = []  # whether this process removed the dead processes' scratch directories yet
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def sys_python() -> str:
@@ -266,7 +292,7 @@ class Jailed:
         """`output`: its standard output and error come back (`read_output`) instead of being discarded."""
         found = check(isolation, "a program")
         reap_orphans()  # what an earlier jail left still ending when it closed
-        self.workdir = tempfile.mkdtemp(prefix="grpo-jail-")
+        self.workdir = scratch_dir("jail")
         self.read_end, write_end = os.pipe()
         argv = [sys_python(), "-I", "-S", "-c", runner, str(write_end), *args]
         jailed = found.namespaces

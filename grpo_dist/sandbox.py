@@ -41,7 +41,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -148,7 +147,7 @@ class Sandbox:
 
     def _start(self) -> None:
         self.close()
-        self.home = tempfile.mkdtemp(prefix=f"grpo-{self.kind}-sandbox-")
+        self.home = jail.scratch_dir(f"{self.kind}-sandbox")
         if os.geteuid() == 0:
             os.chown(self.home, NOBODY, NOBODY)
         self.process = subprocess.Popen(

@@ -10,9 +10,11 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -385,3 +387,22 @@ def test_what_a_reward_starts_dies_with_a_worker_killed_without_closing_its_sand
 
 def sleepers() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[-2:] == ["sleep", "600"]]
+
+
+def test_the_scratch_directories_of_killed_workers_are_removed_by_the_next_process(tmp_path):
+    """A worker killed at the end of a run leaves its sandboxes' homes behind; the next process that makes one of
+    its own removes those of processes that are gone, and keeps those of live ones."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = Path(tempfile.gettempdir()) / f"grpo-rewards-sandbox-pid{dead.pid}-left"
+    kept = Path(tempfile.gettempdir()) / f"grpo-rewards-sandbox-pid{os.getpid()}-kept"
+    for path in (left, kept):
+        path.mkdir()
+        (path / "file").write_text("x")
+    script = "from grpo_dist import jail; import shutil; shutil.rmtree(jail.scratch_dir('probe'))"
+    try:
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        assert not left.exists() and kept.exists()
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
+        shutil.rmtree(kept, ignore_errors=True)
