@@ -30,6 +30,7 @@ log = logging.getLogger("grpo_dist")
 
 START_ATTEMPTS = 5  # for a replacement whose actor dies while starting (placed on a node not yet known dead)
 RETRY_PAUSE_S = 5.0
+CLOSE_S = 15.0  # for an actor to end the processes it started (sandboxes, jails) before it is killed
 COUNTERS = (
     "generator_restarts", "engine_restarts", "reward_worker_restarts", "learner_restarts", "judge_restarts",
     "regenerated", "rescored", "unscored",
@@ -274,7 +275,8 @@ class FaultLog:
 class ActorPool:
     """The actors of one role in numbered slots. `start_actor(slot)` creates slot's actor (in its placement), and
     an actor is up once its `ready_call` method (by default: its constructor) has returned; `replace(slot, why)`
-    kills it and waits, bounded, for a new one; past `max_restarts` the run fails."""
+    kills it and waits, bounded, for a new one; past `max_restarts` the run fails. At the end, `close_call` (if
+    any) has each actor end the processes it started before it is killed."""
 
     def __init__(
         self,
@@ -286,9 +288,10 @@ class ActorPool:
         max_restarts: int,
         start_bound: Bound,
         ready_call: str = "__ray_ready__",
+        close_call: str | None = None,
     ) -> None:
         self.role, self.counter, self.start_actor, self.faults = role, counter, start_actor, faults
-        self.ready_call = ready_call
+        self.ready_call, self.close_call = ready_call, close_call
         self.max_restarts, self.start_bound = max_restarts, start_bound
         self.actors = [start_actor(slot) for slot in range(size)]
         self.health = [Health.STARTING] * size
@@ -365,5 +368,10 @@ class ActorPool:
         return dict(zip(slots, outcomes, strict=True))
 
     def shutdown(self) -> None:
+        """Kill every actor; with a `close_call`, first let them end what they started (waiting at most
+        `CLOSE_S`), so that no process of theirs outlives the run (killed, an actor's children end only after it)."""
+        if self.close_call is not None:
+            closing = [getattr(actor, self.close_call).remote() for actor in self.actors]
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_S)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)

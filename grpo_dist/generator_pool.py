@@ -107,6 +107,7 @@ class GeneratorPool:
         self.pool = ActorPool(
             "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
             cfg.faults.max_generator_restarts, self.bounds.start, ready_call="start",
+            close_call="close",
         )  # fmt: skip
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:

@@ -43,7 +43,7 @@ class RewardPool:
         self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
         self.pool = ActorPool(
             "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
-            cfg.faults.max_reward_worker_restarts, self.bounds.start,
+            cfg.faults.max_reward_worker_restarts, self.bounds.start, close_call="close",
         )  # fmt: skip
         self.judge = None
         if cfg.reward.judge is not None:

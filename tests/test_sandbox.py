@@ -190,7 +190,11 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
 
 
 def bwrap_pids() -> list[int]:
-    return [int(pid) for pid in subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split()]
+    """The bubblewrap processes alive (not those dead and left unreaped: this process is a subreaper, see
+    `sandbox`, so the run's orphans that died end here as zombies)."""
+    living = psutil.process_iter(["name", "status"])
+    return [process.pid for process in living
+            if process.info["name"] == "bwrap" and process.info["status"] != psutil.STATUS_ZOMBIE]  # fmt: skip
 
 
 @pytest.mark.parametrize(

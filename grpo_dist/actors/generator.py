@@ -116,6 +116,13 @@ class Generator:
         if self.agent is not None:
             await self.agent.start()
 
+    async def close(self) -> None:
+        """End the engine's process and the tools' sandboxes, and wait until they are gone (the pool calls it before
+        killing the generator)."""
+        if self.agent is not None:
+            self.agent.close()
+        self.engine.shutdown(timeout=10)
+
     async def generate(
         self,
         prompt_token_ids: list[int],

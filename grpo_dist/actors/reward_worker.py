@@ -55,6 +55,10 @@ class RewardWorker:
             self.done += 1
         return scores, self.runner.exhausted
 
+    def close(self) -> None:
+        """End its sandbox and jails and wait until they are gone (the pool calls it before killing the worker)."""
+        self.runner.close()
+
     def __del__(self) -> None:
         if hasattr(self, "runner"):
             self.runner.close()

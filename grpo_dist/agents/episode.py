@@ -298,3 +298,7 @@ class AgentLoop:
         """Open the chat-completions endpoint, when an agent calls it."""
         if self.endpoint is not None:
             await self.endpoint.start()
+
+    def close(self) -> None:
+        """End the tools' sandboxes and wait until they are gone."""
+        self.tools.close()
