@@ -37,11 +37,15 @@ demo-agent: $(STAMP)
 	$(VENV)/bin/grpo-dist train configs/agent.yaml
 	$(VENV)/bin/grpo-dist plot outputs/agent/metrics.jsonl outputs/agent/run.png
 
+# Two pytest workers, each module's tests on one (see tests/conftest.py); the slowest tests listed at the end.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

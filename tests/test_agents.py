@@ -446,6 +446,7 @@ def generator_pid(actor) -> int:
     return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
 
 
+@pytest.mark.slow
 def test_trajectories_are_the_engines_tokens_a_slow_tool_holds_back_only_its_own_and_a_lost_generator_loses_none(
     ray_cluster, warmed_up, tmp_path
 ):
@@ -508,6 +509,7 @@ def test_trajectories_are_the_engines_tokens_a_slow_tool_holds_back_only_its_own
         placement.remove()
 
 
+@pytest.mark.slow
 def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversations_logged(warmed_up):
     """The bundled task as `make demo-agent` runs it, made short: after the warm-up (the fixture), three GRPO steps
     over multi-turn episodes with the calculator in its sandbox, here with in-flight weight updates (`max_staleness`
@@ -540,6 +542,7 @@ def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversatio
     assert (run_dir / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_an_agent_written_against_the_openai_client_produces_token_exact_trajectories(ray_cluster, warmed_up, tmp_path):
     """`environment.agent`: the agent calls the generator's endpoint with the real `openai` client, runs the
     calculator on the tool calls it gets back and sends the results; its calls make one trajectory each, exact
@@ -574,6 +577,7 @@ def test_an_agent_written_against_the_openai_client_produces_token_exact_traject
         placement.remove()
 
 
+@pytest.mark.slow
 def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray_cluster, warmed_up, tmp_path):
     """`reward.judge`: an engine of the judge model (here the warmed-up calculator model, whose reply to a product
     is a tool call) reads each completion through `reward.judge.prompt`; the first digit in its greedy reply,
