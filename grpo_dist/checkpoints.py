@@ -27,7 +27,10 @@ import yaml
 from grpo_dist import manifest, safe_load
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.console import bar
+from grpo_dist.data import PromptRecord
+from grpo_dist.rollouts.rollout import Rollout
 from grpo_dist.storage import ObjectStore, upload_run_files
+from grpo_dist.types import Completion, Episode, Score
 
 LATEST = "latest"
 STATE = "run_state.pt"
@@ -253,8 +256,12 @@ def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:
     return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in changed]
 
 
+RUN_STATE_CLASSES = [Rollout, PromptRecord, Completion, Episode, Score]
+"""What the driver's run state holds besides plain data: the batch drawn ahead."""
+
+
 def load_state(checkpoint: Checkpoint) -> dict[str, Any]:
-    return safe_load.load(checkpoint.path / STATE, safe_load.run_state_classes())
+    return safe_load.load(checkpoint.path / STATE, RUN_STATE_CLASSES)
 
 
 def random_state() -> dict[str, Any]:

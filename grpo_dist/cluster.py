@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -16,13 +17,13 @@ from dataclasses import dataclass, field
 import ray
 
 from grpo_dist.config import Config
-from grpo_dist.console import bar
+from grpo_dist.console import Console, bar, section
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
 from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
-from grpo_dist.run_dir import Probe, check_visible
+from grpo_dist.run_dir import Probe, check_visible, write_probe
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
 
 
@@ -233,3 +234,22 @@ class Cluster:
         self.generators.shutdown()
         self.rewards.shutdown()
         self.placement.remove()
+
+
+def start_cluster(cfg: Config, model_path: str, console: Console | None = None, probe: bool = True) -> Cluster:
+    """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
+    aborts; the command line's stops cleanly); with `probe`, every learner node must see the run directory."""
+    started = time.perf_counter()
+    section(f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
+            f"and {cfg.reward.num_workers} reward worker(s)")  # fmt: skip
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    start_ray(cfg)
+    if callable(on_sigterm):
+        signal.signal(signal.SIGTERM, on_sigterm)
+    if console is not None:
+        console.take_actor_output()  # what the actors print while they start, too
+    cluster = Cluster.start(cfg, model_path, probe=write_probe(cfg) if probe else None)
+    if console is not None:
+        console.open(cfg.run_dir)  # the libraries imported meanwhile
+    section(f"started in {time.perf_counter() - started:.1f} s")
+    return cluster

@@ -9,7 +9,6 @@ directory in `grpo_dist.run_dir`, held-out accuracy in `grpo_dist.evaluation`, t
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
@@ -17,14 +16,14 @@ from tqdm import tqdm
 
 from grpo_dist import checkpoints, control
 from grpo_dist.batch import collate
-from grpo_dist.cluster import Cluster, start_ray
+from grpo_dist.cluster import Cluster, start_cluster
 from grpo_dist.config import Config
 from grpo_dist.console import Console, section, step_line
 from grpo_dist.data import PromptSampler
 from grpo_dist.evaluation import evaluate
 from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
-from grpo_dist.metrics import MetricsSink, StepSamples, StepTimer, completion_rows, rollout_metrics, start_wandb
+from grpo_dist.metrics import MetricsSink, StepSamples, completion_rows, rollout_metrics, start_wandb
 from grpo_dist.recovery import (
     check_same_data,
     checkpoint_at_stop,
@@ -36,8 +35,8 @@ from grpo_dist.recovery import (
     save_policy,
 )
 from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
-from grpo_dist.run_dir import discard_run_dir, publish_run_dir, resolve_paths, start_run_dir, write_probe
-from grpo_dist.throughput import throughput_metrics
+from grpo_dist.run_dir import discard_run_dir, publish_run_dir, resolve_paths, start_run_dir
+from grpo_dist.throughput import StepTimer, throughput_metrics
 
 
 def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = False, verbose: bool = False) -> Path:
@@ -106,25 +105,6 @@ def run_training(cfg: Config, cluster: Cluster | None, checkpoint, earlier, cons
         if own_cluster:
             cluster.shutdown()
     return cfg.run_dir
-
-
-def start_cluster(cfg: Config, model_path: str, console: Console | None = None, probe: bool = True) -> Cluster:
-    """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
-    aborts; the command line's stops cleanly); with `probe`, every learner node must see the run directory."""
-    started = time.perf_counter()
-    section(f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
-            f"and {cfg.reward.num_workers} reward worker(s)")  # fmt: skip
-    on_sigterm = signal.getsignal(signal.SIGTERM)
-    start_ray(cfg)
-    if callable(on_sigterm):
-        signal.signal(signal.SIGTERM, on_sigterm)
-    if console is not None:
-        console.take_actor_output()  # what the actors print while they start, too
-    cluster = Cluster.start(cfg, model_path, probe=write_probe(cfg) if probe else None)
-    if console is not None:
-        console.open(cfg.run_dir)  # the libraries imported meanwhile
-    section(f"started in {time.perf_counter() - started:.1f} s")
-    return cluster
 
 
 def train_step(

@@ -172,8 +172,8 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     import tempfile
 
     from grpo_dist import checkpoints
+    from grpo_dist.cluster import start_cluster
     from grpo_dist.config import ConfigError, redact
-    from grpo_dist.driver import start_cluster
     from grpo_dist.inputs import prepare
     from grpo_dist.run_dir import resolve_paths
 

@@ -262,7 +262,7 @@ def _as_nobody() -> None:
     started it (a change of user clears that)."""
     _own_keyring()
     become_nobody()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
 
 
 RUNNING: set[int] = set()
@@ -397,3 +397,11 @@ class Jailed:
             shutil.rmtree(self.workdir)
         except (OSError, RecursionError):  # best effort: a tree too deep for rmtree, made by the code
             subprocess.run(["rm", "-rf", "--", self.workdir], check=False)
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent exits (a Ray worker's: the node's raylet). Ray stops its
+    workers by asking them to exit; one stuck in C code cannot hear it and would outlive the run, even the cluster.
+    A change of user clears it."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -9,9 +9,6 @@ import logging
 import math
 import os
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -255,20 +252,3 @@ def start_wandb(cfg: Config, run_dir: Path, run_id: str | None = None) -> Any | 
         offline_dir = Path(run.dir).parent
         print(f"W&B run{again} {run.id}, offline: {offline_dir} (upload: wandb sync {offline_dir})", flush=True)
     return run
-
-
-class StepTimer:
-    """Wall time of named phases of a step: `with timer("generate"): ...` -> {"time/generate": seconds}.
-    A phase entered several times (dynamic sampling's rounds) adds up."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"time/{phase}"
-            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - started

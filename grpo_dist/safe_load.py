@@ -1,5 +1,6 @@
 """Loading what a checkpoint holds without running code from it: every `torch.load` is `weights_only`, with only the
-classes named here allowed (the run state's own dataclasses; the few DeepSpeed keeps in its optimizer state). A
+classes its caller names allowed (the run state's own dataclasses, `checkpoints.RUN_STATE_CLASSES`; the few
+DeepSpeed keeps in its optimizer state). A
 file that holds anything else is refused, naming the file and what it holds."""
 
 from __future__ import annotations
@@ -13,15 +14,6 @@ import torch
 
 class UnsafeCheckpoint(RuntimeError):
     """A checkpoint file holds objects other than tensors, plain data and the classes allowed."""
-
-
-def run_state_classes() -> list[type]:
-    """What the driver's run state holds besides plain data: the batch drawn ahead."""
-    from grpo_dist.data import PromptRecord
-    from grpo_dist.rollouts.rollout import Rollout
-    from grpo_dist.types import Completion, Episode, Score
-
-    return [Rollout, PromptRecord, Completion, Episode, Score]
 
 
 def deepspeed_classes() -> list[type]:

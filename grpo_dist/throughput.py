@@ -9,12 +9,16 @@ each pass it makes: `algorithm.ppo_epochs` training passes, plus one forward eac
 policy's logprobs when it computes them. Activation recomputation (gradient checkpointing) is not counted: MFU is
 the useful work done, not the work the hardware did. N counts every parameter: for a mixture of experts, more than
 a token meets.
+
+Also the wall time of a step's named phases (`StepTimer`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 PEAK_BF16_FLOPS = (  # dense bf16 tensor-core peak per device, by a pattern of torch.cuda.get_device_name(), in order
     (r"\bH100\b.*\bPCIe\b", 756e12),
@@ -70,3 +74,20 @@ def throughput_metrics(metrics: dict[str, float], num_ranks: int) -> dict[str, f
         if metrics.get("learner/peak_flops"):
             found["throughput/mfu"] = per_rank / metrics["learner/peak_flops"]
     return found
+
+
+class StepTimer:
+    """Wall time of named phases of a step: `with timer("generate"): ...` -> {"time/generate": seconds}.
+    A phase entered several times (dynamic sampling's rounds) adds up."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{phase}"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - started

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REWARD_LIMIT = 1e30
+"""The largest magnitude a score, a weighted score or a completion's weighted sum may have; beyond it the completion
+is unscored. Rewards reach the advantages as float32 tensors (largest 3.4e38): within this limit every sum, group
+difference and leave-one-out scaling the estimators make (at most 4 x F x the limit, for F reward functions) stays
+finite, with room for F up to about 1e7."""
+
 
 @dataclass
 class Completion:

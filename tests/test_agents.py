@@ -170,7 +170,7 @@ def test_an_episode_opens_with_the_environments_first_messages_and_tools(tokeniz
 def scripted(tokenizer, replies: list[str]):
     """A stand-in for the engine: turn i of a trajectory is `replies[i]` (the last one again after), then the
     end-of-sequence token; each token's logprob -0.5, sampled by weight version 0."""
-    from grpo_dist.agents.episode import Sampled
+    from grpo_dist.agents.protocol import Sampled
 
     turns: dict[int | None, int] = {}  # seed (one per trajectory) -> turns sampled
 
@@ -633,16 +633,17 @@ def test_a_batch_of_trajectories_drawn_ahead_loads_back_from_a_checkpoint(tmp_pa
     episodes load back (`weights_only`, with the run state's classes allowed) exactly as they were."""
     import torch
 
+    from grpo_dist.checkpoints import RUN_STATE_CLASSES
     from grpo_dist.data import PromptRecord
     from grpo_dist.rollouts.rollout import Rollout
-    from grpo_dist.safe_load import load, run_state_classes
+    from grpo_dist.safe_load import load
     from grpo_dist.types import Completion, Episode, Score
 
     episode = Episode([{"role": "user", "content": "2*3="}], turns=2, tool_calls=1, rewards={"step": 0.5})
     completion = Completion(0, [1, 2], [5, 6, 7], "6", [-0.1, 0.0, -0.2], "stop", 3, mask=[1, 0, 1], episode=episode)
     rollout = Rollout([PromptRecord("2*3=", [1, 2])], [completion], [Score(1.0, [1.0])])
     torch.save({"ahead": rollout}, tmp_path / "state.pt")
-    assert load(tmp_path / "state.pt", run_state_classes())["ahead"] == rollout
+    assert load(tmp_path / "state.pt", RUN_STATE_CLASSES)["ahead"] == rollout
 
 
 @pytest.mark.parametrize(

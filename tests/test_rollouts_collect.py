@@ -15,8 +15,8 @@ from grpo_dist.config import validate_config
 from grpo_dist.data import PromptRecord, PromptSampler
 from grpo_dist.faults import RunFailed
 from grpo_dist.generator_pool import Advanced
-from grpo_dist.metrics import StepTimer
 from grpo_dist.rollouts import collect_rollout
+from grpo_dist.throughput import StepTimer
 from grpo_dist.types import Completion, Score
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo_dist import safe_load
+from grpo_dist.checkpoints import RUN_STATE_CLASSES
 from grpo_dist.rollouts.rollout import Rollout
 from grpo_dist.types import Completion, Score
 
@@ -28,7 +29,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
     path = tmp_path / "run_state.pt"
     torch.save({"step": 3, "payload": RunsACommand(str(marker))}, path)
     with pytest.raises(safe_load.UnsafeCheckpoint, match=r"run_state.pt: holds posix.system besides tensors"):
-        safe_load.load(path, safe_load.run_state_classes())
+        safe_load.load(path, RUN_STATE_CLASSES)
     assert not marker.exists()
     torch.load(path, weights_only=False)  # what an unchecked load does: the check above can tell
     assert marker.exists()
@@ -39,4 +40,4 @@ def test_the_run_states_own_classes_load(tmp_path):
     state = {"step": 4, "ahead": {"batch": (5, Rollout([], [completion], [Score(1.0, [1.0])]))}, "random": {}}
     path = tmp_path / "run_state.pt"
     torch.save(state, path)
-    assert safe_load.load(path, safe_load.run_state_classes()) == state
+    assert safe_load.load(path, RUN_STATE_CLASSES) == state

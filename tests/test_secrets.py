@@ -118,8 +118,8 @@ def test_the_staging_directory_is_this_users_alone(tmp_path, monkeypatch):
 def endpoint_calls(calls):
     """Run `calls(endpoint, base_url, session)` against a started endpoint whose sampler answers "7" and stops."""
     from grpo_dist.agents.endpoint import Endpoint
-    from grpo_dist.agents.episode import Limits, Sampled
     from grpo_dist.agents.parsers import hermes
+    from grpo_dist.agents.protocol import Limits, Sampled
     from grpo_dist.models.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(CHAT_TEMPLATE)

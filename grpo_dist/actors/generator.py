@@ -16,8 +16,8 @@ import itertools
 import os
 import tempfile
 
-from grpo_dist.actors import die_with_parent
 from grpo_dist.config import EnvironmentConfig, RolloutConfig
+from grpo_dist.jail import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
 ENGINE_MARK = "GRPO_DIST_ENGINE"
@@ -164,7 +164,7 @@ class Generator:
 
         from vllm import SamplingParams
 
-        from grpo_dist.agents.episode import Sampled
+        from grpo_dist.agents.protocol import Sampled
 
         async def sample(prefix: list[int], max_tokens: int, turn_seed: int | None) -> Sampled:
             params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,

@@ -7,8 +7,8 @@ import math
 
 import ray
 
-from grpo_dist.actors import die_with_parent
 from grpo_dist.config import RewardConfig
+from grpo_dist.jail import die_with_parent
 from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum
 from grpo_dist.types import Score, ScoreRequest
 

@@ -34,8 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_dist.agents.episode import Limits, Sampled, Sampler, Trajectory
-from grpo_dist.agents.protocol import assign_call_ids, assistant_message
+from grpo_dist.agents.protocol import Limits, Sampled, Sampler, Trajectory, assign_call_ids, assistant_message
 from grpo_dist.agents.render import Renderer
 from grpo_dist.types import Episode
 

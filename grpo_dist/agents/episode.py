@@ -23,15 +23,18 @@ the run.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from grpo_dist.agents.endpoint import Endpoint
 from grpo_dist.agents.parsers import resolve_parser
 from grpo_dist.agents.protocol import (
     USER_CODE_ERRORS,
     Environment,
+    Limits,
+    Sampler,
     ToolCall,
+    Trajectory,
     Turn,
     UserCodeError,
     assign_call_ids,
@@ -42,44 +45,10 @@ from grpo_dist.agents.protocol import (
 from grpo_dist.agents.render import Renderer
 from grpo_dist.agents.tools import ToolBox, ToolSpec, tool_spec
 from grpo_dist.config import EnvironmentConfig
+from grpo_dist.sandbox import Limits as SandboxLimits
 from grpo_dist.types import Episode
 
 TURN_SEED_STRIDE = 1_000_003  # turn t of a trajectory seeded s samples with seed s + t * stride
-
-
-@dataclass
-class Sampled:
-    """One engine request's output (generator -> episode)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    versions: list[int]  # the weight versions that sampled its tokens
-
-
-@dataclass
-class Trajectory:
-    """A finished trajectory, before the generator makes it a `Completion`."""
-
-    prompt_token_ids: list[int]  # [P] the first messages rendered
-    token_ids: list[int]  # [T] turns and observations, in order
-    logprobs: list[float]  # [T] sampling logprob of each sampled token, 0 on observation tokens
-    mask: list[int]  # [T] 1 on sampled tokens, 0 on observation tokens
-    text: str  # the model's last turn
-    finish_reason: str  # `stop`: the environment said done; `length`: cut; `failed`: user code raised
-    versions: list[int]
-    episode: Episode
-
-
-@dataclass
-class Limits:
-    max_turns: int
-    max_total_tokens: int  # prompt, turns and observations
-    max_new_tokens: int  # per turn
-
-
-Sampler = Callable[[list[int], int, int | None], Awaitable[Sampled]]
-"""(prefix token ids, max new tokens, seed) -> the engine's turn."""
 
 
 async def run_episode(
@@ -214,8 +183,6 @@ class AgentLoop:
         sandbox_env: list[str] = (),
     ) -> None:  # fmt: skip
         """`isolation`, `sandbox_env`: `reward.isolation` and `reward.sandbox_env` (README: Sandbox)."""
-        from grpo_dist.sandbox import Limits as SandboxLimits
-
         self.config = environment
         self.environment = environment_class(environment.name)
         self.specs = tool_specs(environment)
@@ -228,8 +195,6 @@ class AgentLoop:
         self.agent = resolve_named(environment.agent, {}, "environment.agent") if environment.agent else None
         self.endpoint = None
         if self.agent is not None:
-            from grpo_dist.agents.endpoint import Endpoint
-
             self.endpoint = Endpoint(tokenizer, self.parser, self.limits)
 
     def new_environment(self) -> Environment:

@@ -19,6 +19,9 @@ lists its calls with their ids and each `tool` message names the call it answers
 An exception raised by the environment (its constructor, `reset`, `step`, or reading what they return), by a tool
 parser of your own, or by an agent fails that trajectory alone (`UserCodeError`): it holds no tokens, is unscored,
 counted in `agent/failed`, and the run's first such failure is printed.
+
+Also here, the messages between a trajectory's loop and what samples it (the generator's engine, or an agent's
+chat-completions endpoint): `Sampled`, `Sampler`, `Limits` and the finished `Trajectory`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from __future__ import annotations
 import importlib
 import itertools
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from grpo_dist.types import Episode
 
 
 @dataclass
@@ -157,3 +163,38 @@ def environment_class(name: str) -> type[Environment]:
         raise ValueError(f"environment.name {name!r}: not `tools` nor the dotted path of a "
                          "grpo_dist.agents.Environment subclass")  # fmt: skip
     return found
+
+
+@dataclass
+class Sampled:
+    """One engine request's output (generator -> episode)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    versions: list[int]  # the weight versions that sampled its tokens
+
+
+@dataclass
+class Trajectory:
+    """A finished trajectory, before the generator makes it a `Completion`."""
+
+    prompt_token_ids: list[int]  # [P] the first messages rendered
+    token_ids: list[int]  # [T] turns and observations, in order
+    logprobs: list[float]  # [T] sampling logprob of each sampled token, 0 on observation tokens
+    mask: list[int]  # [T] 1 on sampled tokens, 0 on observation tokens
+    text: str  # the model's last turn
+    finish_reason: str  # `stop`: the environment said done; `length`: cut; `failed`: user code raised
+    versions: list[int]
+    episode: Episode
+
+
+@dataclass
+class Limits:
+    max_turns: int
+    max_total_tokens: int  # prompt, turns and observations
+    max_new_tokens: int  # per turn
+
+
+Sampler = Callable[[list[int], int, int | None], Awaitable[Sampled]]
+"""(prefix token ids, max new tokens, seed) -> the engine's turn."""

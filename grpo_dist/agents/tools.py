@@ -32,6 +32,7 @@ from grpo_dist.agents.protocol import ToolCall, resolve_named
 from grpo_dist.config import MODEL_CODE_TOOLS
 from grpo_dist.jail import Isolation
 from grpo_dist.rewards.code import run_python
+from grpo_dist.sandbox import Sandbox
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
@@ -200,9 +201,7 @@ class ToolBox:
             sandbox = self._start()
         return sandbox, *sandbox.call_tool(index, arguments, self.timeout_s)
 
-    def _start(self) -> Any:
-        from grpo_dist.sandbox import Sandbox
-
+    def _start(self) -> Sandbox:
         sandbox = Sandbox(self.paths, self.limits, kind="tools")
         self.sandboxes.append(sandbox)
         return sandbox

@@ -30,6 +30,7 @@ from grpo_dist.rewards.builtin import (
     tool_use,
 )
 from grpo_dist.rewards.code import code_tests
+from grpo_dist.types import REWARD_LIMIT
 
 RewardFn = Callable[..., float]
 """``(prompt: str, completion: str, **fields) -> float``."""
@@ -96,12 +97,6 @@ def resolve_reward(name: str) -> RewardFn:
         raise _unknown_builtin(name)
     return _import_user_reward(name)
 
-
-REWARD_LIMIT = 1e30
-"""The largest magnitude a score, a weighted score or a completion's weighted sum may have; beyond it the completion
-is unscored. Rewards reach the advantages as float32 tensors (largest 3.4e38): within this limit every sum, group
-difference and leave-one-out scaling the estimators make (at most 4 x F x the limit, for F reward functions) stays
-finite, with room for F up to about 1e7."""
 
 WEIGHTED_SUM = "weighted_sum"
 """The key of `Score.failures` (and `reward_failures/weighted_sum`) naming why a completion whose functions all

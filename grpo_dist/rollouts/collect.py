@@ -19,11 +19,11 @@ from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord, PromptSampler
 from grpo_dist.generator_pool import Generation
-from grpo_dist.metrics import StepTimer
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.rollouts.dynamic_sampling import Refill, prompt_seeds
 from grpo_dist.rollouts.rollout import Rollout
 from grpo_dist.rollouts.staleness import sync_due
+from grpo_dist.throughput import StepTimer
 from grpo_dist.types import Completion, Score, ScoreRequest
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config
 from grpo_dist.data import PromptSampler
-from grpo_dist.metrics import StepTimer
 from grpo_dist.rollouts.collect import collect_rollout
 from grpo_dist.rollouts.rollout import Rollout
+from grpo_dist.throughput import StepTimer
 
 
 class RolloutQueue:

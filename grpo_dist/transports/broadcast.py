@@ -20,7 +20,7 @@ import torch
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bound, Bounds
-from grpo_dist.transports import wait_all, wire_backend
+from grpo_dist.transports.base import wait_all, wire_backend
 
 log = logging.getLogger("grpo_dist")
 

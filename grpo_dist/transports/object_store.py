@@ -10,7 +10,7 @@ import ray
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bounds
-from grpo_dist.transports import wait_all
+from grpo_dist.transports.base import wait_all
 
 
 class ObjectStoreTransport:
