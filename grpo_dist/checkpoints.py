@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from grpo_dist.config import Config, ConfigError
 from grpo_dist.console import bar
 from grpo_dist.data import PromptRecord
 from grpo_dist.rollouts.rollout import Rollout
-from grpo_dist.storage import ObjectStore, upload_run_files
+from grpo_dist.storage import ObjectStore, StoreError, upload_run_files
 from grpo_dist.types import Completion, Episode, Score
 
 LATEST = "latest"
@@ -56,7 +57,11 @@ def save(cfg: Config, cluster, step: int, run_state: dict[str, Any]) -> str:
     if cfg.object_store:
         return _upload(cfg, cluster, partial, name, {**run_state, "step": step})
     _write_driver_files(cfg, partial, {**run_state, "step": step})
-    manifest.write(partial)  # every file synced, then the sizes and checksums that make it verifiable
+    files = manifest.entries(partial)  # every file synced, then the sizes and checksums that make it verifiable
+    if why := _missing_part(files, _learner_layout(cfg)):
+        shutil.rmtree(partial, ignore_errors=True)
+        raise StoreError(f"checkpoint {final} is incomplete after it was written: {why}")
+    manifest.write_entries(partial, files)
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     manifest.sync_dir(root)
@@ -112,19 +117,31 @@ def _write_driver_files(cfg: Config, directory: Path, state: dict[str, Any]) -> 
 
 def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any]) -> str:
     """Upload a checkpoint staged in `partial` on each node: the learner nodes their own files first, then the
-    driver its config and, last, the run state that marks it complete; then `latest`, pruning and the run's files."""
+    driver its config and run state; then its manifest, from what each writer says it uploaded, once the store's
+    listing holds all of it and every learner rank's part; then `latest`, pruning and the run's files. Whatever
+    happens, no node keeps its staged copy."""
     store, prefix = ObjectStore(cfg.object_store), checkpoints_key(cfg)
     key = f"{prefix}/{name}"
     with bar(3, f"uploading {name}", "part") as shown:  # the learner's shards, the driver's files, the manifest
         store.delete(key)  # what an upload cut short left
-        cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key)
+        written: dict[str, dict] = {}
+        for uploaded in cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key):
+            written.update(uploaded)
         shown.update()
-        _write_driver_files(cfg, partial, state)
-        store.upload(partial / "config.yaml", f"{key}/config.yaml")
-        store.upload(partial / STATE, f"{key}/{STATE}")
-        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            _write_driver_files(cfg, partial, state)
+            driver_files = manifest.entries(partial)
+            for file in driver_files:
+                store.upload(partial / file, f"{key}/{file}")
+            written.update(driver_files)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
         shown.update()
-        store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": store.sizes(key)}, sort_keys=True))
+        listed = store.sizes(key)
+        why = _listing_problem(written, listed) or _missing_part(written, _learner_layout(cfg))
+        if why:
+            raise StoreError(f"checkpoint {store.name(key)} is incomplete after its upload: {why}")
+        store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": written}, indent=1, sort_keys=True))
         store.write_text(f"{prefix}/{LATEST}", name + "\n")
         shown.update()
     steps = [child for child in store.children(prefix) if child.startswith("step-")]
@@ -133,6 +150,36 @@ def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any
         store.delete(f"{prefix}/{old}")
     upload_run_files(cfg.object_store, cfg.run_dir, cfg.run.name)
     return store.name(key)
+
+
+OPTIMIZER_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+"""A learner rank's optimizer shard, as DeepSpeed names it under ZeRO (rank in the data-parallel group)."""
+
+
+def _missing_part(files: dict[str, dict], learner: dict[str, Any]) -> str | None:
+    """Which learner rank's part of a checkpoint is not among `files` (None: every rank's is): the model states, and
+    under ZeRO each rank's optimizer shard. `learner`: the checkpoint's own `learner` settings."""
+    shards = [name for name in files if name.startswith("learner/")]
+    if not any(name.endswith("model_states.pt") for name in shards):
+        return "no learner model states"
+    if learner.get("zero_stage", 0) >= 1:
+        held = {int(found.group(1)) for name in shards if (found := OPTIMIZER_SHARD.search(name))}
+        missing = sorted(set(range(learner["num_ranks"])) - held)
+        if missing:
+            return f"no optimizer shard of learner rank(s) {', '.join(map(str, missing))}"
+    return None
+
+
+def _learner_layout(cfg: Config) -> dict[str, int]:
+    return {"num_ranks": cfg.learner.num_ranks, "zero_stage": cfg.learner.zero_stage}
+
+
+def _listing_problem(files: dict[str, dict], listed: dict[str, int]) -> str | None:
+    """The first file of `files` that the store's listing lacks or holds at another size (None: none)."""
+    for name, expected in sorted(files.items()):
+        if listed.get(name) != expected["size"]:
+            return f"{name} has {listed.get(name)} bytes, not {expected['size']}"
+    return None
 
 
 def checkpoints_key(cfg: Config) -> str:
@@ -185,12 +232,25 @@ def find(cfg: Config, path: str | None) -> Checkpoint:
     return Checkpoint(root / _first_whole(pointer.read_text().strip(), names, lambda name: _problem(root / name), root))
 
 
+NO_MANIFEST = f"no {manifest.MANIFEST} (an interrupted write or prune, or files deleted from it)"
+
+
 def _problem(checkpoint: Path) -> str | None:
-    """What keeps `checkpoint` from being resumed from (None: nothing). One written before manifests were is
-    taken when its run state and learner state are there."""
+    """What keeps `checkpoint` from being resumed from (None: nothing). A directory without a manifest is never
+    taken: the manifest is written last, so one without it may lack any of its files."""
     if not (checkpoint / STATE).is_file() or not (checkpoint / "learner").is_dir():
         return f"no {STATE} or learner/"
-    return manifest.problem(checkpoint) if (checkpoint / manifest.MANIFEST).is_file() else None
+    if not (checkpoint / manifest.MANIFEST).is_file():
+        return NO_MANIFEST
+    if why := manifest.problem(checkpoint):
+        return why
+    files = json.loads((checkpoint / manifest.MANIFEST).read_text())["files"]
+    return _missing_part(files, _saved_learner((checkpoint / "config.yaml").read_text()))
+
+
+def _saved_learner(config_text: str | None) -> dict[str, Any]:
+    """The `learner` settings a checkpoint was written with (its config.yaml), as plain data."""
+    return (yaml.safe_load(config_text or "") or {}).get("learner") or {}
 
 
 def _first_whole(latest: str, names: list[str], problem, where) -> str:
@@ -228,20 +288,29 @@ def _find_in_store(cfg: Config, path: str | None) -> Checkpoint:
     local = cfg.checkpoint_dir / (Path(key).name or "resumed")
     for name in ("config.yaml", STATE):
         store.download(f"{key}/{name}", local / name)
+    files = json.loads(store.read_text(f"{key}/{manifest.MANIFEST}"))["files"]
+    if why := manifest.mismatch(local, {name: files[name] for name in ("config.yaml", STATE)}):
+        raise ConfigError(f"--resume: {store.name(key)}: downloaded to {local}, {why}")
     return Checkpoint(local, store.uri, key)
 
 
 def _store_problem(store: ObjectStore, key: str) -> str | None:
+    """What keeps the checkpoint at `key` from being resumed from (None: nothing): the store must list every file
+    its manifest names at its size, and the manifest every learner rank's part."""
     if not store.exists(f"{key}/{STATE}") or not store.exists(f"{key}/learner"):
         return f"no {STATE} or learner/"
     text = store.read_text(f"{key}/{manifest.MANIFEST}")
     if text is None:
-        return None
-    sizes = store.sizes(key)
-    for name, expected in json.loads(text)["files"].items():
-        if sizes.get(name) != expected:
-            return f"{name} has {sizes.get(name)} bytes, not {expected}"
-    return None
+        return NO_MANIFEST
+    files = json.loads(text)["files"]
+    return _listing_problem(files, store.sizes(key)) or _missing_part(
+        files, _saved_learner(store.read_text(f"{key}/config.yaml"))
+    )
+
+
+def store_files(checkpoint: Checkpoint) -> dict[str, dict]:
+    """The files of a checkpoint in an object store, as its manifest lists them."""
+    return json.loads(ObjectStore(checkpoint.store).read_text(f"{checkpoint.key}/{manifest.MANIFEST}"))["files"]
 
 
 def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:

@@ -166,12 +166,12 @@ class LearnerGroup:
     def save_checkpoint(self, path: str) -> None:
         self._call("save_checkpoint", path, bound=self.bounds.checkpoint)
 
-    def on_each_node(self, method: str, *args: Any) -> None:
+    def on_each_node(self, method: str, *args: Any) -> list[Any]:
         """Run a method on the first rank of each node, at once: the calls that move a node's own files (`upload`,
-        `download`, `discard`, `make_staging_dir`)."""
+        `download`, `discard`, `make_staging_dir`). Returns each node's answer."""
         firsts = [self.node_ids.index(node) for node in dict.fromkeys(self.node_ids)]
         calls = [getattr(self.ranks[index], method).remote(*args) for index in firsts]
-        self._wait(calls, method, ranks=firsts, bound=self.bounds.checkpoint)
+        return self._wait(calls, method, ranks=firsts, bound=self.bounds.checkpoint)
 
     def load_checkpoint(self, path: str, version: int) -> None:
         """Load a checkpoint written after step `version` into every rank."""

@@ -1,6 +1,7 @@
 """A checkpoint's manifest (`manifest.json`): the size and checksum (xxh3-64) of every file in it, written last, after
-every file is synced to disk, so that a checkpoint with a manifest that verifies is whole. In an object store the
-manifest holds sizes as the store lists them (a store checks its own uploads' integrity).
+every file is synced to disk, so that a checkpoint with a manifest that verifies is whole. Each writer records what
+it wrote: on a path, the driver lists the finished directory; in an object store, each learner node reports the
+files it uploaded and the driver its own, and the store's listing must hold every one at its size.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ def files_under(directory: Path) -> list[Path]:
     return sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST)
 
 
-def write(directory: Path) -> None:
-    """Sync every file under `directory` to disk, then write its manifest (synced too)."""
-    entries = {}
+def entries(directory: Path) -> dict[str, dict]:
+    """Every file under `directory` synced to disk, with its size and checksum, by its path relative to it."""
+    found = {}
     for path in files_under(directory):
         with path.open("rb") as file:
             os.fsync(file.fileno())
-        entries[str(path.relative_to(directory))] = {"size": path.stat().st_size, "xxh3": checksum(path)}
-    write_entries(directory, entries)
+        found[str(path.relative_to(directory))] = {"size": path.stat().st_size, "xxh3": checksum(path)}
+    return found
+
+
+def write(directory: Path) -> None:
+    """Sync every file under `directory` to disk, then write its manifest (synced too)."""
+    write_entries(directory, entries(directory))
 
 
 def write_entries(directory: Path, entries: dict[str, dict]) -> None:
@@ -58,10 +64,15 @@ def sync_dir(directory: Path) -> None:
 def problem(directory: Path) -> str | None:
     """What is wrong with the checkpoint in `directory` against its manifest (None: it is whole)."""
     try:
-        entries = json.loads((directory / MANIFEST).read_text())["files"]
+        listed = json.loads((directory / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as err:
         return f"no readable {MANIFEST} ({type(err).__name__})"
-    for name, expected in entries.items():
+    return mismatch(directory, listed)
+
+
+def mismatch(directory: Path, listed: dict[str, dict]) -> str | None:
+    """The first file of `listed` (names relative to `directory`) that is missing or differs (None: none)."""
+    for name, expected in listed.items():
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_dist import jsonl
 from grpo_dist.config import Config
 from grpo_dist.types import Completion, Score
 
@@ -151,11 +152,11 @@ class MetricsSink:
         self.files = {name: (self.run_dir / name).open("a") for name in self.FILES}
 
     def _keep_until(self, step: int) -> None:
+        """Keep the rows of `step` and before (a torn last line, from a crash mid-write, dropped), atomically."""
         for name in self.FILES:
             path = self.run_dir / name
             if path.exists():
-                rows = path.read_text().splitlines()
-                path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= step))
+                jsonl.rewrite(path, [row for row in jsonl.read_rows(path) if row.get("step", math.inf) <= step])
 
     @property
     def wandb_id(self) -> str | None:

@@ -4,22 +4,19 @@ prints."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from grpo_dist import jsonl
 from grpo_dist.config import ConfigError
 
 
 def read_metrics(metrics_path: str | Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(Path(metrics_path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{metrics_path}:{number}: not a metrics row ({err.msg}); expected JSON Lines") from None
-    return rows
+    """The rows of a metrics file; a torn last line (a run still writing it, or one that crashed mid-write) is left
+    out, any other line that is not a row is an error."""
+    try:
+        return jsonl.read_rows(Path(metrics_path), strict=True)
+    except jsonl.BadLine as bad:
+        raise ConfigError(f"{metrics_path}:{bad.number}: not a metrics row ({bad.why}); expected JSON Lines") from None
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

@@ -69,10 +69,15 @@ def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint
     state = checkpoints.load_state(checkpoint)
     shards = str(checkpoint.path / "learner")
     if checkpoint.store:
-        cluster.learner.on_each_node("download", checkpoint.store, f"{checkpoint.key}/learner", shards)
-    cluster.learner.load_checkpoint(shards, version=state["step"])
-    if checkpoint.store:
-        cluster.learner.on_each_node("discard", str(checkpoint.path))
+        expected = {name.removeprefix("learner/"): entry for name, entry in checkpoints.store_files(checkpoint).items()
+                    if name.startswith("learner/")}  # fmt: skip
+        try:
+            cluster.learner.on_each_node("download", checkpoint.store, f"{checkpoint.key}/learner", shards, expected)
+            cluster.learner.load_checkpoint(shards, version=state["step"])
+        finally:
+            cluster.learner.on_each_node("discard", str(checkpoint.path))
+    else:
+        cluster.learner.load_checkpoint(shards, version=state["step"])
     cluster.sync_weights()
     rollouts.load_state_dict(state, state["step"])
     checkpoints.restore_random_state(state["random"])

@@ -36,7 +36,8 @@ LEARNER_WRITES = ("checkpoints", "final", "interrupted")
 
 
 class StoreError(RuntimeError):
-    """An object store that cannot be opened, read or written; the message names the URI and the key."""
+    """An object store that cannot be opened, read or written, or a checkpoint that is not whole once written (on a
+    path or in a store); the message names where."""
 
 
 class StagingError(ConfigError):
@@ -62,7 +63,8 @@ class ObjectStore:
         return redact(uri_join(self.uri, key))
 
     def _path(self, key: str) -> str:
-        return f"{self.root}/{key}".rstrip("/") if key else self.root
+        key = key.strip("/")  # "" names the store's own directory: "/run_state.pt" a file in it
+        return f"{self.root}/{key}" if key else self.root
 
     def _do(self, what: str, key: str, call, *args):
         try:

@@ -65,10 +65,12 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     slow = {}
+    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         module = item.path.stem
         slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(module, module)))
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(module, module)))
     items.sort(key=lambda item: -slow[item.path.stem])  # stable: each module's own order kept
 
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0

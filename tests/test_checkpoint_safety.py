@@ -1,8 +1,8 @@
 """Checkpoints that cannot be lost, with the real stack through the command line: a run whose whole process group is
 killed in the middle of writing a checkpoint goes on from the last complete one when submitted again with
-`--resume auto`; a damaged latest checkpoint (truncated, or corrupted in place) is passed over, with a warning, for
-the newest one that verifies; pruning keeps the checkpoint just written and the one a run resumed from; a resume
-over changed data is refused before anything starts."""
+`--resume auto`; a damaged latest checkpoint (half deleted, truncated, or corrupted in place) is passed over, with a
+warning, for the newest one that verifies; pruning keeps the checkpoint just written and the one a run resumed from;
+a resume over changed data is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -95,38 +95,41 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
 
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resuming_needs(tmp_path):
-    path = config(tmp_path, "damaged", steps=3)
+    path = config(tmp_path, "damaged", steps=4, keep=4)
     run_dir = tmp_path / "outputs" / "damaged"
     checkpoints = run_dir / "checkpoints"
     code, out = run(path)
     assert code == 0, out[-3000:]
-    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000002", "step-000003"]
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{step:06d}" for step in (1, 2, 3, 4)]
 
     def shard(step: int) -> Path:
         (model_states,) = (checkpoints / f"step-{step:06d}" / "learner" / "state").glob("*model_states.pt")
         return model_states
 
+    (checkpoints / "step-000004" / "manifest.json").unlink()  # half deleted, as an interrupted prune leaves it
+    shard(4).unlink()
     damaged = bytearray(shard(3).read_bytes())  # corrupted in place: same size, other bytes
     damaged[len(damaged) // 2] ^= 0xFF
     shard(3).write_bytes(bytes(damaged))
     shard(2).write_bytes(shard(2).read_bytes()[:-100])  # truncated
     # resumed with keep 1: of what is there, the one written last and the one resumed from (step 1) stay
-    path.write_text(path.read_text().replace("steps: 3", "steps: 4").replace("keep: 3", "keep: 1"))
+    path.write_text(path.read_text().replace("steps: 4", "steps: 5").replace("keep: 4", "keep: 1"))
     code, out = run(path, "--resume")
     assert code == 0, out[-3000:]
+    assert "checkpoint step-000004 in" in out and "(no manifest.json (an interrupted write or prune" in out
     assert "checkpoint step-000003 in" in out and "does not match its checksum); resuming from step-000001" in out
     assert "checkpoint step-000002 in" in out and "bytes, not" in out
     assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
-    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4]
-    assert (checkpoints / "latest").read_text().strip() == "step-000004"
-    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000004"]
+    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5]
+    assert (checkpoints / "latest").read_text().strip() == "step-000005"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000005"]
 
     # --resume PATH: an older checkpoint than the latest, named
-    path.write_text(path.read_text().replace("steps: 4", "steps: 5"))
+    path.write_text(path.read_text().replace("steps: 5", "steps: 6"))
     code, out = run(path, "--resume", str(checkpoints / "step-000001"))
     assert code == 0, out[-3000:]
     assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
-    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5]
+    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
 
     # other data under the same checkpoint: refused before anything starts, unless allowed
     train = tmp_path / "data" / "train.jsonl"

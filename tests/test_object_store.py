@@ -106,3 +106,26 @@ def test_checkpoint_dir_stays_a_path_beside_an_object_store(tmp_path):
         validate_config(small_config(tmp_path, run={"output_dir": "s3://b/r"}, checkpoint={"dir": str(tmp_path)}))
     with pytest.raises(ConfigError, match="checkpoint.dir='s3://b/c': an object store is set as run.output_dir"):
         validate_config(small_config(tmp_path, checkpoint={"dir": "s3://b/c"}))
+
+
+def test_a_checkpoint_in_the_store_must_list_every_ranks_part_and_hold_each_file_at_its_size(s3, tmp_path):
+    """What a learner node that uploaded nothing, or an upload cut short, leaves in the store is refused."""
+    from test_checkpoint_parts import SHARDS, fake_checkpoint
+
+    from grpo_dist import checkpoints, manifest
+
+    cfg = validate_config(small_config(tmp_path))
+    store = ObjectStore(s3)
+    whole = fake_checkpoint(tmp_path / "whole", num_ranks=2, zero_stage=2)
+    store.upload(whole, "run/whole")
+    assert checkpoints.find(cfg, f"{s3}/run/whole").key == ""
+    partial = fake_checkpoint(tmp_path / "partial", num_ranks=2, zero_stage=2, shards=SHARDS[:2])
+    store.upload(partial, "run/partial")
+    with pytest.raises(ConfigError, match="run/partial is not a complete checkpoint: no optimizer shard of learner"):
+        checkpoints.find(cfg, f"{s3}/run/partial")
+    store.delete(f"run/whole/learner/state/{SHARDS[2]}")  # listed in the manifest, gone from the store
+    with pytest.raises(ConfigError, match=f"learner/state/{SHARDS[2]} has None bytes, not 5"):
+        checkpoints.find(cfg, f"{s3}/run/whole")
+    store.delete(f"run/whole/{manifest.MANIFEST}")
+    with pytest.raises(ConfigError, match="run/whole is not a complete checkpoint: no manifest.json"):
+        checkpoints.find(cfg, f"{s3}/run/whole")

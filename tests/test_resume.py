@@ -91,11 +91,15 @@ def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int) -> Path:
     os.kill(interrupted.pid, signal.SIGKILL)  # the driver only: its Ray cluster has to notice by itself
     interrupted.wait(timeout=60)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000003"
+    for name in ("metrics.jsonl", "eval.jsonl", "completions.jsonl"):  # as a kill in the middle of a row leaves them
+        with (run_dir / name).open("a") as file:
+            file.write('{"step": 4, "reward/mean": 0.')
 
     resumed = grpo_dist("train", str(tmp_path / "resumed.yaml"), "--resume", stdout=subprocess.PIPE, text=True)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     assert "after step 3" in out
+    assert out.count("dropped its last line, torn by a crash mid-write") == 3, out
     return run_dir
 
 
@@ -111,7 +115,7 @@ def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(tmp_path)
 
 
 def test_resume_refuses_a_changed_group_size(tmp_path):
-    from grpo_dist import checkpoints
+    from grpo_dist import checkpoints, manifest
     from grpo_dist.config import ConfigError, validate_config
 
     raw = small_config(tmp_path)
@@ -119,6 +123,7 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
     (checkpoint / "learner").mkdir(parents=True)
     (checkpoint / "run_state.pt").write_bytes(b"")
     (checkpoint / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
+    manifest.write(checkpoint)
     raw["rollout"]["group_size"] = 8
     raw["learner"]["lr"] = 5e-3
     cfg = validate_config(raw)

@@ -156,9 +156,12 @@ def test_an_object_store_holds_the_whole_checkpoint_and_resume_downloads_it(priv
     assert "run_state.pt" in store.children("test/checkpoints/step-000002")  # uploaded by the driver
     assert "model.safetensors" in store.children("test/final")
     assert f"run directory: {uri}/test" in first.stdout
+    torn = store.read_text("test/metrics.jsonl") + '{"step": 3, "reward/mean": 0.'  # as a kill mid-row leaves it
+    store.write_text("test/metrics.jsonl", torn)
     resumed = train(tmp_path, address, uri, "--resume", steps=4, model=shared / "s3-model", staging_dir=str(staging))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {uri}/test/checkpoints/step-000002 after step 2" in resumed.stdout
+    assert "metrics.jsonl: dropped its last line, torn by a crash mid-write" in resumed.stdout
     rows = [json.loads(line) for line in store.read_text("test/metrics.jsonl").splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the first run's rows downloaded and continued
     assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2, 3]  # step 3 trained on the restored weights

@@ -344,20 +344,32 @@ class Learner:
 
         private_dir(root, run_name)
 
-    def upload(self, local: str, store: str, key: str) -> None:
+    def upload(self, local: str, store: str, key: str) -> dict[str, dict]:
         """What this node holds at `local` (a checkpoint's shards, the final policy) to `key` in the object store
-        `store`; the local copy is then removed (the first rank of each node does this for its node)."""
+        `store`; returns each file uploaded, by its path under `key`, with its size and checksum (nothing where this
+        node staged nothing). The local copy is removed whether the upload succeeds or fails (the first rank of each
+        node does this for its node)."""
+        from grpo_dist import manifest
         from grpo_dist.storage import ObjectStore
 
-        if Path(local).exists():
+        try:
+            if not Path(local).exists():
+                return {}
+            written = manifest.entries(Path(local))
             ObjectStore(store).upload(Path(local), key)
-        self.discard(local)
+            return written
+        finally:
+            self.discard(local)
 
-    def download(self, store: str, key: str, local: str) -> None:
-        """A checkpoint's shards from the object store to `local` on this node, to load."""
+    def download(self, store: str, key: str, local: str, expected: dict[str, dict]) -> None:
+        """A checkpoint's shards from the object store to `local` on this node, to load, each checked against the
+        size and checksum its writer recorded (`expected`, by path under `key`)."""
+        from grpo_dist import manifest
         from grpo_dist.storage import ObjectStore
 
         ObjectStore(store).download(key, Path(local))
+        if why := manifest.mismatch(Path(local), expected):
+            raise RuntimeError(f"{ObjectStore(store).name(key)}: downloaded to {socket.gethostname()}:{local}, {why}")
 
     def discard(self, local: str) -> None:
         """Remove a staged copy from this node's disk."""
