@@ -86,7 +86,7 @@ def sent_bytes(learner: LearnerGroup) -> tuple[int, int]:
 
 def bare_broadcast(rank: int, address: str, port: int, world: int, total: int, chunk: int) -> float:
     """Broadcast `total` bytes from rank 0 in chunks of `chunk`, one after another; seconds on this rank."""
-    from grpo_dist.transports.gloo import broadcast, open_group
+    from grpo_dist.transports.gloo_wire import broadcast, open_group
 
     group = open_group(address, port, rank, world, 600)
     buffer = torch.ones(min(chunk, total), dtype=torch.uint8)

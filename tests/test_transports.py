@@ -18,7 +18,7 @@ def test_buckets_hold_whole_layers_every_byte_once_aligned_and_within_size():
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     from grpo_dist.transports.delta import ALIGN
-    from grpo_dist.transports.gloo import plan_buckets
+    from grpo_dist.transports.gloo_wire import plan_buckets
 
     params = [
         ParamMeta("embed.weight", torch.float32, (3, 5)),  # 60 bytes, before the layers
@@ -48,7 +48,7 @@ def test_buckets_hold_whole_layers_every_byte_once_aligned_and_within_size():
 def test_packed_bucket_unpacks_to_the_same_tensors():
     from vllm.distributed.weight_transfer.base import ParamMeta
 
-    from grpo_dist.transports.gloo import pack, plan_buckets, unpack
+    from grpo_dist.transports.gloo_wire import pack, plan_buckets, unpack
 
     tensors = {"w": torch.randn(4, 3), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(3)}
     params = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
@@ -66,7 +66,7 @@ def embedding_and_first_layer_mb(model_dir: str) -> float:
     from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
 
     from grpo_dist.transports.delta import aligned
-    from grpo_dist.transports.gloo import plan_buckets
+    from grpo_dist.transports.gloo_wire import plan_buckets
 
     named = AutoModelForCausalLM.from_pretrained(model_dir).named_parameters(remove_duplicate=False)
     params = [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in named]
