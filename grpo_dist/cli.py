@@ -1,29 +1,89 @@
 """`grpo-dist` command line: train, warm a model up, check a config, build a tiny model, plot a reward curve.
 
-Only the config module is imported up front, so `--help` and config errors are instant.
+Each subcommand is one entry of `COMMANDS`: its help, its arguments and the function that runs it. Only the config
+module is imported up front, so `--help` and config errors are instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_dist.config import Config, ConfigError, field_docs, load_config, refuse_credentials
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="grpo-dist", description="Distributed GRPO training on Ray, vLLM and DeepSpeed."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="run GRPO: grpo-dist train CONFIG [section.key=value ...]")
-    train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=5e-6 rollout.group_size=8")
-    train.add_argument(
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.arguments(subcommands.add_parser(name, help=command.help))
+    args = parser.parse_args(argv)
+    try:
+        _refuse_credentials_in_flags(args)
+        return COMMANDS[args.command].run(args)
+    except ConfigError as err:
+        print(f"grpo-dist: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `grpo-dist reference | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
+
+
+def bad_data_exits_2(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command that reads the config's data: data it cannot use is bad input, one line and exit 2, as for a bad
+    config (`grpo_dist.data` is imported only when such a command runs)."""
+
+    @functools.wraps(run)
+    def guarded(args: argparse.Namespace) -> int:
+        from grpo_dist.data import DatasetError
+
+        try:
+            return run(args)
+        except DatasetError as err:
+            print(f"grpo-dist: {err}", file=sys.stderr)
+            return 2
+
+    return guarded
+
+
+def _config_and_overrides(
+    parser: argparse.ArgumentParser, config_help: str | None = None, overrides_help: str | None = None
+) -> None:
+    parser.add_argument("config", help=config_help)
+    parser.add_argument("overrides", nargs="*", help=overrides_help)
+
+
+def _job_server(parser: argparse.ArgumentParser) -> None:
+    default = os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS", "").startswith("http") else None
+    parser.add_argument(
+        "--address",
+        default=default,
+        help="the Ray job server, http://HEAD:8265 (default: RAY_ADDRESS when it is such a URL)",
+    )
+
+
+# train
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_and_overrides(parser, "YAML config file", "dotted overrides, e.g. learner.lr=5e-6 rollout.group_size=8")
+    parser.add_argument(
         "--resume",
         nargs="?",
         const=True,
@@ -32,93 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         help="continue the run in run.output_dir/run.name from its latest checkpoint (or from CHECKPOINT; `auto`: "
         "from its latest one if it has one, else start it)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="show what the libraries and actors print (vLLM, DeepSpeed, Ray, warnings) on the console too; it "
         "always goes to verbose.log in the run directory",
     )
-    sft = commands.add_parser("sft", help="supervised warm-up writing model.path: grpo-dist sft CONFIG [overrides]")
-    sft.add_argument("config", help="YAML config file with an sft section")
-    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200")
-    sft.add_argument("--overwrite", action="store_true", help="replace an existing model at model.path")
-    check = commands.add_parser(
-        "check",
-        help="validate a config (with overrides) and what it points at (model, tokenizer, data, rewards), print it; "
-        "starts nothing and writes nothing",
-    )
-    check.add_argument("config")
-    check.add_argument("overrides", nargs="*")
-    check.add_argument(
-        "--cluster",
-        metavar="ADDRESS",
-        help="also connect to the running Ray cluster at ADDRESS (host:port or auto) and print where each placement "
-        "group would go; exit 1 when the run does not fit, 2 when the cluster cannot be reached",
-    )
-    address = {
-        "default": os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS", "").startswith("http") else None,
-        "help": "the Ray job server, http://HEAD:8265 (default: RAY_ADDRESS when it is such a URL)",
-    }
-    evaluate = commands.add_parser(
-        "eval", help="the config's eval sets on a checkpoint or saved policy: grpo-dist eval CONFIG --checkpoint PATH"
-    )
-    evaluate.add_argument("config", help="YAML config file (its eval sets, data, model shape and cluster)")
-    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.max_prompts=50")
-    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint directory (checkpoints/step-NNNNNN) or a "
-                          "saved policy (final/, interrupted/, a Hugging Face model directory)")  # fmt: skip
-    evaluate.add_argument("--out", default=None, help="also write the metrics to this JSON file")
-    submit = commands.add_parser("submit", help="run CONFIG on a Ray cluster as a Ray job and follow its logs")
-    submit.add_argument("config", help="YAML config file, inside the working directory")
-    submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_generators=8")
-    submit.add_argument("--address", **address)
-    submit.add_argument("--env", action="append", default=[], metavar="NAME",
-                        help="forward this environment variable into the job (HF_HOME is forwarded when set; "
-                        "WANDB_API_KEY and HF_TOKEN too with --forward-secrets); values are never printed")  # fmt: skip
-    submit.add_argument("--forward-secrets", action="store_true",
-                        help="forward secrets too (WANDB_API_KEY, HF_TOKEN, AWS keys, --env names holding KEY, TOKEN, "
-                        "SECRET, ...): Ray writes a job's env vars in plain text to runtime_env_agent.log on every "
-                        "node; without it, set them in the nodes' own environment")  # fmt: skip
-    submit.add_argument("--working-dir", default=".", help="the files the job gets (default: here, without .venv, "
-                        "outputs and caches)")  # fmt: skip
-    submit.add_argument("--no-follow", action="store_true", help="return once submitted")
-    job = commands.add_parser("job", help="a submitted run: grpo-dist job status|logs|stop ID --address URL")
-    job.add_argument("action", choices=["status", "logs", "stop"])
-    job.add_argument("job_id")
-    job.add_argument("--address", **address)
-    job.add_argument("--follow", action="store_true", help="with logs: print them as they grow until the job ends")
-    scale = commands.add_parser("scale", help="add or remove generators of a running run: grpo-dist scale RUN_DIR "
-                                "generators=N")  # fmt: skip
-    scale.add_argument("run_dir", help="the run's directory (run.output_dir/run.name)")
-    scale.add_argument("setting", help="generators=N")
-    reference = commands.add_parser("reference", help="print every config key with its default and meaning")
-    reference.add_argument("--markdown", action="store_true", help="as the Markdown table of the README")
-    plot = commands.add_parser("plot", help="draw a run's reward, eval curves, time per phase and staleness as a PNG")
-    plot.add_argument("metrics", help="path to metrics.jsonl")
-    plot.add_argument("out", help="PNG to write")
-    plan = commands.add_parser("plan", help="per-GPU memory of the learner ranks and engines: grpo-dist plan CONFIG")
-    plan.add_argument("config")
-    plan.add_argument("overrides", nargs="*")
-    prepare = commands.add_parser("prepare", help="GSM8K or MATH as prompt/answer rows with the final answer: "
-                                  "grpo-dist prepare gsm8k|math SOURCE OUT.jsonl")  # fmt: skip
-    prepare.add_argument("layout", choices=["gsm8k", "math"])
-    prepare.add_argument("source", help="a data file, a save_to_disk directory or a hub dataset id")
-    prepare.add_argument("out", help="JSON Lines file to write")
-    prepare.add_argument("--split", default="train")
-    prepare.add_argument("--subset", default=None, help="a hub dataset's subset (openai/gsm8k: main)")
-    tiny = commands.add_parser("tiny-model", help="write a random-init tiny Qwen2 model with a character tokenizer")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.command == "train":
-        _resume_or_override(args)
-    try:
-        return _run(args)
-    except ConfigError as err:
-        print(f"grpo-dist: {err}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `grpo-dist reference | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
-        return 0
 
 
 def _resume_or_override(args: argparse.Namespace) -> None:
@@ -130,102 +109,10 @@ def _resume_or_override(args: argparse.Namespace) -> None:
         args.resume = True
 
 
-def reference_text() -> str:
-    return "\n".join(f"{key:36} {default:24} {' '.join(doc.split())}" for key, default, doc in field_docs())
-
-
-def reference_markdown() -> str:
-    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
-    for key, default, doc in field_docs():
-        shown = f"`{default}`" if default else ""
-        rows.append(f"| `{key}` | {shown} | {' '.join(doc.split()).replace('|', '/')} |")
-    return "\n".join(rows)
-
-
-FLAGS_WITH_URIS = {"resume": "--resume", "checkpoint": "--checkpoint", "address": "--address", "cluster": "--cluster",
-                   "source": "SOURCE"}  # fmt: skip
-"""The flags that may name a URI: one carrying credentials is refused (it would be printed and recorded)."""
-
-
-def _refuse_credentials_in_flags(args: argparse.Namespace) -> None:
-    """Raise `ConfigError` (shown redacted) when a flag's URI carries a user, password or credential parameter."""
-    for attribute, flag in FLAGS_WITH_URIS.items():
-        value = getattr(args, attribute, None)
-        if isinstance(value, str):
-            refuse_credentials(value, flag)
-
-
-def _run(args: argparse.Namespace) -> int:
-    _refuse_credentials_in_flags(args)
-    if args.command == "reference":
-        print(reference_markdown() if args.markdown else reference_text())
-        return 0
-    if args.command == "plot":
-        from grpo_dist.plot import plot_run, reward_summary, step_rewards
-
-        if not Path(args.metrics).is_file():
-            raise ConfigError(
-                f"{args.metrics}: no such metrics file (a run writes run.output_dir/run.name/metrics.jsonl)"
-            )
-        steps, rewards = step_rewards(args.metrics)
-        print(f"reward, eval, time per phase and staleness written to {plot_run(args.metrics, args.out)}")
-        print(reward_summary(rewards))
-        return 0
-    if args.command == "scale":
-        return _scale(args.run_dir, args.setting)
-    if args.command in ("submit", "job"):
-        return _submit_or_job(args)
-    if args.command == "prepare":
-        from grpo_dist.data import DatasetError
-        from grpo_dist.data.prepare import prepare
-
-        try:
-            out = prepare(args.layout, args.source, args.out, args.split, args.subset)
-        except DatasetError as err:
-            raise ConfigError(str(err)) from None
-        print(f"{sum(1 for _ in out.open())} rows written to {out} (prompt, answer, solution)")
-        return 0
-    if args.command == "tiny-model":
-        from grpo_dist.models import build_tiny_model
-
-        print(build_tiny_model(args.out_dir, seed=args.seed))
-        return 0
+@bad_data_exits_2
+def _train(args: argparse.Namespace) -> int:
+    _resume_or_override(args)
     cfg = load_config(args.config, args.overrides)
-    if args.command == "plan":
-        from grpo_dist.inputs import prepare_model
-        from grpo_dist.plan import check_plan
-
-        with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
-            check_plan(cfg, prepare_model(cfg, Path(scratch)))
-        return 0
-    from grpo_dist.data import DatasetError
-
-    if args.command == "check":
-        try:
-            _check_inputs(cfg)
-        except DatasetError as err:
-            print(f"grpo-dist: {err}", file=sys.stderr)
-            return 2
-        return _check_cluster(cfg, args.cluster) if args.cluster else 0
-
-    if args.command == "eval":
-        from grpo_dist.evaluation import evaluate_checkpoint
-
-        try:
-            evaluate_checkpoint(cfg, args.checkpoint, args.out)
-        except DatasetError as err:
-            print(f"grpo-dist: {err}", file=sys.stderr)
-            return 2
-        return 0
-    if args.command == "sft":
-        from grpo_dist.sft import run_sft
-
-        try:
-            run_sft(cfg, overwrite=args.overwrite)
-        except DatasetError as err:
-            print(f"grpo-dist: {err}", file=sys.stderr)
-            return 2
-        return 0
     from grpo_dist.driver import train
     from grpo_dist.faults import RunFailed
     from grpo_dist.storage import StoreError
@@ -241,10 +128,10 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    except (DatasetError, ConnectionError) as err:
+    except ConnectionError as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
-    except StoreError as err:  # the object store holding the run stopped answering
+    except StoreError as err:  # the storage holding the run stopped answering, or lost part of a checkpoint
         print(f"grpo-dist: the run stopped: {err}", file=sys.stderr)
         return 1
     except RunFailed as err:  # a fault the run could not survive; the message says which and why
@@ -257,7 +144,268 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scale(run_dir: str, setting: str) -> int:
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# sft, check, eval, plan
+
+
+def _sft_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_and_overrides(parser, "YAML config file with an sft section", "dotted overrides, e.g. sft.steps=200")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing model at model.path")
+
+
+@bad_data_exits_2
+def _sft(args: argparse.Namespace) -> int:
+    from grpo_dist.sft import run_sft
+
+    run_sft(load_config(args.config, args.overrides), overwrite=args.overwrite)
+    return 0
+
+
+def _check_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_and_overrides(parser)
+    parser.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="also connect to the running Ray cluster at ADDRESS (host:port or auto) and print where each placement "
+        "group would go; exit 1 when the run does not fit, 2 when the cluster cannot be reached",
+    )
+
+
+@bad_data_exits_2
+def _check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _check_inputs(cfg)
+    return _check_cluster(cfg, args.cluster) if args.cluster else 0
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_and_overrides(
+        parser,
+        "YAML config file (its eval sets, data, model shape and cluster)",
+        "dotted overrides, e.g. eval.max_prompts=50",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a checkpoint directory (checkpoints/step-NNNNNN) or a "
+        "saved policy (final/, interrupted/, a Hugging Face model directory)",
+    )
+    parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+
+
+@bad_data_exits_2
+def _eval(args: argparse.Namespace) -> int:
+    from grpo_dist.evaluation import evaluate_checkpoint
+
+    evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint, args.out)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from grpo_dist.inputs import prepare_model
+    from grpo_dist.plan import check_plan
+
+    cfg = load_config(args.config, args.overrides)
+    with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
+        check_plan(cfg, prepare_model(cfg, Path(scratch)))
+    return 0
+
+
+# submit, job, scale
+
+
+def _submit_arguments(parser: argparse.ArgumentParser) -> None:
+    _config_and_overrides(
+        parser, "YAML config file, inside the working directory", "dotted overrides, e.g. rollout.num_generators=8"
+    )
+    _job_server(parser)
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="forward this environment variable into the job (HF_HOME is forwarded when set; "
+        "WANDB_API_KEY and HF_TOKEN too with --forward-secrets); values are never printed",
+    )
+    parser.add_argument(
+        "--forward-secrets",
+        action="store_true",
+        help="forward secrets too (WANDB_API_KEY, HF_TOKEN, AWS keys, --env names holding KEY, TOKEN, "
+        "SECRET, ...): Ray writes a job's env vars in plain text to runtime_env_agent.log on every "
+        "node; without it, set them in the nodes' own environment",
+    )
+    parser.add_argument(
+        "--working-dir", default=".", help="the files the job gets (default: here, without .venv, outputs and caches)"
+    )
+    parser.add_argument("--no-follow", action="store_true", help="return once submitted")
+
+
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["status", "logs", "stop"])
+    parser.add_argument("job_id")
+    _job_server(parser)
+    parser.add_argument("--follow", action="store_true", help="with logs: print them as they grow until the job ends")
+
+
+def _submit_or_job(args: argparse.Namespace) -> int:
+    from grpo_dist.submit import SubmitError, job, submit
+
+    if not args.address:
+        raise ConfigError("--address: the Ray job server's URL (http://HEAD:8265) is needed, or RAY_ADDRESS set to it")
+    try:
+        if args.command == "job":
+            return job(args.action, args.job_id, args.address, follow=args.follow)
+        return submit(
+            args.config,
+            args.overrides,
+            args.address,
+            args.env,
+            args.working_dir,
+            not args.no_follow,
+            args.forward_secrets,
+        )
+    except SubmitError as err:
+        print(f"grpo-dist {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _scale_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run's directory (run.output_dir/run.name)")
+    parser.add_argument("setting", help="generators=N")
+
+
+# reference, plot, prepare, tiny-model
+
+
+def reference_text() -> str:
+    return "\n".join(f"{key:36} {default:24} {' '.join(doc.split())}" for key, default, doc in field_docs())
+
+
+def reference_markdown() -> str:
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, doc in field_docs():
+        shown = f"`{default}`" if default else ""
+        rows.append(f"| `{key}` | {shown} | {' '.join(doc.split()).replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def _reference(args: argparse.Namespace) -> int:
+    print(reference_markdown() if args.markdown else reference_text())
+    return 0
+
+
+def _plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("metrics", help="path to metrics.jsonl")
+    parser.add_argument("out", help="PNG to write")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from grpo_dist.plot import plot_run, reward_summary, step_rewards
+
+    if not Path(args.metrics).is_file():
+        raise ConfigError(f"{args.metrics}: no such metrics file (a run writes run.output_dir/run.name/metrics.jsonl)")
+    steps, rewards = step_rewards(args.metrics)
+    print(f"reward, eval, time per phase and staleness written to {plot_run(args.metrics, args.out)}")
+    print(reward_summary(rewards))
+    return 0
+
+
+def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("layout", choices=["gsm8k", "math"])
+    parser.add_argument("source", help="a data file, a save_to_disk directory or a hub dataset id")
+    parser.add_argument("out", help="JSON Lines file to write")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--subset", default=None, help="a hub dataset's subset (openai/gsm8k: main)")
+
+
+@bad_data_exits_2
+def _prepare(args: argparse.Namespace) -> int:
+    from grpo_dist.data.prepare import prepare
+
+    out = prepare(args.layout, args.source, args.out, args.split, args.subset)
+    print(f"{sum(1 for _ in out.open())} rows written to {out} (prompt, answer, solution)")
+    return 0
+
+
+def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from grpo_dist.models import build_tiny_model
+
+    print(build_tiny_model(args.out_dir, seed=args.seed))
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("run GRPO: grpo-dist train CONFIG [section.key=value ...]", _train_arguments, _train),
+    "sft": Command("supervised warm-up writing model.path: grpo-dist sft CONFIG [overrides]", _sft_arguments, _sft),
+    "check": Command(
+        "validate a config (with overrides) and what it points at (model, tokenizer, data, rewards), "
+        "print it; starts nothing and writes nothing",
+        _check_arguments,
+        _check,
+    ),
+    "eval": Command(
+        "the config's eval sets on a checkpoint or saved policy: grpo-dist eval CONFIG --checkpoint PATH",
+        _eval_arguments,
+        _eval,
+    ),
+    "submit": Command(
+        "run CONFIG on a Ray cluster as a Ray job and follow its logs", _submit_arguments, _submit_or_job
+    ),
+    "job": Command("a submitted run: grpo-dist job status|logs|stop ID --address URL", _job_arguments, _submit_or_job),
+    "scale": Command(
+        "add or remove generators of a running run: grpo-dist scale RUN_DIR generators=N",
+        _scale_arguments,
+        lambda args: _scale_run(args.run_dir, args.setting),
+    ),
+    "reference": Command(
+        "print every config key with its default and meaning",
+        lambda parser: parser.add_argument(
+            "--markdown", action="store_true", help="as the Markdown table of the README"
+        ),
+        _reference,
+    ),
+    "plot": Command("draw a run's reward, eval curves, time per phase and staleness as a PNG", _plot_arguments, _plot),
+    "plan": Command(
+        "per-GPU memory of the learner ranks and engines: grpo-dist plan CONFIG", _config_and_overrides, _plan
+    ),
+    "prepare": Command(
+        "GSM8K or MATH as prompt/answer rows with the final answer: grpo-dist prepare gsm8k|math SOURCE OUT.jsonl",
+        _prepare_arguments,
+        _prepare,
+    ),
+    "tiny-model": Command(
+        "write a random-init tiny Qwen2 model with a character tokenizer", _tiny_model_arguments, _tiny_model
+    ),
+}
+
+
+FLAGS_WITH_URIS = {
+    "resume": "--resume",
+    "checkpoint": "--checkpoint",
+    "address": "--address",
+    "cluster": "--cluster",
+    "source": "SOURCE",
+}
+"""The flags that may name a URI: one carrying credentials is refused (it would be printed and recorded)."""
+
+
+def _refuse_credentials_in_flags(args: argparse.Namespace) -> None:
+    """Raise `ConfigError` (shown redacted) when a flag's URI carries a user, password or credential parameter."""
+    for attribute, flag in FLAGS_WITH_URIS.items():
+        value = getattr(args, attribute, None)
+        if isinstance(value, str):
+            refuse_credentials(value, flag)
+
+
+def _scale_run(run_dir: str, setting: str) -> int:
     from grpo_dist.control import scale
 
     key, _, value = setting.partition("=")
@@ -271,25 +419,6 @@ def _scale(run_dir: str, setting: str) -> int:
         return 2
     print(f"asked the run to go to {value} generators ({request}); it does so between two steps and prints it")
     return 0
-
-
-def _submit_or_job(args: argparse.Namespace) -> int:
-    from grpo_dist.submit import SubmitError, job, submit
-
-    if not args.address:
-        raise ConfigError("--address: the Ray job server's URL (http://HEAD:8265) is needed, or RAY_ADDRESS set to it")
-    try:
-        if args.command == "job":
-            return job(args.action, args.job_id, args.address, follow=args.follow)
-        return submit(args.config, args.overrides, args.address, args.env, args.working_dir, not args.no_follow,
-                      args.forward_secrets)  # fmt: skip
-    except SubmitError as err:
-        print(f"grpo-dist {args.command}: {err}", file=sys.stderr)
-        return 2
-
-
-def _stop(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _check_inputs(cfg: Config) -> None:
@@ -306,8 +435,10 @@ def _check_inputs(cfg: Config) -> None:
     with tempfile.TemporaryDirectory(prefix="grpo-dist-check-") as scratch:
         inputs = prepare(cfg, scratch=Path(scratch))
     sets = ", ".join(f"{each.name} ({len(each.prompts)} prompts)" for each in inputs.eval_sets) or "none"
-    print(f"inputs: {len(inputs.train)} training prompts, eval sets {sets}, rewards "
-          f"{', '.join(spec.name for spec in cfg.reward.functions)} resolved")  # fmt: skip
+    print(
+        f"inputs: {len(inputs.train)} training prompts, eval sets {sets}, rewards "
+        f"{', '.join(spec.name for spec in cfg.reward.functions)} resolved"
+    )
 
 
 def _check_cluster(cfg: Config, address: str) -> int:
