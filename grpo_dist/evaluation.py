@@ -164,6 +164,19 @@ def show_accuracy(cfg: Config, scores: list[float], when: str) -> float:
     return accuracy
 
 
+def eval_config(cfg: Config, scratch: str, model_path: str | None) -> Config:
+    """The config `grpo-dist eval` runs with, built from the user's, which is left as it was: its run directory in
+    `scratch`, no checkpoint directory, no W&B, and with `model_path` (a saved policy) that as the model."""
+    sections = {
+        "run": cfg.run.model_copy(update={"output_dir": scratch}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"dir": None}),
+        "wandb": cfg.wandb.model_copy(update={"enabled": False}),
+    }
+    if model_path is not None:
+        sections["model"] = cfg.model.model_copy(update={"path": model_path, "tiny": None})
+    return cfg.model_copy(update=sections)
+
+
 def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[str, float]:
     """`grpo-dist eval`: the config's eval sets on the policy at `path` (a checkpoint directory, verified, or a
     saved policy: `final/`, `interrupted/`, any Hugging Face model directory; on a path every learner node sees),
@@ -183,10 +196,8 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     policy = Path(path).resolve()
     hugging_face = (policy / "config.json").is_file()
     with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:
-        cfg.run.output_dir, cfg.checkpoint.dir, cfg.wandb.enabled = scratch, None, False
+        cfg = eval_config(cfg, scratch, str(policy) if hugging_face else None)
         checkpoint = None if hugging_face else checkpoints.find(cfg, str(policy))
-        if hugging_face:
-            cfg.model.path, cfg.model.tiny = str(policy), None
         resolve_paths(cfg)
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         inputs = prepare(cfg, scratch=Path(scratch) / "inputs")

@@ -162,3 +162,16 @@ def test_the_weights_flops_are_what_torch_counts_and_training_is_three_forwards(
     assert step_flops([64] * 4, flop_params(model), 2, 128, passes=1, forwards=0) == 3 * forward_flops(
         [64] * 4, flop_params(model), 2, 128
     )
+
+
+def test_grpo_dist_eval_builds_its_own_config_and_leaves_the_users_as_it_was(tmp_path):
+    from grpo_dist.evaluation import eval_config
+
+    cfg = validate_config(small_config(tmp_path, wandb={"enabled": True}, checkpoint={"dir": str(tmp_path / "c")}))
+    before = cfg.model_dump()
+    scratch = tmp_path / "scratch"
+    policy = eval_config(cfg, str(scratch), str(tmp_path / "final"))
+    assert cfg.model_dump() == before
+    assert (policy.run_dir, policy.checkpoint.dir, policy.wandb.enabled) == (scratch / "test", None, False)
+    assert (policy.model.path, policy.model.tiny) == (str(tmp_path / "final"), None)
+    assert eval_config(cfg, str(scratch), None).model == cfg.model  # a checkpoint: the config's own model
