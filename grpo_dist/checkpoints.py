@@ -164,7 +164,7 @@ def _missing_part(files: dict[str, dict], learner: dict[str, Any]) -> str | None
         return "no learner model states"
     if learner.get("zero_stage", 0) >= 1:
         held = {int(found.group(1)) for name in shards if (found := OPTIMIZER_SHARD.search(name))}
-        missing = sorted(set(range(learner["num_ranks"])) - held)
+        missing = sorted(set(range(learner.get("num_ranks", 1))) - held)
         if missing:
             return f"no optimizer shard of learner rank(s) {', '.join(map(str, missing))}"
     return None
@@ -245,7 +245,8 @@ def _problem(checkpoint: Path) -> str | None:
     if why := manifest.problem(checkpoint):
         return why
     files = json.loads((checkpoint / manifest.MANIFEST).read_text())["files"]
-    return _missing_part(files, _saved_learner((checkpoint / "config.yaml").read_text()))
+    config = checkpoint / "config.yaml"
+    return _missing_part(files, _saved_learner(config.read_text() if config.is_file() else None))
 
 
 def _saved_learner(config_text: str | None) -> dict[str, Any]:
@@ -288,8 +289,8 @@ def _find_in_store(cfg: Config, path: str | None) -> Checkpoint:
     local = cfg.checkpoint_dir / (Path(key).name or "resumed")
     for name in ("config.yaml", STATE):
         store.download(f"{key}/{name}", local / name)
-    files = json.loads(store.read_text(f"{key}/{manifest.MANIFEST}"))["files"]
-    if why := manifest.mismatch(local, {name: files[name] for name in ("config.yaml", STATE)}):
+    files = _store_manifest(store.read_text(f"{key}/{manifest.MANIFEST}"))
+    if why := manifest.mismatch(local, {name: files[name] for name in ("config.yaml", STATE) if name in files}):
         raise ConfigError(f"--resume: {store.name(key)}: downloaded to {local}, {why}")
     return Checkpoint(local, store.uri, key)
 
@@ -302,7 +303,7 @@ def _store_problem(store: ObjectStore, key: str) -> str | None:
     text = store.read_text(f"{key}/{manifest.MANIFEST}")
     if text is None:
         return NO_MANIFEST
-    files = json.loads(text)["files"]
+    files = _store_manifest(text)
     return _listing_problem(files, store.sizes(key)) or _missing_part(
         files, _saved_learner(store.read_text(f"{key}/config.yaml"))
     )
@@ -310,7 +311,13 @@ def _store_problem(store: ObjectStore, key: str) -> str | None:
 
 def store_files(checkpoint: Checkpoint) -> dict[str, dict]:
     """The files of a checkpoint in an object store, as its manifest lists them."""
-    return json.loads(ObjectStore(checkpoint.store).read_text(f"{checkpoint.key}/{manifest.MANIFEST}"))["files"]
+    return _store_manifest(ObjectStore(checkpoint.store).read_text(f"{checkpoint.key}/{manifest.MANIFEST}"))
+
+
+def _store_manifest(text: str) -> dict[str, dict]:
+    """A store checkpoint's manifest entries; one written by an earlier version holds sizes alone."""
+    files = json.loads(text)["files"]
+    return {name: entry if isinstance(entry, dict) else {"size": entry} for name, entry in files.items()}
 
 
 def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:
