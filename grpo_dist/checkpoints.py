@@ -18,6 +18,7 @@ import os
 import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,10 +126,10 @@ def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any
     with bar(3, f"uploading {name}", "part") as shown:  # the learner's shards, the driver's files, the manifest
         store.delete(key)  # what an upload cut short left
         written: dict[str, dict] = {}
-        for uploaded in cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key):
-            written.update(uploaded)
-        shown.update()
         try:
+            for uploaded in cluster.learner.on_each_node("upload", str(partial), cfg.object_store, key):
+                written.update(uploaded)
+            shown.update()
             _write_driver_files(cfg, partial, state)
             driver_files = manifest.entries(partial)
             for file in driver_files:
@@ -137,9 +138,7 @@ def _upload(cfg: Config, cluster, partial: Path, name: str, state: dict[str, Any
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         shown.update()
-        listed = store.sizes(key)
-        why = _listing_problem(written, listed) or _missing_part(written, _learner_layout(cfg))
-        if why:
+        if why := _missing_part(written, _learner_layout(cfg)) or _listed_in_time(store, key, written):
             raise StoreError(f"checkpoint {store.name(key)} is incomplete after its upload: {why}")
         store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": written}, indent=1, sort_keys=True))
         store.write_text(f"{prefix}/{LATEST}", name + "\n")
@@ -168,6 +167,18 @@ def _missing_part(files: dict[str, dict], learner: dict[str, Any]) -> str | None
         if missing:
             return f"no optimizer shard of learner rank(s) {', '.join(map(str, missing))}"
     return None
+
+
+LISTING_WAIT_S = 30.0
+"""How long an upload's files may take to appear in the store's listing (a store may list new objects late)."""
+
+
+def _listed_in_time(store: ObjectStore, key: str, files: dict[str, dict]) -> str | None:
+    """None once the store lists every file of `files` at its size; else, after `LISTING_WAIT_S`, what it lacks."""
+    deadline = time.monotonic() + LISTING_WAIT_S
+    while (why := _listing_problem(files, store.sizes(key))) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return why
 
 
 def _learner_layout(cfg: Config) -> dict[str, int]:

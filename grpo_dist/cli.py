@@ -34,15 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, command in COMMANDS.items():
         command.arguments(subcommands.add_parser(name, help=command.help))
     args = parser.parse_args(argv)
+    if args.command == "train":
+        _resume_or_override(args)
     try:
-        _refuse_credentials_in_flags(args)
-        return COMMANDS[args.command].run(args)
+        return _run(args)
     except ConfigError as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `grpo-dist reference | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    _refuse_credentials_in_flags(args)
+    return COMMANDS[args.command].run(args)
 
 
 def bad_data_exits_2(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -111,7 +117,6 @@ def _resume_or_override(args: argparse.Namespace) -> None:
 
 @bad_data_exits_2
 def _train(args: argparse.Namespace) -> int:
-    _resume_or_override(args)
     cfg = load_config(args.config, args.overrides)
     from grpo_dist.driver import train
     from grpo_dist.faults import RunFailed

@@ -74,8 +74,12 @@ def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint
         try:
             cluster.learner.on_each_node("download", checkpoint.store, f"{checkpoint.key}/learner", shards, expected)
             cluster.learner.load_checkpoint(shards, version=state["step"])
-        finally:
-            cluster.learner.on_each_node("discard", str(checkpoint.path))
+        except LearnerLost:
+            raise  # a rank died or hangs: the group is restarted, on nodes that are asked to download again
+        except BaseException:
+            cluster.learner.on_each_node("discard", str(checkpoint.path))  # a download that failed its check
+            raise
+        cluster.learner.on_each_node("discard", str(checkpoint.path))
     else:
         cluster.learner.load_checkpoint(shards, version=state["step"])
     cluster.sync_weights()

@@ -120,7 +120,9 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
 
     raw = small_config(tmp_path)
     checkpoint = tmp_path / "step-000003"
-    (checkpoint / "learner").mkdir(parents=True)
+    (checkpoint / "learner" / "state").mkdir(parents=True)
+    (checkpoint / "learner" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (checkpoint / "learner" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     (checkpoint / "run_state.pt").write_bytes(b"")
     (checkpoint / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
     manifest.write(checkpoint)
