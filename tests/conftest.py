@@ -52,25 +52,17 @@ def small_config(tmp_path: Path, **sections) -> dict:
     return raw
 
 
-SHARED_WORKER = {"test_hostile": "sandboxes", "test_sandbox": "sandboxes"}
-"""Modules whose tests must not run beside each other's (`make test` runs two pytest workers, pytest-xdist): both
-start `sleep 600` from code they jail and check that none is left anywhere on the machine."""
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu(n)` (n CUDA GPUs, 1 when not given) are skipped where fewer are present. Under pytest-xdist
-    (`--dist loadgroup`) a module's tests stay on one worker (they share its fixtures: a Ray cluster, engines, a
-    trained model), and the modules with the most real-stack tests go first, so that no long one is left to run
-    alone at the end."""
+    (`make test`: `--dist loadfile`, a module's tests on one worker, sharing its fixtures: a Ray cluster, engines, a
+    trained model) the modules with the most real-stack tests go first, so that no long one is left to run alone at
+    the end."""
     import torch
 
     slow = {}
-    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         module = item.path.stem
         slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
-        if grouped:
-            item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(module, module)))
     items.sort(key=lambda item: -slow[item.path.stem])  # stable: each module's own order kept
 
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0

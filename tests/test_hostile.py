@@ -146,6 +146,7 @@ def test_code_that_reads_a_secret_finds_none(reads, isolation, secrets_in_the_en
     assert score(guarded + solves_if("READ"), isolation) == (pytest.approx(1 / 3), None)
 
 
+@pytest.mark.serial  # looks for `sleep 600` anywhere on the machine
 def test_code_cannot_kill_write_plant_or_leave_a_process(isolation, bystander, tmp_path):
     """It tries to kill a process of the worker's user, to write into the installed package and the worker's
     working directory, and to start processes that outlive it (also in a session of their own)."""
@@ -348,6 +349,7 @@ def test_a_module_planted_on_the_import_path_never_runs_as_root(tmp_path, monkey
         probe.close()
 
 
+@pytest.mark.serial  # looks for `sleep 600` anywhere on the machine
 def test_a_process_a_reward_detaches_dies_with_the_sandbox():
     runner = runner_of(["reward_fixtures.detaching_reward"], sandbox_processes=True)
     try:
@@ -361,6 +363,7 @@ def test_a_process_a_reward_detaches_dies_with_the_sandbox():
     assert leftover == []
 
 
+@pytest.mark.serial  # looks for `sleep 600` anywhere on the machine
 def test_what_a_reward_starts_dies_with_a_worker_killed_without_closing_its_sandbox(tmp_path):
     """A reward worker SIGKILLed at the end of a run closes nothing: what its reward started in a session of its own
     dies all the same (the sandbox is the first process of a PID namespace of its own, killed with the worker)."""

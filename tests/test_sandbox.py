@@ -158,6 +158,7 @@ def test_code_tests_runs_the_models_code_jailed_with_the_sandbox_off_too(monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # looks for `sleep 600`, sandboxes and bubblewrap anywhere on the machine
 def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path, server):
     """One reward misbehaves each way once, across both reward workers; every other completion is scored."""
     claims = tmp_path / "claims"
