@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -32,6 +33,12 @@ def private_mounts_work(path: Path) -> bool:
     """Whether this machine lets a process mount a tmpfs in a mount namespace of its own (root, `unshare`)."""
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs {path}"], capture_output=True)
     return probe.returncode == 0
+
+
+def node_root(name: str) -> Path:
+    """A directory of its own for a test's Ray nodes, under /tmp: Ray puts its Unix sockets under a node's temp dir,
+    and a socket's path holds at most 107 bytes, which pytest's directories under pytest-xdist leave no room for."""
+    return Path(tempfile.mkdtemp(prefix=f"grpo-{name}-", dir="/tmp"))
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,16 @@ import pyarrow.fs as pafs
 import pytest
 import yaml
 from conftest import REPO, small_config
-from ray_nodes import RAY, cluster_cpus, free_port, node_env, own_ports, private_mounts_work, stop_processes_under
+from ray_nodes import (
+    RAY,
+    cluster_cpus,
+    free_port,
+    node_env,
+    node_root,
+    own_ports,
+    private_mounts_work,
+    stop_processes_under,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +58,10 @@ def s3_server():
 
 
 @pytest.fixture(scope="module")
-def private_disk_cluster(tmp_path_factory, s3_server):
+def private_disk_cluster(s3_server):
     """(address, a directory private to the worker node, a directory both nodes see). Every node's environment
     reaches the S3 server."""
-    root = tmp_path_factory.mktemp("nodes")
+    root = node_root("nodes")
     private, shared = root / "private", root / "shared"
     private.mkdir()
     shared.mkdir()
@@ -67,6 +77,7 @@ def private_disk_cluster(tmp_path_factory, s3_server):
         yield address, private, shared
     finally:
         stop_processes_under(root)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def join_worker(address: str, private: Path, root: Path, env: dict, attempts: int = 2) -> None:

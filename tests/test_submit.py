@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,15 +18,15 @@ import uuid
 import pytest
 import yaml
 from conftest import REPO, small_config
-from ray_nodes import RAY, free_port, node_env, own_ports, stop_processes_under
+from ray_nodes import RAY, free_port, node_env, node_root, own_ports, stop_processes_under
 
 SECRET = "GRPO_DIST_TEST_SECRET"
 
 
 @pytest.fixture(scope="module")
-def token_head(tmp_path_factory):
+def token_head():
     """The job server's URL of a one-node Ray cluster with token auth (4 CPUs: a small run's actors)."""
-    root = tmp_path_factory.mktemp("jobs")
+    root = node_root("jobs")
     dashboard = free_port()
     head = [RAY, "start", "--head", f"--port={free_port()}", "--num-cpus=4", f"--temp-dir={root / 'head'}",
             f"--dashboard-port={dashboard}", "--include-dashboard=true", "--disable-usage-stats",
@@ -35,6 +36,7 @@ def token_head(tmp_path_factory):
         yield f"http://127.0.0.1:{dashboard}"
     finally:
         stop_processes_under(root)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def grpo_dist(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
