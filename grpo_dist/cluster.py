@@ -101,13 +101,13 @@ class Cluster:
         try:
             if probe is not None:
                 check_visible(probe, placement.learner_strategies(), Bounds.of(cfg).start)
-            learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies())
-            started.append(learner)
-            shown.update()
-            generators = GeneratorPool(cfg, model_path, placement, faults)
+            generators = GeneratorPool(cfg, model_path, placement, faults)  # the engines start while the learner does
             started.append(generators)
             rewards = RewardPool(cfg, placement, faults)
             started.append(rewards)
+            learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies())
+            started.append(learner)
+            shown.update()
             generators.pool.wait_ready()
             shown.update()
             rewards.pool.wait_ready()
