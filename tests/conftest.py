@@ -52,18 +52,30 @@ def small_config(tmp_path: Path, **sections) -> dict:
     return raw
 
 
+LONGEST = ("test_faults", "test_resume", "test_checkpoint_safety", "test_overlap", "test_agents", "test_storage",
+           "test_watching", "test_readme")  # fmt: skip
+"""The modules whose tests take longest together (minutes each on 2 cores, `make test`'s durations), longest first:
+started first, they leave the short modules to fill in at the end."""
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu(n)` (n CUDA GPUs, 1 when not given) are skipped where fewer are present. Under pytest-xdist
     (`make test`: `--dist loadfile`, a module's tests on one worker, sharing its fixtures: a Ray cluster, engines, a
-    trained model) the modules with the most real-stack tests go first, so that no long one is left to run alone at
-    the end."""
+    trained model) the longest modules go first (`LONGEST`), then those with the most real-stack tests, so that no
+    long one is left to run alone at the end."""
     import torch
 
     slow = {}
     for item in items:
         module = item.path.stem
         slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.path.stem])  # stable: each module's own order kept
+
+    def order(item) -> tuple:
+        module = item.path.stem
+        first = LONGEST.index(module) if module in LONGEST else len(LONGEST)
+        return first, -slow[module]
+
+    items.sort(key=order)  # stable: each module's own order kept
 
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
