@@ -116,6 +116,10 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
     return sets
 
 
+PREFLIGHT_TIMEOUT_S = 60.0
+"""The least time the pre-flight gives one reward call (`reward.timeout_s` when longer)."""
+
+
 def check_rewards(cfg: Config) -> RewardRunner:
     """Every reward function the config names (training, then the eval judges) resolves to a callable: imported
     where they will run (the sandbox, by default), never in this process. Returns them, ready to score as the reward
@@ -125,7 +129,10 @@ def check_rewards(cfg: Config) -> RewardRunner:
         if cfg.model_code_runs:
             found = jail.check(jail.Isolation(cfg.reward.isolation), "the code_tests reward or the python tool")
             print(f"sandbox: {found.describe()}")
-        return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, cfg.reward)
+        # A reward's first call may import what it needs (math_answer: sympy), seconds on a busy machine: the check
+        # is whether the reward reads the data, not its speed, so it is bounded by PREFLIGHT_TIMEOUT_S at least.
+        reward = cfg.reward.model_copy(update={"timeout_s": max(cfg.reward.timeout_s, PREFLIGHT_TIMEOUT_S)})
+        return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, reward)
     except (ValueError, SandboxError, jail.IsolationRefused) as err:
         raise ConfigError(str(err)) from None
 
@@ -133,7 +140,7 @@ def check_rewards(cfg: Config) -> RewardRunner:
 def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: str, name: str) -> None:
     """The reference answer of a dataset's first row, given as the completion, must score 1.0 with the judge `name`
     (one of `rewards`' eval judges): otherwise the answer column or the reward's parser is wrong, and every step
-    would learn from noise. Bounded by reward.timeout_s."""
+    would learn from noise. Bounded by reward.timeout_s, and at least `PREFLIGHT_TIMEOUT_S`."""
     if "answer" not in record.fields:
         return
     answer = record.fields["answer"]

@@ -255,9 +255,9 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
     assert rows[-1]["faults/learner_restarts"] == 0  # the slow steps: no restart
     usual, slowed = rows[0]["time/learner_busy"], max(row["time/learner_busy"] for row in rows[1:])
     print(f"training step: {usual:.2f} s as usual, {slowed:.2f} s slowed; bound on progress {bound_s:g} s")
-    # The slowing took (step 1 may itself have been slowed by other work on the machine: hence twice, not tenfold),
-    # and a bound on the step's length would have fired.
-    assert slowed > max(2 * usual, bound_s)
+    # A bound on the step's length would have fired. (Not compared with step 1: other work on the machine, another
+    # test's run, may slow step 1 as much as the stops slow steps 2 and 3.)
+    assert slowed > bound_s
 
     fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
     assert len(fault_lines) == 1, output[-3000:]
