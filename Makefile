@@ -41,14 +41,15 @@ demo-agent: $(STAMP)
 # processes machine-wide); each phase lists its 25 slowest tests. Both phases run; either failing fails the target.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest --durations=25
+# $(1): a marker expression ending in "and " (or nothing) that both phases add to their own.
+two_phases = $(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "$(1)not serial"; status=$$?; \
+	$(PYTEST) -m "$(1)serial" || status=1; exit $$status
 
 test: $(STAMP)
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not serial"; status=$$?; \
-	$(PYTEST) -m serial || status=1; exit $$status
+	$(call two_phases,)
 
 test-fast: $(STAMP)
-	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial"; status=$$?; \
-	$(PYTEST) -m "serial and not slow" || status=1; exit $$status
+	$(call two_phases,not slow and )
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -206,6 +206,7 @@ class Checkpoint:
     path: Path
     store: str | None = None
     key: str = ""
+    files: dict[str, dict] | None = None  # in a store: the files its manifest lists (name -> size, checksum)
 
     def __str__(self) -> str:
         return ObjectStore(self.store).name(self.key) if self.store else str(self.path)
@@ -303,7 +304,7 @@ def _find_in_store(cfg: Config, path: str | None) -> Checkpoint:
     files = _store_manifest(store.read_text(f"{key}/{manifest.MANIFEST}"))
     if why := manifest.mismatch(local, {name: files[name] for name in ("config.yaml", STATE) if name in files}):
         raise ConfigError(f"--resume: {store.name(key)}: downloaded to {local}, {why}")
-    return Checkpoint(local, store.uri, key)
+    return Checkpoint(local, store.uri, key, files)
 
 
 def _store_problem(store: ObjectStore, key: str) -> str | None:
@@ -318,11 +319,6 @@ def _store_problem(store: ObjectStore, key: str) -> str | None:
     return _listing_problem(files, store.sizes(key)) or _missing_part(
         files, _saved_learner(store.read_text(f"{key}/config.yaml"))
     )
-
-
-def store_files(checkpoint: Checkpoint) -> dict[str, dict]:
-    """The files of a checkpoint in an object store, as its manifest lists them."""
-    return _store_manifest(ObjectStore(checkpoint.store).read_text(f"{checkpoint.key}/{manifest.MANIFEST}"))
 
 
 def _store_manifest(text: str) -> dict[str, dict]:

@@ -69,7 +69,7 @@ def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint
     state = checkpoints.load_state(checkpoint)
     shards = str(checkpoint.path / "learner")
     if checkpoint.store:
-        expected = {name.removeprefix("learner/"): entry for name, entry in checkpoints.store_files(checkpoint).items()
+        expected = {name.removeprefix("learner/"): entry for name, entry in checkpoint.files.items()
                     if name.startswith("learner/")}  # fmt: skip
         try:
             cluster.learner.on_each_node("download", checkpoint.store, f"{checkpoint.key}/learner", shards, expected)

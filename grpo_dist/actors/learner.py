@@ -367,9 +367,10 @@ class Learner:
         from grpo_dist import manifest
         from grpo_dist.storage import ObjectStore
 
-        ObjectStore(store).download(key, Path(local))
+        source = ObjectStore(store)
+        source.download(key, Path(local))
         if why := manifest.mismatch(Path(local), expected):
-            raise RuntimeError(f"{ObjectStore(store).name(key)}: downloaded to {socket.gethostname()}:{local}, {why}")
+            raise RuntimeError(f"{source.name(key)}: downloaded to {socket.gethostname()}:{local}, {why}")
 
     def discard(self, local: str) -> None:
         """Remove a staged copy from this node's disk."""
