@@ -24,6 +24,7 @@ from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung
 from grpo_dist.placement import Placement, place
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.run_dir import Probe, check_visible, write_probe
+from grpo_dist.storage import RunStore
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
 
 
@@ -236,9 +237,9 @@ class Cluster:
         self.placement.remove()
 
 
-def start_cluster(cfg: Config, model_path: str, console: Console | None = None, probe: bool = True) -> Cluster:
+def start_cluster(cfg: Config, model_path: str, console: Console | None = None, run: RunStore | None = None) -> Cluster:
     """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
-    aborts; the command line's stops cleanly); with `probe`, every learner node must see the run directory."""
+    aborts; the command line's stops cleanly); with the `run` they write to, every learner node must see it."""
     started = time.perf_counter()
     section(f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
             f"and {cfg.reward.num_workers} reward worker(s)")  # fmt: skip
@@ -248,7 +249,7 @@ def start_cluster(cfg: Config, model_path: str, console: Console | None = None, 
         signal.signal(signal.SIGTERM, on_sigterm)
     if console is not None:
         console.take_actor_output()  # what the actors print while they start, too
-    cluster = Cluster.start(cfg, model_path, probe=write_probe(cfg) if probe else None)
+    cluster = Cluster.start(cfg, model_path, probe=write_probe(run) if run else None)
     if console is not None:
         console.open(cfg.run_dir)  # the libraries imported meanwhile
     section(f"started in {time.perf_counter() - started:.1f} s")

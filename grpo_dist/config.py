@@ -246,7 +246,7 @@ class Config(_Section):
     def shown(self, *parts: str) -> str:
         """Where a file of the run is, as its user finds it: under `run.output_dir` (a path, or a URI)."""
         if not self.object_store:
-            return str(self.run_dir.joinpath(*parts))
+            return str(self.run_dir.joinpath(*parts).expanduser().absolute())
         return redact(uri_join(self.run.output_dir, self.run.name, *parts))
 
     @property

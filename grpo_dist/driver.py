@@ -35,7 +35,8 @@ from grpo_dist.recovery import (
     save_policy,
 )
 from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
-from grpo_dist.run_dir import discard_run_dir, publish_run_dir, resolve_paths, start_run_dir
+from grpo_dist.run_dir import discard_run_dir, open_run, publish_run_dir, start_run_dir
+from grpo_dist.storage import RunStore
 from grpo_dist.throughput import StepTimer, throughput_metrics
 
 
@@ -44,33 +45,33 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
     actors unless a running `cluster` is given. `resume`: continue from the run's latest checkpoint (True) or
     from the checkpoint at a path. `verbose`: the libraries' and actors' output on the console too, not only in
     the run directory's verbose.log."""
-    resolve_paths(cfg)
-    checkpoint = find_checkpoint(cfg, resume)
-    earlier = None if checkpoint else start_run_dir(cfg)
+    cfg, run = open_run(cfg)
+    checkpoint = find_checkpoint(cfg, run, resume)
+    earlier = None if checkpoint else start_run_dir(cfg, run)
     console = Console(verbose)
-    console.open(cfg.run_dir)
+    console.open(run.work)
     try:
-        return run_training(cfg, cluster, checkpoint, earlier, console)
+        return run_training(cfg, run, cluster, checkpoint, earlier, console)
     finally:
         console.close()
 
 
-def run_training(cfg: Config, cluster: Cluster | None, checkpoint, earlier, console: Console) -> Path:
-    """The run `train` set up: its inputs, its cluster, its steps."""
+def run_training(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, earlier, console: Console) -> Path:
+    """The run `train` set up (where it lives, `run`): its inputs, its cluster, its steps."""
     try:
         inputs = prepare(cfg)
     except BaseException:
         if checkpoint is None:
-            discard_run_dir(cfg, earlier)
+            discard_run_dir(run, earlier)
         raise
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     check_same_data(cfg, checkpoint, sampler)
     own_cluster = cluster is None
-    cluster = cluster or start_cluster(cfg, inputs.model_path, console)
+    cluster = cluster or start_cluster(cfg, inputs.model_path, console, run)
     console.take_actor_output()
     rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
-    sink = MetricsSink(cfg.run_dir, start_wandb(cfg, cfg.run_dir, wandb_id), step, cfg.wandb.finish_timeout_s)
+    sink = MetricsSink(run.work, start_wandb(cfg, run.work, wandb_id), step, cfg.wandb.finish_timeout_s)
     at_step_start = (run_state(rollouts, sink), cluster.learner.version)
     try:
         if step == 0 and inputs.eval_sets:
@@ -83,28 +84,28 @@ def run_training(cfg: Config, cluster: Cluster | None, checkpoint, earlier, cons
                 sink.log(step + 1, {**metrics, "epoch": sampler.epoch}, samples)
                 tqdm.write(step_line(step + 1, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
                 if checkpoint_due(cfg, step + 1):
-                    save_checkpoint(cfg, cluster, step + 1, run_state(rollouts, sink))
+                    save_checkpoint(cfg, run, cluster, step + 1, run_state(rollouts, sink))
                 step += 1  # done: logged, and checkpointed when due
                 at_step_start = (run_state(rollouts, sink), cluster.learner.version)  # for a checkpoint if stopped
                 if eval_due(cfg, step) and inputs.eval_sets:
                     sink.log_eval(step, evaluate_now(cfg, cluster, inputs.eval_sets, step))
             except LearnerLost as lost:
-                step = restart_learner(cfg, cluster, rollouts, sink, lost)
+                step = restart_learner(cfg, run, cluster, rollouts, sink, lost)
                 at_step_start = (run_state(rollouts, sink), cluster.learner.version)
         sink.close()
         if cfg.run.save_final:
-            section(f"final policy saved to {save_policy(cfg, cluster, 'final')}")
+            section(f"final policy saved to {save_policy(run, cluster, 'final')}")
     except BaseException as stop:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
         if isinstance(stop, KeyboardInterrupt) and step > 0:
-            checkpoint_at_stop(cfg, cluster, step, *at_step_start)
-        save_interrupted(cfg, cluster)
+            checkpoint_at_stop(cfg, run, cluster, step, *at_step_start)
+        save_interrupted(run, cluster)
         raise
     finally:
         sink.close()
-        publish_run_dir(cfg)
+        publish_run_dir(run)
         if own_cluster:
             cluster.shutdown()
-    return cfg.run_dir
+    return run.work
 
 
 def train_step(
@@ -191,7 +192,7 @@ def checkpoint_due(cfg: Config, step: int) -> bool:
     return bool(every) and (step % every == 0 or step == cfg.run.steps)
 
 
-def save_checkpoint(cfg: Config, cluster: Cluster, step: int, state: dict) -> None:
+def save_checkpoint(cfg: Config, run: RunStore, cluster: Cluster, step: int, state: dict) -> None:
     started = time.perf_counter()
-    where = checkpoints.save(cfg, cluster, step, state)
+    where = checkpoints.save(cfg, run, cluster, step, state)
     section(f"checkpoint of step {step} written to {where} ({time.perf_counter() - started:.1f} s)")

@@ -188,7 +188,7 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     from grpo_dist.cluster import start_cluster
     from grpo_dist.config import ConfigError, redact
     from grpo_dist.inputs import prepare
-    from grpo_dist.run_dir import resolve_paths
+    from grpo_dist.run_dir import open_run
 
     if "://" in path:
         raise ConfigError(f"--checkpoint {redact(path)}: grpo-dist eval reads a checkpoint on a path; copy it from "
@@ -196,18 +196,17 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     policy = Path(path).resolve()
     hugging_face = (policy / "config.json").is_file()
     with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:
-        cfg = eval_config(cfg, scratch, str(policy) if hugging_face else None)
-        checkpoint = None if hugging_face else checkpoints.find(cfg, str(policy))
-        resolve_paths(cfg)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg, run = open_run(eval_config(cfg, scratch, str(policy) if hugging_face else None))
+        checkpoint = None if hugging_face else checkpoints.find(run, str(policy))
+        run.work.mkdir(parents=True, exist_ok=True)
         inputs = prepare(cfg, scratch=Path(scratch) / "inputs")
         if not inputs.eval_sets:
             raise ConfigError("nothing to evaluate: set eval.sets, or data.eval_path (or data.task) for a held-out set")
-        cluster = start_cluster(cfg, inputs.model_path, probe=False)  # nothing is written on the learner nodes
+        cluster = start_cluster(cfg, inputs.model_path, run=None)  # nothing is written on the learner nodes
         try:
             if checkpoint is not None:
                 step = checkpoints.load_state(checkpoint)["step"]
-                cluster.learner.load_checkpoint(str(checkpoint.path / "learner"), version=step)
+                cluster.learner.load_checkpoint(str(checkpoint.store.path("learner")), version=step)
                 cluster.sync_weights()
             metrics = evaluate(cfg, cluster, inputs.eval_sets, f"of {policy}")
         finally:

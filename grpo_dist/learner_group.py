@@ -21,7 +21,7 @@ from grpo_dist.actors.learner import Learner
 from grpo_dist.batch import TrainBatch, shard_batch
 from grpo_dist.config import Config, RolloutConfig
 from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing
-from grpo_dist.storage import ObjectStore
+from grpo_dist.storage import Store
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
 FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy", "learner/peak_flops")
@@ -154,21 +154,21 @@ class LearnerGroup:
         self._wait(refs[1:], "state_dict", ranks=range(1, len(refs)))
         return self._wait(refs[:1], "state_dict", fetch=False)[0]
 
-    def save(self, out_dir: str, store: str | None = None, key: str = "") -> str:
-        """The policy in Hugging Face format, written by rank 0 to `out_dir` on its node; with an object `store`
-        uploaded from there to `key` (the local copy then removed). Returns where it is."""
+    def save(self, out_dir: str, store: Store | None = None, key: str = "") -> str:
+        """The policy in Hugging Face format, written by rank 0 to `out_dir` on its node; with a `store`, published
+        from there to `key` (`Store.publish`). Returns where it is."""
         self._call("save", out_dir, bound=self.bounds.checkpoint)
         if store is None:
             return out_dir
-        self._wait([self.ranks[0].upload.remote(out_dir, store, key)], "upload", bound=self.bounds.checkpoint)
-        return ObjectStore(store).name(key)
+        self._wait([self.ranks[0].publish.remote(out_dir, store, key)], "publish", bound=self.bounds.checkpoint)
+        return store.name(key)
 
     def save_checkpoint(self, path: str) -> None:
         self._call("save_checkpoint", path, bound=self.bounds.checkpoint)
 
     def on_each_node(self, method: str, *args: Any) -> list[Any]:
-        """Run a method on the first rank of each node, at once: the calls that move a node's own files (`upload`,
-        `download`, `discard`, `make_staging_dir`). Returns each node's answer."""
+        """Run a method on the first rank of each node, at once: the calls that move a node's own files (`publish`,
+        `fetch`, `discard`, `make_staging_dir`). Returns each node's answer."""
         firsts = [self.node_ids.index(node) for node in dict.fromkeys(self.node_ids)]
         calls = [getattr(self.ranks[index], method).remote(*args) for index in firsts]
         return self._wait(calls, method, ranks=firsts, bound=self.bounds.checkpoint)

@@ -30,12 +30,14 @@ def files_under(directory: Path) -> list[Path]:
 
 def entries(directory: Path) -> dict[str, dict]:
     """Every file under `directory` synced to disk, with its size and checksum, by its path relative to it."""
-    found = {}
-    for path in files_under(directory):
-        with path.open("rb") as file:
-            os.fsync(file.fileno())
-        found[str(path.relative_to(directory))] = {"size": path.stat().st_size, "xxh3": checksum(path)}
-    return found
+    return {str(path.relative_to(directory)): entry(path) for path in files_under(directory)}
+
+
+def entry(path: Path) -> dict:
+    """A file synced to disk, and its size and checksum."""
+    with path.open("rb") as file:
+        os.fsync(file.fileno())
+    return {"size": path.stat().st_size, "xxh3": checksum(path)}
 
 
 def write(directory: Path) -> None:

@@ -21,28 +21,27 @@ from grpo_dist.faults import RunFailed
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink
 from grpo_dist.rollouts import RolloutQueue
-from grpo_dist.storage import download_run_files
+from grpo_dist.storage import RunStore
 
 log = logging.getLogger("grpo_dist")
 
 
-def find_checkpoint(cfg: Config, resume: str | bool) -> Checkpoint | None:
+def find_checkpoint(cfg: Config, run: RunStore, resume: str | bool) -> Checkpoint | None:
     """The checkpoint a resumed run starts from, after checking the config against it (None: a new run; with
     `resume="auto"`, also when the run has no checkpoint yet). With an object-store run directory, the run's own
     files (metrics so far) are downloaded to go on from."""
     if not resume:
         return None
     if resume == "auto":  # a resubmitted run: go on from where it got to, or start it
-        if not checkpoints.has_latest(cfg):
-            print(f"--resume auto: no checkpoint in {cfg.checkpoints_shown} yet, so the run starts")
+        if not checkpoints.has_latest(run):
+            print(f"--resume auto: no checkpoint in {run.checkpoints.name(run.checkpoints_key)} yet, so the run starts")
             return None
         resume = True
-    checkpoint = checkpoints.find(cfg, resume if isinstance(resume, str) else None)
+    checkpoint = checkpoints.find(run, resume if isinstance(resume, str) else None)
     for change in checkpoints.check_config(cfg, checkpoint):
         print(f"resuming with a changed setting: {change}")
-    if cfg.object_store:
-        download_run_files(cfg.object_store, cfg.run.name, cfg.run_dir)
-    checkpoints.record_resume(cfg, checkpoint)
+    run.download_run_files()
+    checkpoints.record_resume(run, checkpoint)
     return checkpoint
 
 
@@ -65,23 +64,19 @@ def check_same_data(cfg: Config, checkpoint: Checkpoint | None, sampler: PromptS
 
 def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint) -> tuple[int, str | None]:
     """Load a checkpoint into the learner group, the generators, the sampler (and the batch drawn ahead) and the
-    driver's random generators; returns the last step it holds and its W&B run id."""
+    driver's random generators; returns the last step it holds and its W&B run id. Each learner node fetches the
+    shards (`Store.fetch`: read in place on a path, downloaded and checked from an object store, then removed)."""
     state = checkpoints.load_state(checkpoint)
-    shards = str(checkpoint.path / "learner")
-    if checkpoint.store:
-        expected = {name.removeprefix("learner/"): entry for name, entry in checkpoint.files.items()
-                    if name.startswith("learner/")}  # fmt: skip
-        try:
-            cluster.learner.on_each_node("download", checkpoint.store, f"{checkpoint.key}/learner", shards, expected)
-            cluster.learner.load_checkpoint(shards, version=state["step"])
-        except LearnerLost:
-            raise  # a rank died or hangs: the group is restarted, on nodes that are asked to download again
-        except BaseException:
-            cluster.learner.on_each_node("discard", str(checkpoint.path))  # a download that failed its check
-            raise
-        cluster.learner.on_each_node("discard", str(checkpoint.path))
-    else:
+    downloaded = not checkpoint.store.local
+    fetch = ("fetch", checkpoint.store, f"{checkpoint.key}/learner", str(checkpoint.path / "learner"))
+    try:
+        shards = cluster.learner.on_each_node(*fetch, checkpoint.shards)[0]
         cluster.learner.load_checkpoint(shards, version=state["step"])
+    except LearnerLost:
+        raise  # a rank died or hangs: the group is restarted, on nodes that are asked to fetch again
+    finally:
+        if downloaded:
+            cluster.learner.on_each_node("discard", str(checkpoint.path))
     cluster.sync_weights()
     rollouts.load_state_dict(state, state["step"])
     checkpoints.restore_random_state(state["random"])
@@ -94,7 +89,9 @@ def run_state(rollouts: RolloutQueue, sink: MetricsSink) -> dict:
     return {**rollouts.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
 
 
-def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, lost: LearnerLost) -> int:
+def restart_learner(
+    cfg: Config, run: RunStore, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, lost: LearnerLost
+) -> int:
     """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler (and the batch
     drawn ahead), random state and metrics back to its step (the steps since are done again). Returns that step."""
     step_failed = lost.version + 1
@@ -106,11 +103,11 @@ def restart_learner(cfg: Config, cluster: Cluster, rollouts: RolloutQueue, sink:
         raise RunFailed(
             f"{lost}; the learner group was already restarted {restarts} times (faults.max_learner_restarts)"
         )
-    if not checkpoints.has_latest(cfg):
+    if not checkpoints.has_latest(run):
         raise RunFailed(f"{lost}; no checkpoint to restart the learner group from yet (checkpoint.every_steps)")
     started = time.monotonic()
     cluster.restart_learner()
-    step, _ = resume_from(cluster, rollouts, checkpoints.find(cfg, None))
+    step, _ = resume_from(cluster, rollouts, checkpoints.find(run, None))
     sink.rewind(step)
     cluster.faults.record(
         "learner_restarts",
@@ -143,33 +140,33 @@ def what_to_change(cfg: Config, kind: str) -> str:
     return f"check the device of that rank (nvidia-smi; Xid errors in the kernel log), or {advice}"
 
 
-def checkpoint_at_stop(cfg: Config, cluster: Cluster, step: int, state: dict, version: int) -> None:
+def checkpoint_at_stop(cfg: Config, run: RunStore, cluster: Cluster, step: int, state: dict, version: int) -> None:
     """On Ctrl-C or SIGTERM, a checkpoint of the last finished step `step`, from the run's state taken when the next
     step began (with the learner at `version`); none when the learner has updated since (its weights belong to no
     finished step)."""
-    if not cfg.checkpoint.every_steps or checkpoints.written(cfg, step):
+    if not cfg.checkpoint.every_steps or checkpoints.written(run, step):
         return
     if cluster.learner.version != version or cluster.learner.busy:
         print(f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
               "from the latest checkpoint")  # fmt: skip
         return
     try:
-        print(f"checkpoint of step {step} written to {checkpoints.save(cfg, cluster, step, state)}")
+        print(f"checkpoint of step {step} written to {checkpoints.save(cfg, run, cluster, step, state)}")
     except Exception as err:  # the stop is what propagates; this failure is only reported
         log.error("could not write a checkpoint of step %d (%s: %s)", step, type(err).__name__, err)
 
 
-def save_policy(cfg: Config, cluster: Cluster, name: str) -> str:
-    """The current policy in Hugging Face format as `name` (final, interrupted) in the run directory, or in its
-    object store; returns where it is."""
-    key = f"{cfg.run.name}/{name}" if cfg.object_store else ""
-    return cluster.learner.save(str(cfg.run_dir / name), cfg.object_store, key)
+def save_policy(run: RunStore, cluster: Cluster, name: str) -> str:
+    """The current policy in Hugging Face format as `name` (final, interrupted) in the run's store; returns where
+    it is."""
+    key = f"{run.run}/{name}"
+    return cluster.learner.save(str(run.staged(run.store, key)), run.store, key)
 
 
-def save_interrupted(cfg: Config, cluster: Cluster) -> None:
+def save_interrupted(run: RunStore, cluster: Cluster) -> None:
     """Save the current policy when a run stops early; a learner that is itself gone is reported, not raised."""
     log.error("training stopped early; saving the current policy as `interrupted` in the run directory")
     try:
-        save_policy(cfg, cluster, "interrupted")
+        save_policy(run, cluster, "interrupted")
     except Exception as err:  # the original failure is what propagates; this one is only reported
         log.error("could not save the policy (%s: %s)", type(err).__name__, err)

@@ -1,8 +1,8 @@
-"""The run directory (`run.output_dir`/`run.name`), one place for every file of a run: resolved to an absolute path
-(or checked to be a reachable object store) once, before any actor starts; created for a new run with its resolved
-config recorded (an earlier run found there is moved aside, never overwritten, and put back if the new run fails its
-pre-flight; in an object store it is refused); and proved reachable from every node that will write to it
-(`check_visible`) before any engine starts there."""
+"""The run directory (`run.output_dir`/`run.name`), one place for every file of a run: resolved once, before any
+actor starts, into the `RunStore` the run passes down (an absolute path, or an object store checked to answer);
+created for a new run with its resolved config recorded (an earlier run found there is moved aside, never
+overwritten, and put back if the new run fails its pre-flight; in an object store it is refused); and proved
+reachable from every node that will write to it (`check_visible`) before any engine starts there."""
 
 from __future__ import annotations
 
@@ -18,27 +18,26 @@ import yaml
 
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.faults import Bound, gather
-from grpo_dist.storage import ObjectStore, StagingError, StoreError, private_dir, upload_run_files
+from grpo_dist.storage import RunStore, StorageError, Store, StoreError, private_dir
 
 log = logging.getLogger("grpo_dist")
 
 
-def start_run_dir(cfg: Config) -> Path | None:
+def start_run_dir(cfg: Config, run: RunStore) -> Path | None:
     """Create the run directory and record the resolved config; an earlier run there is moved aside, not lost.
     Returns where the earlier run went (None if there was none)."""
-    run_dir = cfg.run_dir
+    run_dir = run.work
     kept = None
     if cfg.checkpoint.dir and any(Path(cfg.checkpoint.dir).glob("step-*")):
         raise ConfigError(
             f"checkpoint.dir {cfg.checkpoint.dir} holds checkpoints of an earlier run: continue it with --resume, or "
             "set another checkpoint.dir (a new run's pruning would delete them)"
         )
-    if cfg.object_store:
-        if set(ObjectStore(cfg.object_store).children(cfg.run.name)) - {PROBE}:  # a probe alone: a failed start
-            where = ObjectStore(cfg.object_store).name(cfg.run.name)
+    if run.staging:
+        if set(run.store.children(run.run)) - {PROBE}:  # a probe alone: a failed start
             raise ConfigError(
-                f"{where} holds an earlier run: continue it with --resume, or set another run.name (a run in an "
-                "object store is never moved or overwritten)"
+                f"{run.store.name(run.run)} holds an earlier run: continue it with --resume, or set another run.name "
+                "(a run in an object store is never moved or overwritten)"
             )
         shutil.rmtree(run_dir, ignore_errors=True)  # staging: what an earlier run left on this node's disk
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -50,72 +49,70 @@ def start_run_dir(cfg: Config) -> Path | None:
     return kept
 
 
-def discard_run_dir(cfg: Config, earlier: Path | None) -> None:
+def discard_run_dir(run: RunStore, earlier: Path | None) -> None:
     """Undo `start_run_dir` after a failed pre-flight check: no new run directory, the earlier run back in place."""
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    shutil.rmtree(run.work, ignore_errors=True)
     if earlier is not None:
-        earlier.rename(cfg.run_dir)
+        earlier.rename(run.work)
 
 
-def publish_run_dir(cfg: Config) -> None:
-    """With an object-store run directory: upload the driver's files of the run (metrics, samples, W&B files), at
-    the end of a run however it ends; a failure is reported, never raised over the run's own outcome."""
-    if not cfg.object_store:
-        return
+def publish_run_dir(run: RunStore) -> None:
+    """The driver's files of the run (metrics, samples, W&B files) made the store's at the end of a run however it
+    ends (uploaded to an object store; on a path they are in place); a failure is reported, never raised over the
+    run's own outcome."""
     try:
-        upload_run_files(cfg.object_store, cfg.run_dir, cfg.run.name)
+        run.upload_run_files()
     except StoreError as err:
-        log.error("could not upload the run's files from %s: %s", cfg.run_dir, err)
+        log.error("could not upload the run's files from %s: %s", run.work, err)
 
 
 PROBE = ".grpo-dist-probe"
 
 
-class StorageError(ConfigError):
-    """A node that will write the run's files cannot see its run directory; the message names the node and the path."""
-
-
-def resolve_paths(cfg: Config) -> None:
-    """Make `run.output_dir` (and `checkpoint.dir`, when set) absolute, once, before any actor starts: every file a
-    run writes then lands in one place, whatever the working directory of the process that writes it. An object
-    store is opened and listed here, so a wrong URI or missing credentials stop the run before anything starts, and
-    this node's staging directory is made (`private_dir`: never through a symbolic link, this user's, mode 0o700)."""
+def open_run(cfg: Config) -> tuple[Config, RunStore]:
+    """Where the run lives, resolved once before any actor starts: the config with `run.output_dir`,
+    `checkpoint.dir` and `run.staging_dir` made absolute (a copy: the loaded one is never changed), so every file
+    lands in one place whatever the working directory of the process that writes it; and the `RunStore` passed
+    down. An object store is opened and listed here, so a wrong URI or missing credentials stop the run before
+    anything starts, and this node's staging directory is made (`private_dir`: never through a symbolic link,
+    this user's, mode 0o700)."""
     if cfg.object_store:
         try:
-            ObjectStore(cfg.object_store).check()
+            Store(cfg.object_store).check()
         except StoreError as err:
             raise StorageError(f"run.output_dir: {err}") from None
         try:  # absolute, not resolved: a link in the staging directory's own part is refused, never followed
-            cfg.run.staging_dir = str(private_dir(cfg.run.staging_dir, cfg.run.name).parent)
-        except StagingError as err:
-            raise StagingError(f"run.staging_dir: {err}") from None
-        return
-    cfg.run.output_dir = str(Path(cfg.run.output_dir).expanduser().resolve())
-    if cfg.checkpoint.dir:
-        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).expanduser().resolve())
+            run = {"staging_dir": str(private_dir(cfg.run.staging_dir, cfg.run.name).parent)}
+        except StorageError as err:
+            raise StorageError(f"run.staging_dir: {err}") from None
+    else:
+        run = {"output_dir": str(Path(cfg.run.output_dir).expanduser().resolve())}
+    checkpoint = {"dir": str(Path(cfg.checkpoint.dir).expanduser().resolve())} if cfg.checkpoint.dir else {}
+    cfg = cfg.model_copy(
+        update={"run": cfg.run.model_copy(update=run), "checkpoint": cfg.checkpoint.model_copy(update=checkpoint)}
+    )
+    store = Store(cfg.run.output_dir)
+    checkpoints = (Store(cfg.checkpoint.dir), "") if cfg.checkpoint.dir else (store, f"{cfg.run.name}/checkpoints")
+    return cfg, RunStore(store, cfg.run.name, cfg.run_dir, *checkpoints)
 
 
 @dataclass(frozen=True)
 class Probe:
-    """A file of the run holding a token of this run: a path, or a key in the object store `store`."""
+    """A file of the run holding a token of this run, at `key` in `store`."""
 
-    store: str | None
-    where: str
+    store: Store
+    key: str
     token: str
 
     def shown(self) -> str:
-        return ObjectStore(self.store).name(self.where) if self.store else self.where
+        return self.store.name(self.key)
 
 
-def write_probe(cfg: Config) -> Probe:
+def write_probe(run: RunStore) -> Probe:
     """A file in the run directory holding a token of this run, for the nodes that will write to find."""
-    token = uuid.uuid4().hex
-    if cfg.object_store:
-        probe = Probe(cfg.object_store, f"{cfg.run.name}/{PROBE}", token)
-        ObjectStore(probe.store).write_text(probe.where, token)
-        return probe
-    (cfg.run_dir / PROBE).write_text(token)
-    return Probe(None, str(cfg.run_dir / PROBE), token)
+    probe = Probe(run.store, f"{run.run}/{PROBE}", uuid.uuid4().hex)
+    probe.store.write_text(probe.key, probe.token)
+    return probe
 
 
 def check_visible(probe: Probe, strategies: list, bound: Bound) -> None:
@@ -130,7 +127,7 @@ def check_visible(probe: Probe, strategies: list, bound: Bound) -> None:
         node, problem = outcome.value
         if problem is None:
             continue
-        if probe.store:
+        if not probe.store.local:
             raise StorageError(
                 f"run.output_dir: learner rank {rank}'s node ({node}) cannot read {probe.shown()}, which the driver "
                 f"wrote ({problem}): every learner node uploads its checkpoint shards there, so it needs the same "
@@ -147,7 +144,7 @@ def check_visible(probe: Probe, strategies: list, bound: Bound) -> None:
 def _sees(probe: Probe) -> tuple[str, str | None]:
     """This node's address, and what keeps it from reading `probe`'s token (None: nothing)."""
     try:
-        text = ObjectStore(probe.store).read_text(probe.where) if probe.store else Path(probe.where).read_text()
-    except (OSError, StoreError) as err:
+        text = probe.store.read_text(probe.key)
+    except StoreError as err:
         return ray.util.get_node_ip_address(), str(err)
     return ray.util.get_node_ip_address(), None if text == probe.token else "not there, or not this run's"

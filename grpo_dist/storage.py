@@ -1,20 +1,24 @@
-"""An object store as a run's output directory (`run.output_dir: s3://bucket/runs`, or any other URI pyarrow.fs
-opens: gs://, hdfs://, ...).
+"""Where a run's files live: one `Store` for a path (local, or a filesystem every node mounts) and for an object
+store (`run.output_dir: s3://bucket/runs`, or any other URI pyarrow.fs opens: gs://, hdfs://, ...), the same calls on
+both; and the `RunStore` a run resolves once and passes down.
 
-Nothing is written to an object store in place. Every process writes to its own node's disk under
-`run.staging_dir` (the same absolute path on every node) and the process that wrote a file uploads it: each learner
-node its DeepSpeed shards, learner rank 0 the Hugging Face model, the driver the run state, metrics and samples. A
-checkpoint is uploaded whole, its run state last, before `latest` names it; `--resume` downloads it to each node
-that needs it. Credentials come from the environment every node has (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-GOOGLE_APPLICATION_CREDENTIALS, ...) or the provider's own files (~/.aws/credentials), never from the URI: one with a
-`user:password@` or a credential query parameter (`secret_key=...`) is refused, since a URI is printed and recorded in
-config.yaml, every checkpoint and the W&B config. Endpoints come from the environment (AWS_ENDPOINT_URL) or the URI's
-query (`s3://bucket/runs?endpoint_override=host:9000&scheme=http`). Every URI a message shows goes through `redact`.
+Every file is written first where its writer can write it (`RunStore.staged`): beside its place under a temporary
+name on a path, on the writer's own disk under `run.staging_dir` (the same absolute path on every node) with an
+object store. The writer then publishes it (`Store.publish`): each file synced and checksummed, then renamed into
+place or uploaded, the staged copy removed; what it reports is what a checkpoint's manifest lists. Each learner node
+publishes its DeepSpeed shards, learner rank 0 the Hugging Face model, the driver the run state, metrics and
+samples. Credentials for an object store come from the environment every node has (AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, ...) or the provider's own files (~/.aws/credentials), never
+from the URI: one with a `user:password@` or a credential query parameter (`secret_key=...`) is refused, since a URI
+is printed and recorded in config.yaml, every checkpoint and the W&B config. Endpoints come from the environment
+(AWS_ENDPOINT_URL) or the URI's query (`s3://bucket/runs?endpoint_override=host:9000&scheme=http`). Every URI a
+message shows goes through `redact`.
 
 The staging directory is created by `private_dir` on each node that writes there: never through a symbolic link,
 mode 0o700, and refused when another user owns it (the default is under /tmp, which every user can write).
 
-Keys are relative to the URI's root, so a query in the URI is kept: `ObjectStore(uri).upload(path, "grpo/final")`.
+Keys are relative to the store's root, so a query in a URI is kept: `Store(uri).upload(path, "grpo/final")`. Every
+failure to read or write is a `StoreError` naming where; storage a run cannot start with is a `StorageError`.
 """
 
 from __future__ import annotations
@@ -22,49 +26,75 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow
 import pyarrow.fs as pafs
 
+from grpo_dist import manifest
 from grpo_dist.config import ConfigError, redact, uri_credentials, uri_join
-from grpo_dist.manifest import MANIFEST
 
 # The driver's own files of a run directory that are uploaded (the other entries are uploaded by the learner).
 LEARNER_WRITES = ("checkpoints", "final", "interrupted")
 
 
 class StoreError(RuntimeError):
-    """An object store that cannot be opened, read or written, or a checkpoint that is not whole once written (on a
-    path or in a store); the message names where."""
+    """A run's storage that cannot be read or written, or a checkpoint that is not whole once written (on a path or
+    in an object store); the message names where."""
 
 
-class StagingError(ConfigError):
-    """A staging directory that is not safely this user's own (a symbolic link, another user's, not a directory);
-    the message names the path and what to do."""
+class StorageError(ConfigError):
+    """Storage a run cannot start with, found before anything starts: an object store that does not answer, a
+    staging directory that is not safely this user's own, a node that cannot see the run directory. The message
+    names the setting, the node or the path, and what to do."""
 
 
-class ObjectStore:
-    """The directory an object-store URI names: upload, download, read, write, list and delete under it."""
+class Store:
+    """A directory on a path (local, or a filesystem every node mounts) or in an object store (any URI pyarrow.fs
+    opens), with the same calls and the same errors whichever it is: keys are `/`-separated paths under it. Built
+    from its location alone, so it travels to actors as that (`__reduce__`)."""
 
-    def __init__(self, uri: str) -> None:
-        self.uri = uri
-        if found := uri_credentials(uri):  # the config refuses them first; this is for any other way in
-            raise StoreError(f"{redact(uri)}: carries credentials ({', '.join(found)}); set them in the environment")
+    def __init__(self, where: str) -> None:
+        self.local = "://" not in where
+        if self.local:
+            self.where = os.path.abspath(os.path.expanduser(where))
+            self.fs, self.root = pafs.LocalFileSystem(), self.where.rstrip("/") or "/"
+            return
+        self.where = where
+        if found := uri_credentials(where):  # the config refuses them first; this is for any other way in
+            raise StoreError(f"{redact(where)}: carries credentials ({', '.join(found)}); set them in the environment")
         try:
-            self.fs, root = pafs.FileSystem.from_uri(uri)
+            self.fs, root = pafs.FileSystem.from_uri(where)
         except (pyarrow.ArrowException, ValueError, OSError) as err:
-            raise StoreError(f"{redact(uri)}: cannot open it as an object store ({redact(str(err))})") from None
+            raise StoreError(f"{redact(where)}: cannot open it as an object store ({redact(str(err))})") from None
         self.root = root.rstrip("/")
 
-    def name(self, key: str) -> str:
-        """A key as a URI, for messages and for `--resume` (redacted, though a store's URI carries no secret)."""
-        return redact(uri_join(self.uri, key))
+    def __reduce__(self):
+        return Store, (self.where,)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Store) and other.where == self.where
+
+    def __hash__(self) -> int:
+        return hash(self.where)
+
+    def name(self, key: str = "") -> str:
+        """Where `key` is, as its user finds it: a path, or a URI (redacted, though a store's URI carries none)."""
+        if self.local:
+            return str(self.path(key))
+        return redact(uri_join(self.where, key))
+
+    def path(self, key: str = "") -> Path:
+        """`key` on this machine's filesystem (a path store only)."""
+        assert self.local, "an object store's keys have no path"
+        return Path(self._path(key))
 
     def _path(self, key: str) -> str:
         key = key.strip("/")  # "" names the store's own directory: "/run_state.pt" a file in it
-        return f"{self.root}/{key}" if key else self.root
+        return f"{self.root.rstrip('/')}/{key}" if key else self.root
 
     def _do(self, what: str, key: str, call, *args):
         try:
@@ -73,13 +103,48 @@ class ObjectStore:
             raise StoreError(f"{self.name(key)}: could not {what} ({redact(str(err))})") from None
 
     def check(self) -> None:
-        """Raise `StoreError` unless the store answers (a listing of the root)."""
+        """Raise `StoreError` unless the store answers (a listing of its root; a path is created)."""
+        if self.local:
+            self._do("create it", "", self.fs.create_dir, self.root)
         self._do("list it", "", self.fs.get_file_info, self.root)
 
+    def publish(self, local: Path, key: str) -> dict[str, dict]:
+        """What this node wrote at `local` (a file or a tree) made the store's at `key`: synced and moved there on
+        a path, uploaded to an object store (the local copy then removed, whether the upload succeeds or fails).
+        Returns each file, by its path under `key`, with its size and checksum; nothing when `local` is not
+        there (a node that staged nothing, or whose files another node of a shared filesystem published)."""
+        try:
+            if not local.exists():
+                return {}
+            written = manifest.entries(local) if local.is_dir() else {"": manifest.entry(local)}
+            if self.local:
+                target = self.path(key)
+                if target != local:
+                    self.delete(key)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(local, target)
+                    manifest.sync_dir(target.parent)
+            else:
+                self.upload(local, key)
+            return written
+        finally:
+            if not self.local:
+                discard(local)
+
     def upload(self, local: Path, key: str) -> None:
-        """A file, or a directory's whole tree, to `key`."""
-        local_fs = pafs.LocalFileSystem()
-        self._do("upload", key, pafs.copy_files, str(local), self._path(key), local_fs, self.fs)
+        """A copy of a file, or of a directory's whole tree, at `key` (the local one kept)."""
+        self._do("upload", key, pafs.copy_files, str(local), self._path(key), pafs.LocalFileSystem(), self.fs)
+
+    def fetch(self, key: str, local: Path, expected: dict[str, dict]) -> Path:
+        """The file or tree at `key` readable on this node, each file checked against the size and checksum its
+        writer recorded (`expected`, by path under `key`): in place on a path (verified when the checkpoint was
+        found), downloaded to `local` from an object store. Returns where it is."""
+        if self.local:
+            return self.path(key)
+        self.download(key, local)
+        if why := manifest.mismatch(local, expected):
+            raise StoreError(f"{self.name(key)}: downloaded to {socket.gethostname()}:{local}, {why}")
+        return local
 
     def download(self, key: str, local: Path) -> None:
         """A file, or every file under `key`, to `local` (replacing what is there)."""
@@ -109,8 +174,21 @@ class ObjectStore:
             return stream.read().decode()
 
     def write_text(self, key: str, text: str) -> None:
-        with self._do("write", key, self.fs.open_output_stream, self._path(key)) as stream:
-            stream.write(text.encode())
+        """`text` at `key`, whole or not at all: on a path written to a temporary name, synced, and renamed (an
+        object store's put is atomic of itself)."""
+        if not self.local:
+            with self._do("write", key, self.fs.open_output_stream, self._path(key)) as stream:
+                stream.write(text.encode())
+            return
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.tmp")
+        with partial.open("w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(partial, target)
+        manifest.sync_dir(target.parent)
 
     def children(self, key: str) -> list[str]:
         """The names directly under `key` (none when it does not exist)."""
@@ -120,14 +198,21 @@ class ObjectStore:
         return sorted(info.base_name for info in listing)
 
     def sizes(self, key: str) -> dict[str, int]:
-        """The size of every file under `key`, by its path below `key` (the manifest of an uploaded checkpoint)."""
+        """The size of every file under `key`, by its path below `key`, as the store lists them."""
         source = self._path(key)
+        if not self.exists(key):
+            return {}
         listing = self._do("list", key, self.fs.get_file_info, pafs.FileSelector(source, recursive=True))
         return {
             entry.path[len(source) :].lstrip("/"): entry.size
             for entry in listing
-            if entry.type == pafs.FileType.File and not entry.path.endswith(f"/{MANIFEST}")
+            if entry.type == pafs.FileType.File and not entry.path.endswith(f"/{manifest.MANIFEST}")
         }
+
+    def checksums(self, key: str, files: dict[str, dict]) -> str | None:
+        """The first file of `files` under `key` whose content does not match its checksum (None: none). Reads
+        every file: on a path only (in an object store each reader checks what it downloads, `fetch`)."""
+        return manifest.mismatch(self.path(key), files) if self.local else None
 
     def mtime(self, key: str) -> float:
         """When the object at `key` was written (seconds since the epoch; 0 when the store does not say)."""
@@ -143,22 +228,59 @@ class ObjectStore:
             self._do("delete", key, self.fs.delete_file, self._path(key))
 
 
-def upload_run_files(uri: str, run_dir: Path, key: str) -> None:
-    """The driver's files of the run directory `run_dir` (metrics, samples, config, W&B files) to `key`; what the
-    learner writes there is uploaded by the learner."""
-    store = ObjectStore(uri)
-    for entry in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
-        if entry.name not in LEARNER_WRITES:
-            store.upload(entry, f"{key}/{entry.name}")
+def discard(local: Path) -> None:
+    """A staged file or tree removed from this node's disk (nothing there is not an error)."""
+    if local.is_dir() and not local.is_symlink():
+        shutil.rmtree(local, ignore_errors=True)
+    else:
+        local.unlink(missing_ok=True)
 
 
-def download_run_files(uri: str, key: str, run_dir: Path) -> None:
-    """The driver's files of a run (as `upload_run_files` left them) into `run_dir`, to go on from."""
-    store = ObjectStore(uri)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in store.children(key):
-        if name not in LEARNER_WRITES:
-            store.download(f"{key}/{name}", run_dir / name)
+@dataclass(frozen=True)
+class RunStore:
+    """Where a run lives, resolved once (`grpo_dist.run_dir.open_run`) and passed down: `store` holds the run under
+    the key `run` (run.output_dir/run.name), its checkpoints under `checkpoints_key` of `checkpoints` (the same store,
+    or `checkpoint.dir`); `work` is where this process writes the run's files before they are the store's (the run
+    directory itself on a path, this node's staging directory with an object store). Every node that writes stages
+    under the same absolute paths."""
+
+    store: Store
+    run: str
+    work: Path
+    checkpoints: Store
+    checkpoints_key: str
+
+    @property
+    def staging(self) -> bool:
+        """Whether files are written on each node's disk and uploaded (an object store) rather than in place."""
+        return not self.store.local
+
+    def staged(self, store: Store, key: str) -> Path:
+        """Where the writers of `key` in `store` write it on their node before `Store.publish`: beside it under a
+        temporary name on a path (renamed when whole), under the staging directory with an object store."""
+        if store.local:
+            final = store.path(key)
+            return final.with_name(f".{final.name}.tmp")
+        return self.work.parent / key
+
+    def upload_run_files(self) -> None:
+        """With an object store: the driver's files of the run (metrics, samples, config, W&B files) uploaded; what
+        the learner writes there it uploads itself. Nothing to do on a path, where they are written in place."""
+        if not self.staging:
+            return
+        for entry in sorted(self.work.iterdir()) if self.work.is_dir() else []:
+            if entry.name not in LEARNER_WRITES:
+                self.store.upload(entry, f"{self.run}/{entry.name}")
+
+    def download_run_files(self) -> None:
+        """The driver's files of a run in an object store (as `upload_run_files` left them) into `work`, to go on
+        from; on a path they are there already."""
+        if not self.staging:
+            return
+        self.work.mkdir(parents=True, exist_ok=True)
+        for name in self.store.children(self.run):
+            if name not in LEARNER_WRITES:
+                self.store.download(f"{self.run}/{name}", self.work / name)
 
 
 OWN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -170,7 +292,7 @@ def private_dir(root: str | Path, *parts: str) -> Path:
     each created where missing with mode 0o700. From `root` down (and for any directory above it created here) each
     is opened relative to its parent without following a symbolic link, refused unless this user owns it, and
     brought to mode 0o700; the directories above `root` that exist (/tmp) are taken as they are. Returns the
-    absolute path (not resolved: a link in it would have been refused); raises `StagingError` naming the path."""
+    absolute path (not resolved: a link in it would have been refused); raises `StorageError` naming the path."""
     path = Path(os.path.abspath(os.path.expanduser(root)))
     names = [*path.parts[1:], *parts]
     own_from = len(path.parts) - 2  # the index in `names` of root's own name
@@ -194,7 +316,7 @@ def _make(parent: int, name: str, where: Path) -> bool:
     except FileExistsError:
         return False
     except OSError as err:
-        raise StagingError(f"{where}: cannot create it ({err.strerror}): set run.staging_dir to a directory on this "
+        raise StorageError(f"{where}: cannot create it ({err.strerror}): set run.staging_dir to a directory on this "
                            "node's own disk that you can write") from None  # fmt: skip
     return True
 
@@ -203,14 +325,14 @@ def _enter(parent: int, name: str, where: Path, own: bool) -> int:
     """The open directory `name` in `parent`; one of the run's own (`own`) is not reached through a link, is this
     user's and is left with mode 0o700."""
     if own and stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
-        raise StagingError(f"{where} is a symbolic link (to {os.readlink(name, dir_fd=parent)}), which a staging "
+        raise StorageError(f"{where} is a symbolic link (to {os.readlink(name, dir_fd=parent)}), which a staging "
                            "directory is never reached through: someone may have planted it to read or replace the "
                            "run's files; remove it, or set run.staging_dir to a directory of your own")  # fmt: skip
     try:
         child = os.open(name, OWN if own else os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
     except OSError as err:
         why = "a symbolic link" if err.errno == errno.ELOOP else err.strerror
-        raise StagingError(f"{where}: cannot open it as a directory ({why}): remove it, or set run.staging_dir to "
+        raise StorageError(f"{where}: cannot open it as a directory ({why}): remove it, or set run.staging_dir to "
                            "a directory of your own") from None  # fmt: skip
     if own:
         _check_owner(child, where)
@@ -222,7 +344,7 @@ def _check_owner(directory: int, where: Path) -> None:
     info = os.fstat(directory)
     if info.st_uid != os.geteuid():
         os.close(directory)
-        raise StagingError(f"{where} belongs to another user (uid {info.st_uid}, you are {os.geteuid()}), who could "
+        raise StorageError(f"{where} belongs to another user (uid {info.st_uid}, you are {os.geteuid()}), who could "
                            "read or replace the run's files there: set run.staging_dir to a directory of your own "
                            "(/tmp/grpo-dist-staging-$USER)")  # fmt: skip
     if stat.S_IMODE(info.st_mode) != 0o700:

@@ -13,6 +13,7 @@ from conftest import small_config
 
 from grpo_dist import checkpoints, manifest
 from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.run_dir import open_run
 
 SHARDS = ("mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
           "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")  # fmt: skip
@@ -30,9 +31,13 @@ def fake_checkpoint(directory: Path, num_ranks: int, zero_stage: int, shards=SHA
     return directory
 
 
+def a_run(tmp_path: Path):
+    return open_run(validate_config(small_config(tmp_path)))[1]
+
+
 def test_a_checkpoint_with_every_ranks_part_is_taken(tmp_path):
     checkpoint = fake_checkpoint(tmp_path / "step-000001", num_ranks=2, zero_stage=2)
-    assert checkpoints.find(validate_config(small_config(tmp_path)), str(checkpoint)).path == checkpoint
+    assert checkpoints.find(a_run(tmp_path), str(checkpoint)).path == checkpoint
 
 
 @pytest.mark.parametrize(
@@ -43,11 +48,11 @@ def test_a_checkpoint_with_every_ranks_part_is_taken(tmp_path):
 def test_a_checkpoint_missing_a_ranks_part_is_refused_naming_it(tmp_path, zero_stage, shards, said):
     checkpoint = fake_checkpoint(tmp_path / "step-000001", 2, zero_stage, shards)
     with pytest.raises(ConfigError, match=f"is not a complete checkpoint: {re.escape(said)}"):
-        checkpoints.find(validate_config(small_config(tmp_path)), str(checkpoint))
+        checkpoints.find(a_run(tmp_path), str(checkpoint))
 
 
 def test_a_checkpoint_without_its_manifest_is_never_resumed_from(tmp_path):
     checkpoint = fake_checkpoint(tmp_path / "step-000001", num_ranks=2, zero_stage=2)
     (checkpoint / manifest.MANIFEST).unlink()
     with pytest.raises(ConfigError, match=r"is not a complete checkpoint: no manifest.json \(an interrupted write"):
-        checkpoints.find(validate_config(small_config(tmp_path)), str(checkpoint))
+        checkpoints.find(a_run(tmp_path), str(checkpoint))

@@ -18,7 +18,8 @@ import yaml
 from conftest import small_config
 from test_resume import grpo_dist, rows
 
-from grpo_dist.checkpoints import Checkpoint, load_state, prunable
+from grpo_dist import safe_load
+from grpo_dist.checkpoints import RUN_STATE_CLASSES, STATE, prunable
 from grpo_dist.data import split_task
 
 
@@ -89,7 +90,7 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
     # W&B goes on in the same run: two sessions (killed, resumed) of one run id, the one the checkpoint holds
     sessions = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(sessions) == 2 and {session.name.rsplit("-", 1)[1] for session in sessions} == {
-        load_state(Checkpoint(checkpoints / latest))["wandb_id"]
+        safe_load.load(checkpoints / latest / STATE, RUN_STATE_CLASSES)["wandb_id"]
     }
 
 

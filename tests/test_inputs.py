@@ -14,7 +14,7 @@ from conftest import TESTS_DIR, small_config
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.data import DatasetError
 from grpo_dist.inputs import prepare
-from grpo_dist.run_dir import start_run_dir
+from grpo_dist.run_dir import open_run, start_run_dir
 
 
 @pytest.fixture
@@ -104,10 +104,10 @@ def test_missing_model_directory(tmp_path):
 
 
 def test_an_earlier_run_is_moved_aside_not_overwritten(tmp_path):
-    cfg = validate_config(small_config(tmp_path))
+    cfg, run = open_run(validate_config(small_config(tmp_path)))
     cfg.run_dir.mkdir(parents=True)
     (cfg.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    start_run_dir(cfg)
+    start_run_dir(cfg, run)
     kept = [p for p in cfg.run_dir.parent.iterdir() if p.name.startswith("test-")]
     assert len(kept) == 1 and (kept[0] / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["config.yaml"]
@@ -137,13 +137,13 @@ def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
 
 
 def test_a_relative_output_dir_is_made_absolute_once_against_the_drivers_directory(tmp_path, monkeypatch):
-    from grpo_dist.run_dir import resolve_paths
-
     monkeypatch.chdir(tmp_path)
-    cfg = validate_config(small_config(tmp_path, run={"output_dir": "outputs"}, checkpoint={"dir": "ckpt"}))
-    resolve_paths(cfg)
-    assert cfg.run_dir == tmp_path.resolve() / "outputs" / "test"  # what every actor then writes under
-    assert cfg.checkpoint_dir == tmp_path.resolve() / "ckpt"
+    loaded = validate_config(small_config(tmp_path, run={"output_dir": "outputs"}, checkpoint={"dir": "ckpt"}))
+    cfg, run = open_run(loaded)
+    assert cfg.run_dir == run.work == tmp_path.resolve() / "outputs" / "test"  # what every actor then writes under
+    assert run.store.name("test") == str(tmp_path.resolve() / "outputs" / "test")
+    assert run.checkpoints.name(run.checkpoints_key) == str(tmp_path.resolve() / "ckpt")
+    assert (loaded.run.output_dir, loaded.checkpoint.dir) == ("outputs", "ckpt")  # the loaded config is not changed
     monkeypatch.chdir(tmp_path / "..")
-    resolve_paths(cfg)  # already absolute: unchanged wherever it is called from
-    assert cfg.run_dir == tmp_path.resolve() / "outputs" / "test"
+    again, _ = open_run(cfg)  # already absolute: unchanged wherever it is called from
+    assert again.run_dir == tmp_path.resolve() / "outputs" / "test"

@@ -11,8 +11,8 @@ import pytest
 from conftest import small_config
 
 from grpo_dist.config import ConfigError, validate_config
-from grpo_dist.run_dir import PROBE, StorageError, resolve_paths, start_run_dir
-from grpo_dist.storage import ObjectStore, StagingError, StoreError
+from grpo_dist.run_dir import PROBE, open_run, start_run_dir
+from grpo_dist.storage import StorageError, Store, StoreError
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_a_tree_goes_up_and_comes_back_whole(s3, tmp_path):
     (tree / "learner" / "state").mkdir(parents=True)
     (tree / "learner" / "state" / "shard.pt").write_bytes(b"\x00\x01" * 1000)
     (tree / "run_state.pt").write_text("state")
-    store = ObjectStore(s3)
+    store = Store(s3)
     store.upload(tree, "run/checkpoints/step-000001")
     assert store.children("run/checkpoints/step-000001") == ["learner", "run_state.pt"]
     down = tmp_path / "down"
@@ -58,21 +58,22 @@ def test_a_tree_goes_up_and_comes_back_whole(s3, tmp_path):
 
 
 def test_a_key_keeps_the_query_of_the_uri_it_is_under():
-    store = ObjectStore("s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http")
+    store = Store("s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http")
     assert store.name("grpo/final") == "s3://bucket/runs/grpo/final?endpoint_override=127.0.0.1:1&scheme=http"
 
 
 def test_a_run_in_an_object_store_stages_locally_and_never_overwrites_an_earlier_run(s3, tmp_path):
     cfg = validate_config(small_config(tmp_path, run={"output_dir": s3, "staging_dir": str(tmp_path / "staging")}))
-    resolve_paths(cfg)
-    assert cfg.object_store == s3 and cfg.run_dir == tmp_path / "staging" / "test"
+    cfg, run = open_run(cfg)
+    assert cfg.object_store == s3 and cfg.run_dir == run.work == tmp_path / "staging" / "test" and run.staging
     assert cfg.shown("final") == f"{s3}/test/final" and cfg.checkpoints_shown == f"{s3}/test/checkpoints"
-    ObjectStore(s3).write_text(f"test/{PROBE}", "a start that failed")
-    start_run_dir(cfg)  # a probe alone is no earlier run
-    ObjectStore(s3).write_text("test/metrics.jsonl", "{}\n")
+    assert run.checkpoints.name(run.checkpoints_key) == f"{s3}/test/checkpoints"
+    Store(s3).write_text(f"test/{PROBE}", "a start that failed")
+    start_run_dir(cfg, run)  # a probe alone is no earlier run
+    Store(s3).write_text("test/metrics.jsonl", "{}\n")
     with pytest.raises(ConfigError, match=f"{s3}/test holds an earlier run: continue it with --resume"):
-        start_run_dir(cfg)
-    assert ObjectStore(s3).read_text("test/metrics.jsonl") == "{}\n"
+        start_run_dir(cfg, run)
+    assert Store(s3).read_text("test/metrics.jsonl") == "{}\n"
 
 
 def test_a_staging_directory_planted_as_a_link_stops_the_run_before_anything_is_written(s3, tmp_path):
@@ -82,23 +83,23 @@ def test_a_staging_directory_planted_as_a_link_stops_the_run_before_anything_is_
     theirs.mkdir()
     (tmp_path / "staging").symlink_to(theirs)
     cfg = validate_config(small_config(tmp_path, run={"output_dir": s3, "staging_dir": str(tmp_path / "staging")}))
-    with pytest.raises(StagingError, match=r"run.staging_dir: .*/staging is a symbolic link .*remove it, or set"):
-        resolve_paths(cfg)
+    with pytest.raises(StorageError, match=r"run.staging_dir: .*/staging is a symbolic link .*remove it, or set"):
+        open_run(cfg)
     assert list(theirs.iterdir()) == []
     (tmp_path / "staging").unlink()
-    resolve_paths(cfg)  # made here instead: this user's alone
+    open_run(cfg)  # made here instead: this user's alone
     assert stat.S_IMODE((tmp_path / "staging").stat().st_mode) == 0o700 and (tmp_path / "staging" / "test").is_dir()
 
 
 def test_a_store_that_does_not_answer_stops_the_run_before_it_starts(tmp_path):
     unknown = validate_config(small_config(tmp_path, run={"output_dir": "nosuch://bucket/runs"}))
     with pytest.raises(StorageError, match="run.output_dir: nosuch://bucket/runs: cannot open it as an object store"):
-        resolve_paths(unknown)
+        open_run(unknown)
     closed = validate_config(
         small_config(tmp_path, run={"output_dir": "s3://bucket/runs?endpoint_override=127.0.0.1:9&scheme=http"})
     )
     with pytest.raises(StorageError, match="run.output_dir: s3://bucket/runs.*could not list it"):
-        resolve_paths(closed)
+        open_run(closed)
 
 
 def test_checkpoint_dir_stays_a_path_beside_an_object_store(tmp_path):
@@ -114,18 +115,18 @@ def test_a_checkpoint_in_the_store_must_list_every_ranks_part_and_hold_each_file
 
     from grpo_dist import checkpoints, manifest
 
-    cfg = validate_config(small_config(tmp_path))
-    store = ObjectStore(s3)
+    run = open_run(validate_config(small_config(tmp_path)))[1]
+    store = Store(s3)
     whole = fake_checkpoint(tmp_path / "whole", num_ranks=2, zero_stage=2)
     store.upload(whole, "run/whole")
-    assert checkpoints.find(cfg, f"{s3}/run/whole").key == ""
+    assert checkpoints.find(run, f"{s3}/run/whole").key == ""
     partial = fake_checkpoint(tmp_path / "partial", num_ranks=2, zero_stage=2, shards=SHARDS[:2])
     store.upload(partial, "run/partial")
     with pytest.raises(ConfigError, match="run/partial is not a complete checkpoint: no optimizer shard of learner"):
-        checkpoints.find(cfg, f"{s3}/run/partial")
+        checkpoints.find(run, f"{s3}/run/partial")
     store.delete(f"run/whole/learner/state/{SHARDS[2]}")  # listed in the manifest, gone from the store
-    with pytest.raises(ConfigError, match=f"learner/state/{SHARDS[2]} has None bytes, not 5"):
-        checkpoints.find(cfg, f"{s3}/run/whole")
+    with pytest.raises(ConfigError, match=f"learner/state/{SHARDS[2]} is missing"):
+        checkpoints.find(run, f"{s3}/run/whole")
     store.delete(f"run/whole/{manifest.MANIFEST}")
     with pytest.raises(ConfigError, match="run/whole is not a complete checkpoint: no manifest.json"):
-        checkpoints.find(cfg, f"{s3}/run/whole")
+        checkpoints.find(run, f"{s3}/run/whole")

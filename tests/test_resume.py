@@ -117,6 +117,7 @@ def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(tmp_path)
 def test_resume_refuses_a_changed_group_size(tmp_path):
     from grpo_dist import checkpoints, manifest
     from grpo_dist.config import ConfigError, validate_config
+    from grpo_dist.run_dir import open_run
 
     raw = small_config(tmp_path)
     checkpoint = tmp_path / "step-000003"
@@ -130,9 +131,10 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
     raw["learner"]["lr"] = 5e-3
     cfg = validate_config(raw)
     with pytest.raises(ConfigError, match=r"rollout.group_size: 4 -> 8"):
-        checkpoints.check_config(cfg, checkpoints.find(cfg, str(checkpoint)))
+        checkpoints.check_config(cfg, checkpoints.find(open_run(cfg)[1], str(checkpoint)))
     raw["rollout"]["group_size"] = 4
-    assert checkpoints.check_config(validate_config(raw), checkpoints.Checkpoint(checkpoint)) == [
+    changed = validate_config(raw)
+    assert checkpoints.check_config(changed, checkpoints.find(open_run(changed)[1], str(checkpoint))) == [
         "learner.lr: 0.01 -> 0.005"
     ]
 

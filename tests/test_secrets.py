@@ -15,7 +15,7 @@ from conftest import small_config
 
 from grpo_dist.cli import main
 from grpo_dist.config import ConfigError, redact, validate_config
-from grpo_dist.storage import ObjectStore, StagingError, StoreError, private_dir
+from grpo_dist.storage import StorageError, Store, StoreError, private_dir
 
 KEY_ID, SECRET = "AKIAEXAMPLEKEYID", "wJalr/XUtnFEMI+K7MDENG?bPxRfiCY"  # a '/' and a '?' as real secret keys hold
 
@@ -79,7 +79,7 @@ def test_a_flag_with_credentials_is_refused_before_the_config_is_read(capsys, ar
 
 def test_an_object_store_is_never_opened_with_credentials_in_its_uri():
     with pytest.raises(StoreError) as refused:
-        ObjectStore(f"s3://bucket/runs?secret_key={SECRET}")
+        Store(f"s3://bucket/runs?secret_key={SECRET}")
     assert "s3://bucket/runs?secret_key=***: carries credentials" in str(refused.value)
     assert SECRET not in str(refused.value)
 
@@ -88,11 +88,11 @@ def test_a_planted_link_in_the_staging_directory_is_refused_and_nothing_goes_thr
     target = tmp_path / "theirs"  # where someone else would read the run's checkpoints
     target.mkdir()
     (tmp_path / "staging").symlink_to(target)
-    with pytest.raises(StagingError, match=r"staging is a symbolic link \(to .*theirs\)"):
+    with pytest.raises(StorageError, match=r"staging is a symbolic link \(to .*theirs\)"):
         private_dir(tmp_path / "staging", "run")
     (tmp_path / "own").mkdir()
     (tmp_path / "own" / "run").symlink_to(target)  # one level down: the run's own directory
-    with pytest.raises(StagingError, match=r"own/run is a symbolic link"):
+    with pytest.raises(StorageError, match=r"own/run is a symbolic link"):
         private_dir(tmp_path / "own", "run")
     assert list(target.iterdir()) == []
 
@@ -108,7 +108,7 @@ def test_the_staging_directory_is_this_users_alone(tmp_path, monkeypatch):
     private_dir(loose, "run")  # this user's own, once everyone's: brought back to 0o700
     assert stat.S_IMODE(loose.stat().st_mode) == 0o700
     monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)  # as another user sees these directories
-    with pytest.raises(StagingError, match=r"a/staging belongs to another user .*set run.staging_dir"):
+    with pytest.raises(StorageError, match=r"a/staging belongs to another user .*set run.staging_dir"):
         private_dir(tmp_path / "a" / "staging", "run")
 
 

@@ -153,13 +153,13 @@ def test_a_shared_output_dir_holds_the_whole_checkpoint_and_resume_continues(pri
 def test_an_object_store_holds_the_whole_checkpoint_and_resume_downloads_it(private_disk_cluster, tmp_path):
     """Staged on a directory private to each node (the driver's and the learner's are different disks): every file
     of the run reaches the store only by upload, and the resume only by download."""
-    from grpo_dist.storage import ObjectStore
+    from grpo_dist.storage import Store
 
     address, private, shared = private_disk_cluster
     staging, uri = private / "staging", "s3://runs/outputs"
     first = train(tmp_path, address, uri, model=shared / "s3-model", staging_dir=str(staging))
     assert first.returncode == 0, first.stderr[-3000:]
-    store = ObjectStore(uri)
+    store = Store(uri)
     assert store.read_text("test/checkpoints/latest").strip() == "step-000002"
     shards = store.children("test/checkpoints/step-000002/learner/state")
     assert any(name.endswith("model_states.pt") for name in shards), shards  # uploaded by the learner's node

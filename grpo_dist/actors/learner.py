@@ -344,33 +344,16 @@ class Learner:
 
         private_dir(root, run_name)
 
-    def upload(self, local: str, store: str, key: str) -> dict[str, dict]:
-        """What this node holds at `local` (a checkpoint's shards, the final policy) to `key` in the object store
-        `store`; returns each file uploaded, by its path under `key`, with its size and checksum (nothing where this
-        node staged nothing). The local copy is removed whether the upload succeeds or fails (the first rank of each
-        node does this for its node)."""
-        from grpo_dist import manifest
-        from grpo_dist.storage import ObjectStore
+    def publish(self, local: str, store, key: str) -> dict[str, dict]:
+        """What this node wrote at `local` (a checkpoint's shards, the final policy) made the store's at `key`
+        (`grpo_dist.storage.Store.publish`); returns each file, by its path under `key`, with its size and checksum
+        (nothing where this node staged nothing). The first rank of each node does this for its node."""
+        return store.publish(Path(local), key)
 
-        try:
-            if not Path(local).exists():
-                return {}
-            written = manifest.entries(Path(local))
-            ObjectStore(store).upload(Path(local), key)
-            return written
-        finally:
-            self.discard(local)
-
-    def download(self, store: str, key: str, local: str, expected: dict[str, dict]) -> None:
-        """A checkpoint's shards from the object store to `local` on this node, to load, each checked against the
-        size and checksum its writer recorded (`expected`, by path under `key`)."""
-        from grpo_dist import manifest
-        from grpo_dist.storage import ObjectStore
-
-        source = ObjectStore(store)
-        source.download(key, Path(local))
-        if why := manifest.mismatch(Path(local), expected):
-            raise RuntimeError(f"{source.name(key)}: downloaded to {socket.gethostname()}:{local}, {why}")
+    def fetch(self, store, key: str, local: str, expected: dict[str, dict]) -> str:
+        """A checkpoint's shards at `key` readable on this node, each checked against what its writer recorded
+        (`expected`, by path under `key`; `grpo_dist.storage.Store.fetch`); returns where they are."""
+        return str(store.fetch(key, Path(local), expected))
 
     def discard(self, local: str) -> None:
         """Remove a staged copy from this node's disk."""
