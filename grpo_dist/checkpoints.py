@@ -79,13 +79,13 @@ def save(cfg: Config, run: RunStore, cluster, step: int, run_state: dict[str, An
         if why := _missing_part(written, _learner_layout(cfg)) or _listed_in_time(store, key, written):
             raise StoreError(f"checkpoint {store.name(key)} is incomplete after it was written: {why}")
         store.write_text(f"{key}/{manifest.MANIFEST}", json.dumps({"files": written}, indent=1, sort_keys=True))
+        run.upload_run_files()  # before `latest`: the store's metrics reach at least the step it names
         store.write_text(f"{prefix}/{LATEST}", name + "\n")
         shown.update()
     steps = [child for child in store.children(prefix) if child.startswith("step-")]
     written_order = sorted(steps, key=lambda child: store.mtime(f"{prefix}/{child}/{STATE}"))
     for old in prunable(written_order, cfg.checkpoint.keep, name, _resumed_from(run)):
         store.delete(f"{prefix}/{old}")
-    run.upload_run_files()
     return store.name(key)
 
 

@@ -76,22 +76,22 @@ def open_run(cfg: Config) -> tuple[Config, RunStore]:
     down. An object store is opened and listed here, so a wrong URI or missing credentials stop the run before
     anything starts, and this node's staging directory is made (`private_dir`: never through a symbolic link,
     this user's, mode 0o700)."""
-    if cfg.object_store:
-        try:
-            Store(cfg.object_store).check()
-        except StoreError as err:
-            raise StorageError(f"run.output_dir: {err}") from None
+    try:
+        store = Store(cfg.run.output_dir if cfg.object_store else str(Path(cfg.run.output_dir).expanduser().resolve()))
+        if not store.local:
+            store.check()
+    except StoreError as err:
+        raise StorageError(f"run.output_dir: {err}") from None
+    run = {"output_dir": store.where}
+    if not store.local:
         try:  # absolute, not resolved: a link in the staging directory's own part is refused, never followed
-            run = {"staging_dir": str(private_dir(cfg.run.staging_dir, cfg.run.name).parent)}
+            run["staging_dir"] = str(private_dir(cfg.run.staging_dir, cfg.run.name).parent)
         except StorageError as err:
             raise StorageError(f"run.staging_dir: {err}") from None
-    else:
-        run = {"output_dir": str(Path(cfg.run.output_dir).expanduser().resolve())}
     checkpoint = {"dir": str(Path(cfg.checkpoint.dir).expanduser().resolve())} if cfg.checkpoint.dir else {}
     cfg = cfg.model_copy(
         update={"run": cfg.run.model_copy(update=run), "checkpoint": cfg.checkpoint.model_copy(update=checkpoint)}
     )
-    store = Store(cfg.run.output_dir)
     checkpoints = (Store(cfg.checkpoint.dir), "") if cfg.checkpoint.dir else (store, f"{cfg.run.name}/checkpoints")
     return cfg, RunStore(store, cfg.run.name, cfg.run_dir, *checkpoints)
 

@@ -23,6 +23,27 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """The URI of a bucket on an S3 server on this machine, every S3 client of this process pointed at it."""
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        for name, value in [("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")]:
+            patch.setenv(name, value)
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        patch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        endpoint = {"endpoint_override": f"{host}:{port}", "scheme": "http", "region": "us-east-1"}
+        pafs.S3FileSystem(allow_bucket_creation=True, **endpoint).create_dir("bucket")
+        yield "s3://bucket/runs"
+    server.stop()
+
+
 def small_config(tmp_path: Path, **sections) -> dict:
     """A raw config for a few fast steps of the real loop on a tiny model (sections override whole keys)."""
     raw = {

@@ -20,7 +20,10 @@ from test_resume import grpo_dist, rows
 
 from grpo_dist import safe_load
 from grpo_dist.checkpoints import RUN_STATE_CLASSES, STATE, prunable
+from grpo_dist.config import load_config
 from grpo_dist.data import split_task
+from grpo_dist.run_dir import open_run
+from grpo_dist.storage import Store
 
 
 def test_pruning_keeps_the_newest_written_and_the_resumed_from_whatever_their_steps():
@@ -31,13 +34,13 @@ def test_pruning_keeps_the_newest_written_and_the_resumed_from_whatever_their_st
     assert prunable(["step-000001", "step-000002", "step-000003"], 2, "step-000003", None) == ["step-000001"]
 
 
-def config(tmp_path: Path, name: str, steps: int, keep: int = 3, wandb: bool = False, **checkpoint) -> Path:
+def config(tmp_path: Path, name: str, steps: int, keep: int = 3, wandb: bool = False, run=None, **checkpoint) -> Path:
     """A run on a data file of its own (so that the data can change), a checkpoint every step; `wandb`: logging
     to W&B offline, into the run directory."""
     data = tmp_path / "data"
     if not (data / "train.jsonl").exists():
         split_task("last_digit", data, num_train=64, num_eval=8, seed=0)
-    raw = small_config(tmp_path, run={"name": name, "steps": steps},
+    raw = small_config(tmp_path, run={"name": name, "steps": steps, **(run or {})},
                        checkpoint={"every_steps": 1, "keep": keep, **checkpoint})  # fmt: skip
     raw["data"] = {"path": str(data / "train.jsonl"), "max_prompt_tokens": 16, "prompts_per_step": 4}
     raw["model"]["path"] = str(tmp_path / "model")
@@ -47,25 +50,32 @@ def config(tmp_path: Path, name: str, steps: int, keep: int = 3, wandb: bool = F
     return path
 
 
-def run(*args: str | Path) -> tuple[int, str]:
+def run_cli(*args: str | Path) -> tuple[int, str]:
     process = grpo_dist("train", *map(str, args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = process.communicate(timeout=600)
     return process.returncode, out
 
 
 @pytest.mark.slow
-def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tmp_path):
-    path = config(tmp_path, "killed", steps=100_000, keep=2, wandb=True)
-    run_dir = tmp_path / "outputs" / "killed"
-    checkpoints = run_dir / "checkpoints"
+@pytest.mark.parametrize("where", ["path", "object-store"])
+def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tmp_path, request, where):
+    """On a path the checkpoint is caught half-written beside the others; in an object store, half-staged on the
+    node's disk with the upload under way. Either way the next submission goes on from the last whole one."""
+    store_run = where == "object-store"
+    staging = tmp_path / "staging"
+    run = {"output_dir": request.getfixturevalue("s3"), "staging_dir": str(staging)} if store_run else {}
+    path = config(tmp_path, "killed", steps=100_000, keep=2, wandb=True, run=run)
+    runs = open_run(load_config(path))[1]
+    files = RunFiles(runs.store, "killed")
+    writing_in = staging / "killed" / "checkpoints" if store_run else tmp_path / "outputs" / "killed" / "checkpoints"
     process = grpo_dist("train", str(path), "--resume", "auto", start_new_session=True)
     caught = None
     deadline = time.monotonic() + 600
     try:
         while caught is None and time.monotonic() < deadline:  # a checkpoint is written every step; catch one mid-way
             assert process.poll() is None, "the run ended before it was killed"
-            writing = list(checkpoints.glob(".step-*.tmp")) if checkpoints.is_dir() else []
-            if writing and (checkpoints / "latest").is_file():
+            writing = list(writing_in.glob(".step-*.tmp")) if writing_in.is_dir() else []
+            if writing and files.read("checkpoints/latest"):
                 os.killpg(process.pid, signal.SIGKILL)  # the driver and everything in its process group, at once
                 caught = writing[0].name
             else:
@@ -75,23 +85,45 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=60)
     assert caught, "no checkpoint was caught being written within 10 minutes"
-    assert (checkpoints / caught).exists()  # the kill landed mid-write: the partial checkpoint is still there
-    latest = (checkpoints / "latest").read_text().strip()
+    assert (writing_in / caught).exists()  # the kill landed mid-write: the partial checkpoint is still there
+    latest = files.read("checkpoints/latest").strip()
     last = int(latest.removeprefix("step-"))
-    assert f".{latest}.tmp" != caught and (checkpoints / latest / "manifest.json").is_file()
+    assert f".{latest}.tmp" != caught and files.read(f"checkpoints/{latest}/manifest.json")
 
     path.write_text(path.read_text().replace("steps: 100000", f"steps: {last + 2}"))
-    code, out = run(path, "--resume", "auto")
+    code, out = run_cli(path, "--resume", "auto")
     assert code == 0, out[-3000:]
-    assert f"resumed from {checkpoints / latest} after step {last}" in out
-    steps = [row["step"] for row in rows(run_dir)]
+    assert f"resumed from {runs.store.name(f'killed/checkpoints/{latest}')} after step {last}" in out
+    steps = [json.loads(line)["step"] for line in files.read("metrics.jsonl").splitlines()]
     assert steps == list(range(1, last + 3))  # every step once: the rows after the checkpoint were dropped and redone
-    assert not list(checkpoints.glob(".step-*.tmp"))  # what the killed write left is cleared by the next one
+    assert not list(writing_in.glob(".step-*.tmp"))  # what the killed write left is cleared by the next one
     # W&B goes on in the same run: two sessions (killed, resumed) of one run id, the one the checkpoint holds
-    sessions = sorted((run_dir / "wandb").glob("offline-run-*"))
-    assert len(sessions) == 2 and {session.name.rsplit("-", 1)[1] for session in sessions} == {
-        safe_load.load(checkpoints / latest / STATE, RUN_STATE_CLASSES)["wandb_id"]
+    sessions = sorted(name for name in files.children("wandb") if name.startswith("offline-run-"))
+    state = files.local(f"checkpoints/{latest}", tmp_path / "state")
+    assert len(sessions) == 2 and {session.rsplit("-", 1)[1] for session in sessions} == {
+        safe_load.load(state / STATE, RUN_STATE_CLASSES)["wandb_id"]
     }
+
+
+class RunFiles:
+    """A run's files where the run keeps them (a path or an object store), read the same way."""
+
+    def __init__(self, store: Store, run: str) -> None:
+        self.store, self.run = store, run
+
+    def read(self, key: str) -> str:
+        return self.store.read_text(f"{self.run}/{key}") or ""
+
+    def children(self, key: str) -> list[str]:
+        return self.store.children(f"{self.run}/{key}")
+
+    def local(self, key: str, scratch: Path) -> Path:
+        """The checkpoint `key` of the run, its run state readable here."""
+        key = f"{self.run}/{key}"
+        if self.store.local:
+            return self.store.path(key)
+        self.store.download(f"{key}/{STATE}", scratch / STATE)
+        return scratch
 
 
 @pytest.mark.slow
@@ -99,7 +131,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
     path = config(tmp_path, "damaged", steps=4, keep=4)
     run_dir = tmp_path / "outputs" / "damaged"
     checkpoints = run_dir / "checkpoints"
-    code, out = run(path)
+    code, out = run_cli(path)
     assert code == 0, out[-3000:]
     assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{step:06d}" for step in (1, 2, 3, 4)]
 
@@ -115,7 +147,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
     shard(2).write_bytes(shard(2).read_bytes()[:-100])  # truncated
     # resumed with keep 1: of what is there, the one written last and the one resumed from (step 1) stay
     path.write_text(path.read_text().replace("steps: 4", "steps: 5").replace("keep: 4", "keep: 1"))
-    code, out = run(path, "--resume")
+    code, out = run_cli(path, "--resume")
     assert code == 0, out[-3000:]
     assert "checkpoint step-000004 in" in out and "(no manifest.json (an interrupted write or prune" in out
     assert "checkpoint step-000003 in" in out and "does not match its checksum); resuming from step-000001" in out
@@ -127,7 +159,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
 
     # --resume PATH: an older checkpoint than the latest, named
     path.write_text(path.read_text().replace("steps: 5", "steps: 6"))
-    code, out = run(path, "--resume", str(checkpoints / "step-000001"))
+    code, out = run_cli(path, "--resume", str(checkpoints / "step-000001"))
     assert code == 0, out[-3000:]
     assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
     assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
@@ -137,6 +169,6 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
     first, *rest = train.read_text().splitlines()
     row = json.loads(first)
     train.write_text("\n".join([json.dumps({**row, "answer": str((int(row["answer"]) + 1) % 10)}), *rest]) + "\n")
-    code, out = run(path, "--resume")
+    code, out = run_cli(path, "--resume")
     assert code == 2 and "the training data changed since it was written" in out, out[-2000:]
     assert "Generator" not in out

@@ -6,32 +6,12 @@ from __future__ import annotations
 
 import stat
 
-import pyarrow.fs as pafs
 import pytest
 from conftest import small_config
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.run_dir import PROBE, open_run, start_run_dir
 from grpo_dist.storage import StorageError, Store, StoreError
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """The URI of a bucket on an S3 server on this machine, every S3 client of this process pointed at it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-        for name, value in [("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")]:
-            patch.setenv(name, value)
-        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        endpoint = {"endpoint_override": f"{host}:{port}", "scheme": "http", "region": "us-east-1"}
-        pafs.S3FileSystem(allow_bucket_creation=True, **endpoint).create_dir("bucket")
-        yield "s3://bucket/runs"
-    server.stop()
 
 
 def test_a_tree_goes_up_and_comes_back_whole(s3, tmp_path):
