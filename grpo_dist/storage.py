@@ -258,10 +258,8 @@ class RunStore:
     def staged(self, store: Store, key: str) -> Path:
         """Where the writers of `key` in `store` write it on their node before `Store.publish`: beside it under a
         temporary name on a path (renamed when whole), under the staging directory with an object store."""
-        if store.local:
-            final = store.path(key)
-            return final.with_name(f".{final.name}.tmp")
-        return self.work.parent / key
+        final = store.path(key) if store.local else self.work.parent / key
+        return final.with_name(f".{final.name}.tmp")
 
     def upload_run_files(self) -> None:
         """With an object store: the driver's files of the run (metrics, samples, config, W&B files) uploaded; what
