@@ -288,6 +288,21 @@ RUN_STATE_CLASSES = [Rollout, PromptRecord, Completion, Episode, Score]
 """What the driver's run state holds besides plain data: the batch drawn ahead."""
 
 
+def load_learner(learner, checkpoint: Checkpoint, step: int) -> None:
+    """Load the checkpoint's learner shards into every rank of `learner` (the learner group), its version set to
+    `step`: each learner node fetches them first (`Store.fetch`: read in place on a path; downloaded and checked
+    from an object store, and removed from every node once loaded or failed)."""
+    fetch = ("fetch", checkpoint.store, f"{checkpoint.key}/learner", str(checkpoint.path / "learner"))
+    try:
+        learner.load_checkpoint(learner.on_each_node(*fetch, checkpoint.shards)[0], version=step)
+    finally:
+        if not checkpoint.store.local:
+            try:
+                learner.on_each_node("discard", str(checkpoint.path))
+            except Exception as err:  # a rank lost while loading: what propagates is that; its node is gone
+                print(f"warning: could not remove the downloaded copy of {checkpoint} from every node: {err}")
+
+
 def load_state(checkpoint: Checkpoint) -> dict[str, Any]:
     return safe_load.load(checkpoint.path / STATE, RUN_STATE_CLASSES)
 

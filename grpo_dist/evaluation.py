@@ -178,8 +178,9 @@ def eval_config(cfg: Config, scratch: str, model_path: str | None) -> Config:
 
 
 def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[str, float]:
-    """`grpo-dist eval`: the config's eval sets on the policy at `path` (a checkpoint directory, verified, or a
-    saved policy: `final/`, `interrupted/`, any Hugging Face model directory; on a path every learner node sees),
+    """`grpo-dist eval`: the config's eval sets on the policy at `path` (a checkpoint, verified, on a path every
+    learner node sees or in an object store; or a saved policy on such a path: `final/`, `interrupted/`, any
+    Hugging Face model directory),
     on a cluster of its own started in a scratch directory (the run's directory is not touched). The metrics are
     printed, and written as JSON to `out` when given."""
     import tempfile
@@ -190,14 +191,11 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     from grpo_dist.inputs import prepare
     from grpo_dist.run_dir import open_run
 
-    if "://" in path:
-        raise ConfigError(f"--checkpoint {redact(path)}: grpo-dist eval reads a checkpoint on a path; copy it from "
-                          "the store")  # fmt: skip
-    policy = Path(path).resolve()
-    hugging_face = (policy / "config.json").is_file()
+    policy = path if "://" in path else str(Path(path).resolve())
+    hugging_face = "://" not in path and (Path(policy) / "config.json").is_file()
     with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:
-        cfg, run = open_run(eval_config(cfg, scratch, str(policy) if hugging_face else None))
-        checkpoint = None if hugging_face else checkpoints.find(run, str(policy))
+        cfg, run = open_run(eval_config(cfg, scratch, policy if hugging_face else None))
+        checkpoint = None if hugging_face else checkpoints.find(run, policy)
         run.work.mkdir(parents=True, exist_ok=True)
         inputs = prepare(cfg, scratch=Path(scratch) / "inputs")
         if not inputs.eval_sets:
@@ -205,13 +203,12 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
         cluster = start_cluster(cfg, inputs.model_path, run=None)  # nothing is written on the learner nodes
         try:
             if checkpoint is not None:
-                step = checkpoints.load_state(checkpoint)["step"]
-                cluster.learner.load_checkpoint(str(checkpoint.store.path("learner")), version=step)
+                checkpoints.load_learner(cluster.learner, checkpoint, checkpoints.load_state(checkpoint)["step"])
                 cluster.sync_weights()
-            metrics = evaluate(cfg, cluster, inputs.eval_sets, f"of {policy}")
+            metrics = evaluate(cfg, cluster, inputs.eval_sets, f"of {redact(policy)}")
         finally:
             cluster.shutdown()
     if out:
-        Path(out).write_text(json.dumps({"policy": str(policy), **metrics}, indent=1) + "\n")
+        Path(out).write_text(json.dumps({"policy": redact(policy), **metrics}, indent=1) + "\n")
         print(f"eval metrics written to {out}")
     return metrics

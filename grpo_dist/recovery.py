@@ -67,16 +67,7 @@ def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint
     driver's random generators; returns the last step it holds and its W&B run id. Each learner node fetches the
     shards (`Store.fetch`: read in place on a path, downloaded and checked from an object store, then removed)."""
     state = checkpoints.load_state(checkpoint)
-    downloaded = not checkpoint.store.local
-    fetch = ("fetch", checkpoint.store, f"{checkpoint.key}/learner", str(checkpoint.path / "learner"))
-    try:
-        shards = cluster.learner.on_each_node(*fetch, checkpoint.shards)[0]
-        cluster.learner.load_checkpoint(shards, version=state["step"])
-    except LearnerLost:
-        raise  # a rank died or hangs: the group is restarted, on nodes that are asked to fetch again
-    finally:
-        if downloaded:
-            cluster.learner.on_each_node("discard", str(checkpoint.path))
+    checkpoints.load_learner(cluster.learner, checkpoint, state["step"])
     cluster.sync_weights()
     rollouts.load_state_dict(state, state["step"])
     checkpoints.restore_random_state(state["random"])

@@ -152,7 +152,8 @@ def test_a_shared_output_dir_holds_the_whole_checkpoint_and_resume_continues(pri
 
 def test_an_object_store_holds_the_whole_checkpoint_and_resume_downloads_it(private_disk_cluster, tmp_path):
     """Staged on a directory private to each node (the driver's and the learner's are different disks): every file
-    of the run reaches the store only by upload, and the resume only by download."""
+    of the run reaches the store only by upload, and the resume (and `grpo-dist eval` of a checkpoint there) only by
+    download."""
     from grpo_dist.storage import Store
 
     address, private, shared = private_disk_cluster
@@ -177,3 +178,15 @@ def test_an_object_store_holds_the_whole_checkpoint_and_resume_downloads_it(priv
     assert [row["step"] for row in rows] == [1, 2, 3, 4]  # the first run's rows downloaded and continued
     assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2, 3]  # step 3 trained on the restored weights
     assert store.read_text("test/checkpoints/latest").strip() == "step-000004"
+
+    # The checkpoint evaluated straight from the store: the same greedy answers as the run's evaluation after step 4.
+    checkpoint = f"{uri}/test/checkpoints/step-000004"
+    command = [sys.executable, "-m", "grpo_dist", "eval", str(tmp_path / "run.yaml"), "--checkpoint", checkpoint,
+               "--out", str(tmp_path / "e.json")]  # fmt: skip
+    evaluated = subprocess.run(command, cwd=REPO, env=node_env(), capture_output=True, text=True, timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    after = json.loads(store.read_text("test/eval.jsonl").splitlines()[-1])
+    assert after["step"] == 4
+    standalone = json.loads((tmp_path / "e.json").read_text())
+    assert standalone["eval/held_out/accuracy"] == after["eval/held_out/accuracy"]
+    assert f"eval held_out of {checkpoint}: accuracy" in evaluated.stdout
