@@ -124,9 +124,13 @@ def loss_units(batch: TrainBatch, aggregation: str) -> torch.Tensor:
 
 
 def shard_batch(
-    batch: TrainBatch, world_size: int, mini_batches: int, micro_batch_size: int, aggregation: str,
+    batch: TrainBatch,
+    world_size: int,
+    mini_batches: int,
+    micro_batch_size: int,
+    aggregation: str,
     max_tokens: int | None = None,
-) -> list[TrainShard]:  # fmt: skip
+) -> list[TrainShard]:
     """Cut a rollout batch into one shard per rank. Mini-batches are contiguous row ranges (as on one rank);
     within each, rows go to ranks balanced by token count (longest first, to the least-loaded rank). Each rank's
     rows of a mini-batch form micro-batches of `micro_batch_size` rows, or with `max_tokens` of at most that many
@@ -199,5 +203,4 @@ def _shard(batch: TrainBatch, rows: list[list[int]], micro: list[list[list[int]]
     local = {row: index for index, row in enumerate(flat)}
     mini_batches = [[local[row] for row in mini] for mini in rows]
     micro_batches = [[[local[row] for row in part] for part in parts] for parts in micro]
-    return TrainShard(batch.select(torch.tensor(flat)).trimmed(), mini_batches, micro_batches=micro_batches,
-                      **common)  # fmt: skip
+    return TrainShard(batch.select(torch.tensor(flat)).trimmed(), mini_batches, micro_batches=micro_batches, **common)

@@ -36,10 +36,22 @@ STATE = "run_state.pt"
 
 # Keys whose change would alter what a checkpoint means; a resume with any of them changed is refused.
 FIXED_KEYS = (
-    "model", "data.task", "data.path", "data.split", "data.subset", "data.fields", "data.system_prompt",
-    "data.chat_template", "data.max_prompt_tokens", "rollout.group_size",
-    "rollout.max_new_tokens", "learner.num_ranks", "learner.zero_stage", "run.seed", "algorithm.aggregation",
-)  # fmt: skip
+    "model",
+    "data.task",
+    "data.path",
+    "data.split",
+    "data.subset",
+    "data.fields",
+    "data.system_prompt",
+    "data.chat_template",
+    "data.max_prompt_tokens",
+    "rollout.group_size",
+    "rollout.max_new_tokens",
+    "learner.num_ranks",
+    "learner.zero_stage",
+    "run.seed",
+    "algorithm.aggregation",
+)
 
 
 def save(cfg: Config, run: RunStore, cluster, step: int, run_state: dict[str, Any]) -> str:
@@ -181,8 +193,9 @@ class Checkpoint:
     @property
     def shards(self) -> dict[str, dict]:
         """The learner shards' manifest entries, by path under `learner/`."""
-        return {name.removeprefix("learner/"): entry for name, entry in self.files.items()
-                if name.startswith("learner/")}  # fmt: skip
+        return {
+            name.removeprefix("learner/"): entry for name, entry in self.files.items() if name.startswith("learner/")
+        }
 
 
 def has_latest(run: RunStore) -> bool:

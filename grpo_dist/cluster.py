@@ -189,8 +189,7 @@ class Cluster:
                     raise
                 # Placed where a lost rank was, on a node Ray has not yet declared dead: its placement bundle
                 # moves to a live node once it has, so start the group again.
-                log.warning("%s; starting the learner group again (attempt %d of %d)", err, attempt + 1,
-                            START_ATTEMPTS)  # fmt: skip
+                log.warning("%s; starting the learner group again (attempt %d of %d)", err, attempt + 1, START_ATTEMPTS)
                 time.sleep(RETRY_PAUSE_S)
         self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
         self.transport.connect()
@@ -220,10 +219,15 @@ class Cluster:
             raise
         except (WeightSyncError, LearnerGroupError) as err:
             return [*said, f"could not connect the generators to the weight transport ({err}); going on"]
-        said += [f"generator {joining.index} {why}; going on with {len(generators.actors)} generators"
-                 for joining, why in failed]  # fmt: skip
-        said += [f"now {len(generators.actors)} generators (generator {joining.index} joined "
-                 f"{time.monotonic() - joining.asked:.1f} s after it was asked for)" for joining in joined]  # fmt: skip
+        said += [
+            f"generator {joining.index} {why}; going on with {len(generators.actors)} generators"
+            for joining, why in failed
+        ]
+        said += [
+            f"now {len(generators.actors)} generators (generator {joining.index} joined "
+            f"{time.monotonic() - joining.asked:.1f} s after it was asked for)"
+            for joining in joined
+        ]
         return said
 
     def save(self, out_dir: str) -> str:
@@ -241,8 +245,10 @@ def start_cluster(cfg: Config, model_path: str, console: Console | None = None, 
     """Start (or join) Ray and the run's actors, keeping the caller's SIGTERM handler (Ray installs one that
     aborts; the command line's stops cleanly); with the `run` they write to, every learner node must see it."""
     started = time.perf_counter()
-    section(f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
-            f"and {cfg.reward.num_workers} reward worker(s)")  # fmt: skip
+    section(
+        f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
+        f"and {cfg.reward.num_workers} reward worker(s)"
+    )
     on_sigterm = signal.getsignal(signal.SIGTERM)
     start_ray(cfg)
     if callable(on_sigterm):

@@ -121,8 +121,9 @@ class Config(_Section):
     def _judge_is_a_reward(self) -> Config:
         named = [spec.name for spec in self.reward.functions].count("judge")
         if self.reward.judge is not None and named != 1:
-            raise ValueError("reward.judge is set: list its verdict once in reward.functions, as {name: judge, weight: "
-                             "...}")  # fmt: skip
+            raise ValueError(
+                "reward.judge is set: list its verdict once in reward.functions, as {name: judge, weight: ...}"
+            )
         if self.reward.judge is None and named:
             raise ValueError("reward.functions names `judge`, and reward.judge (its model, prompt, verdict) is not set")
         return self
@@ -174,8 +175,11 @@ class Config(_Section):
     def _sequences_fit_a_micro_batch(self) -> Config:
         budget = self.learner.max_tokens_per_micro_batch
         if budget is not None and budget < self.sequence_budget:
-            source = ("environment.max_total_tokens" if self.environment
-                      else "data.max_prompt_tokens + rollout.max_new_tokens")  # fmt: skip
+            source = (
+                "environment.max_total_tokens"
+                if self.environment
+                else "data.max_prompt_tokens + rollout.max_new_tokens"
+            )
             raise ValueError(
                 f"learner.max_tokens_per_micro_batch ({budget}) is below the longest sequence the learner can get "
                 f"({self.sequence_budget} tokens: {source}): raise it to at least {self.sequence_budget}"
@@ -198,14 +202,20 @@ class Config(_Section):
                 f"environment.max_total_tokens ({environment.max_total_tokens})"
             )
         if self.data.chat_template is False:
-            raise ValueError("an environment's conversations are rendered by the chat template: data.chat_template "
-                             "cannot be false with an environment")  # fmt: skip
+            raise ValueError(
+                "an environment's conversations are rendered by the chat template: data.chat_template "
+                "cannot be false with an environment"
+            )
         if self.algorithm.overlong == "soft_penalty":
-            raise ValueError("algorithm.overlong=soft_penalty measures a completion against rollout.max_new_tokens, a "
-                             "turn's limit: with an environment use overlong: mask (cut trajectories out of the loss) "
-                             "or none")  # fmt: skip
-        longest = max(environment.max_turns * environment.tool_timeout_s,
-                      environment.episode_timeout_s if environment.agent else 0.0)  # fmt: skip
+            raise ValueError(
+                "algorithm.overlong=soft_penalty measures a completion against rollout.max_new_tokens, a "
+                "turn's limit: with an environment use overlong: mask (cut trajectories out of the loss) "
+                "or none"
+            )
+        longest = max(
+            environment.max_turns * environment.tool_timeout_s,
+            environment.episode_timeout_s if environment.agent else 0.0,
+        )
         if longest >= self.faults.generate_timeout_s:
             raise ValueError(
                 f"an episode may wait {longest:g} s on its tools or agent (environment.max_turns x tool_timeout_s, or "
@@ -327,8 +337,9 @@ def refuse_credentials(value: str, key: str) -> None:
     credentials; the message shows it redacted."""
     found = uri_credentials(value)
     if found:
-        raise ConfigError(f"{key}: {redact(value)} carries credentials ({', '.join(found)}): remove them; "
-                          f"{CREDENTIALS_GO}")  # fmt: skip
+        raise ConfigError(
+            f"{key}: {redact(value)} carries credentials ({', '.join(found)}): remove them; {CREDENTIALS_GO}"
+        )
 
 
 def _strings(tree: Any, key: str = "") -> list[tuple[str, str]]:

@@ -16,9 +16,19 @@ from typing import TextIO
 from tqdm import tqdm
 
 LIBRARY_LOGGERS = (
-    "ray", "vllm", "DeepSpeed", "deepspeed", "transformers", "torch", "datasets", "huggingface_hub", "wandb",
-    "urllib3", "filelock", "py.warnings",
-)  # fmt: skip
+    "ray",
+    "vllm",
+    "DeepSpeed",
+    "deepspeed",
+    "transformers",
+    "torch",
+    "datasets",
+    "huggingface_hub",
+    "wandb",
+    "urllib3",
+    "filelock",
+    "py.warnings",
+)
 LOG_NAME = "verbose.log"
 RAY_PRINTER = "ray_print_logs"  # the name of the handler Ray's driver prints its actors' output with
 OWN_PRINTER = "grpo_dist_verbose_log"
@@ -99,8 +109,11 @@ def _quiet_progress_bars() -> None:
 
 def _to_console(handler: logging.Handler) -> bool:
     return isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (
-        sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__,
-    )  # fmt: skip
+        sys.stdout,
+        sys.stderr,
+        sys.__stdout__,
+        sys.__stderr__,
+    )
 
 
 def section(text: str) -> None:

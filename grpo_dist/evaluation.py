@@ -46,19 +46,29 @@ def evaluate(
         completions = generation.completions()
         scores = cluster.rewards.score(score_requests(each.prompts, completions), judge=each.reward)
         samples = [
-            Sample(score.total == 1.0, not math.isfinite(score.total), final_answer(c.text), len(c.token_ids),
-                   c.finish_reason == "length")
+            Sample(
+                score.total == 1.0,
+                not math.isfinite(score.total),
+                final_answer(c.text),
+                len(c.token_ids),
+                c.finish_reason == "length",
+            )
             for c, score in zip(completions, scores, strict=True)
-        ]  # fmt: skip
+        ]
         found = set_metrics(each.name, each.k, [samples[i : i + each.k] for i in range(0, len(samples), each.k)])
         metrics.update(found)
         tqdm.write(describe(each, found, when))
         if samples_to is not None:
             written += [
-                {"set": each.name, "prompt_index": c.prompt_index, "prompt": each.prompts[c.prompt_index].text,
-                 "completion": c.text, **asdict(sample)}
+                {
+                    "set": each.name,
+                    "prompt_index": c.prompt_index,
+                    "prompt": each.prompts[c.prompt_index].text,
+                    "completion": c.text,
+                    **asdict(sample),
+                }
                 for c, sample in zip(completions, samples, strict=True)
-            ]  # fmt: skip
+            ]
     if samples_to is not None:
         samples_to.parent.mkdir(parents=True, exist_ok=True)
         samples_to.write_text("".join(json.dumps(row) + "\n" for row in written))

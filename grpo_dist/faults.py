@@ -32,9 +32,15 @@ START_ATTEMPTS = 5  # for a replacement whose actor dies while starting (placed 
 RETRY_PAUSE_S = 5.0
 CLOSE_S = 15.0  # for an actor to end the processes it started (sandboxes, jails) before it is killed
 COUNTERS = (
-    "generator_restarts", "engine_restarts", "reward_worker_restarts", "learner_restarts", "judge_restarts",
-    "regenerated", "rescored", "unscored",
-)  # fmt: skip
+    "generator_restarts",
+    "engine_restarts",
+    "reward_worker_restarts",
+    "learner_restarts",
+    "judge_restarts",
+    "regenerated",
+    "rescored",
+    "unscored",
+)
 """Every `faults/*` metric, logged from step 1 so that each has a curve."""
 
 
@@ -66,8 +72,16 @@ FAIL_ALLOCATION_AT_STEP = "GRPO_DIST_FAIL_ALLOCATION_AT_STEP"
 """For tests: in the environment of a run, the learner ranks ask for more memory than any machine has in the
 training step it names, every time that step is trained (a real allocation failure inside a real step)."""
 
-DEVICE_ERRORS = ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "NCCL error", "device-side assert",
-                 "illegal memory access", "ECC error", "CUDA driver")  # fmt: skip
+DEVICE_ERRORS = (
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "cuDNN error",
+    "NCCL error",
+    "device-side assert",
+    "illegal memory access",
+    "ECC error",
+    "CUDA driver",
+)
 """Words in a RuntimeError that mean the device, not the code, failed (the state of the process is then lost)."""
 
 
@@ -178,8 +192,14 @@ def gather(
             if not ready or time.monotonic() >= deadline:
                 break
         if len(done) < len(refs):  # take the others finished by now
-            done.update(ray.wait([ref for ref in refs if ref not in done], num_returns=len(refs) - len(done),
-                                 timeout=0, fetch_local=fetch)[0])  # fmt: skip
+            done.update(
+                ray.wait(
+                    [ref for ref in refs if ref not in done],
+                    num_returns=len(refs) - len(done),
+                    timeout=0,
+                    fetch_local=fetch,
+                )[0]
+            )
     for ref in refs:
         if ref not in outcomes:
             outcomes[ref] = (
@@ -202,8 +222,9 @@ def gather_progressing(
     hung: set[int] = set()
     tick = Bound(min(HEARTBEAT_S, bound.seconds), bound.setting)
     while unfinished := [index for index in range(len(refs)) if index not in finished and index not in hung]:
-        for index, outcome in zip(unfinished, gather([refs[i] for i in unfinished], tick, fail_fast=fail_fast),
-                                  strict=True):  # fmt: skip
+        for index, outcome in zip(
+            unfinished, gather([refs[i] for i in unfinished], tick, fail_fast=fail_fast), strict=True
+        ):
             if not outcome.pending:
                 finished[index] = outcome
         if fail_fast and (hung or any(not outcome.ok for outcome in finished.values())):

@@ -105,10 +105,16 @@ class GeneratorPool:
         self.answered: dict[int, float] = {}  # when each slot last answered a request (monotonic)
         self.joining: list[Joining] = []  # asked for while the run goes, not yet in the pool
         self.pool = ActorPool(
-            "generator", "generator_restarts", self._start, cfg.rollout.num_generators, faults,
-            cfg.faults.max_generator_restarts, self.bounds.start, ready_call="start",
+            "generator",
+            "generator_restarts",
+            self._start,
+            cfg.rollout.num_generators,
+            faults,
+            cfg.faults.max_generator_restarts,
+            self.bounds.start,
+            ready_call="start",
             close_call="close",
-        )  # fmt: skip
+        )
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         cfg = self.cfg
@@ -180,8 +186,12 @@ class GeneratorPool:
         for requests in by_actor.values():
             first = requests[0]
             if self.actors[first.request.slot] is first.request.actor:
-                self.pool.replace(first.request.slot, f"{first.why} while generating {len(requests)} prompts",
-                                  "generating them again", restart_counter(first.kind))  # fmt: skip
+                self.pool.replace(
+                    first.request.slot,
+                    f"{first.why} while generating {len(requests)} prompts",
+                    "generating them again",
+                    restart_counter(first.kind),
+                )
                 replaced = True
         return replaced
 
@@ -259,8 +269,9 @@ class GeneratorPool:
 
     def replace_unresponsive(self) -> bool:
         """Probe every generator; replace those that are dead or do not answer. Returns whether any was."""
-        outcomes = self.pool.call("current_weight_version", {slot: () for slot in range(len(self.actors))},
-                                  self.bounds.probe)  # fmt: skip
+        outcomes = self.pool.call(
+            "current_weight_version", {slot: () for slot in range(len(self.actors))}, self.bounds.probe
+        )
         lost = {slot: outcome for slot, outcome in outcomes.items() if outcome.fault is not None}
         for slot, outcome in lost.items():
             self.pool.replace(slot, outcome.fault, counter=restart_counter(outcome.kind))

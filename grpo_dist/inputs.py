@@ -99,8 +99,14 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
             key = "data.eval_path"
         else:
             rows = read_source(spec.path, spec.split, spec.subset, spec.fields or cfg.data.fields, key)
-            prompts, _ = encode_prompts(rows, tokenizer, cfg.data.max_prompt_tokens, cfg.data.system_prompt,
-                                        cfg.data.chat_template, template_tools(cfg))  # fmt: skip
+            prompts, _ = encode_prompts(
+                rows,
+                tokenizer,
+                cfg.data.max_prompt_tokens,
+                cfg.data.system_prompt,
+                cfg.data.chat_template,
+                template_tools(cfg),
+            )
             if not prompts:
                 raise ConfigError(f"{key}: {spec.path} holds no prompt within data.max_prompt_tokens")
         max_tokens = spec.max_tokens or cfg.rollout.max_new_tokens
@@ -176,11 +182,15 @@ def check_environment(cfg: Config, tokenizer: Any, record: PromptRecord) -> None
     except (ValueError, TemplateError, SandboxError) as error:
         raise ConfigError(f"environment: {error}") from None
     except Exception as error:  # the user's environment failing on its first row
-        raise ConfigError(f"environment {cfg.environment.name}: reset of the first row of data.path raised "
-                          f"{type(error).__name__}: {error}") from None  # fmt: skip
+        raise ConfigError(
+            f"environment {cfg.environment.name}: reset of the first row of data.path raised "
+            f"{type(error).__name__}: {error}"
+        ) from None
     if len(first) > cfg.data.max_prompt_tokens:
-        raise ConfigError(f"environment {cfg.environment.name}: the first row's first messages take {len(first)} "
-                          f"tokens, more than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")  # fmt: skip
+        raise ConfigError(
+            f"environment {cfg.environment.name}: the first row's first messages take {len(first)} "
+            f"tokens, more than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})"
+        )
 
 
 def check_judge(cfg: Config) -> None:
@@ -222,8 +232,9 @@ def read_prompts(cfg: Config, location: str, tokenizer: Any, held_out: bool = Fa
     data = cfg.data
     split, key = (data.eval_split, "data.eval_path") if held_out else (data.split, "data.path")
     rows = read_source(location, split, data.subset, data.fields, key)
-    return encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template,
-                          template_tools(cfg))  # fmt: skip
+    return encode_prompts(
+        rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template, template_tools(cfg)
+    )
 
 
 def template_tools(cfg: Config) -> list[dict] | None:
@@ -278,6 +289,7 @@ def prepare_data(cfg: Config, scratch: Path | None = None) -> tuple[str, str | N
     if data.task is None:
         return data.path, data.eval_path
     task = data.task
-    train, held_out = split_task(task.name, (scratch or cfg.run_dir) / "data", task.num_train, task.num_eval,
-                                 cfg.run.seed)  # fmt: skip
+    train, held_out = split_task(
+        task.name, (scratch or cfg.run_dir) / "data", task.num_train, task.num_eval, cfg.run.seed
+    )
     return str(train), str(held_out)

@@ -163,8 +163,14 @@ def sys_python() -> str:
 
 def clean_env(home: str) -> dict[str, str]:
     """The whole environment a jailed process gets: never the run's tokens or keys."""
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home,
-            "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": home,
+        "TMPDIR": home,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def wrap(argv: list[str], bwrap: str | None = None) -> list[str]:
@@ -211,11 +217,30 @@ def wrap(argv: list[str], bwrap: str | None = None) -> list[str]:
     env = ["--clearenv", *[arg for key, value in clean_env("/tmp/work").items() for arg in ("--setenv", key, value)]]
     guard = ["--die-with-parent", "--new-session"]
     if os.geteuid() == 0:
-        become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
-                  "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
+        become = [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--",
+        ]
         return [bwrap, *view, *namespaces, *env, *guard, "--", *become, *argv]
-    return [bwrap, *view, "--unshare-user", "--disable-userns", *namespaces, *env, *guard, "--cap-drop", "ALL", "--",
-            *argv]  # fmt: skip
+    return [
+        bwrap,
+        *view,
+        "--unshare-user",
+        "--disable-userns",
+        *namespaces,
+        *env,
+        *guard,
+        "--cap-drop",
+        "ALL",
+        "--",
+        *argv,
+    ]
 
 
 def in_pid_namespace(argv: list[str]) -> list[str]:
@@ -298,12 +323,16 @@ class Jailed:
         jailed = found.namespaces
         try:
             self.process = subprocess.Popen(
-                wrap(argv) if jailed else argv, stdin=subprocess.PIPE,
+                wrap(argv) if jailed else argv,
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE if output else subprocess.DEVNULL,
-                stderr=subprocess.STDOUT if output else subprocess.DEVNULL, pass_fds=(write_end,), cwd=self.workdir,
+                stderr=subprocess.STDOUT if output else subprocess.DEVNULL,
+                pass_fds=(write_end,),
+                cwd=self.workdir,
                 env=clean_env(self.workdir),
-                start_new_session=True, preexec_fn=_own_keyring if jailed or os.geteuid() != 0 else _as_nobody,
-            )  # fmt: skip
+                start_new_session=True,
+                preexec_fn=_own_keyring if jailed or os.geteuid() != 0 else _as_nobody,
+            )
         finally:
             os.close(write_end)
         RUNNING.add(self.process.pid)

@@ -37,17 +37,28 @@ class JudgePool:
         self.pattern = re.compile(self.judge.verdict)
         self.seconds = 0.0  # spent judging since `step_metrics` last read it
         self.pool = ActorPool(
-            "judge engine", "judge_restarts", self._start, self.judge.num_engines, faults, self.judge.max_restarts,
-            self.bounds.start, ready_call="start",
-        )  # fmt: skip
+            "judge engine",
+            "judge_restarts",
+            self._start,
+            self.judge.num_engines,
+            faults,
+            self.judge.max_restarts,
+            self.bounds.start,
+            ready_call="start",
+        )
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         judge = self.judge
         engine = RolloutConfig(
-            num_generators=judge.num_engines, max_new_tokens=judge.max_tokens, max_model_len=judge.max_model_len,
-            dtype=judge.dtype, gpu_memory_utilization=judge.gpu_memory_utilization,
-            cpu_kv_cache_gib=judge.cpu_kv_cache_gib, num_cpus=judge.num_cpus, num_gpus=judge.num_gpus,
-        )  # fmt: skip
+            num_generators=judge.num_engines,
+            max_new_tokens=judge.max_tokens,
+            max_model_len=judge.max_model_len,
+            dtype=judge.dtype,
+            gpu_memory_utilization=judge.gpu_memory_utilization,
+            cpu_kv_cache_gib=judge.cpu_kv_cache_gib,
+            num_cpus=judge.num_cpus,
+            num_gpus=judge.num_gpus,
+        )
         options = {"num_cpus": judge.num_cpus, "num_gpus": judge.num_gpus}
         return ray.remote(Generator).options(**options).remote(self.model, engine, self.seed + 1000 + slot)
 
@@ -66,8 +77,9 @@ class JudgePool:
         fields.update(prompt=request.prompt, completion=completion)
         text = self.judge.prompt.format_map(_Blank(fields))
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)  # fmt: skip
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def verdict(self, reply: str) -> tuple[float, str | None]:

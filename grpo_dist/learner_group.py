@@ -112,9 +112,13 @@ class LearnerGroup:
         """Start a training step and return at once (the driver works on the next batch meanwhile)."""
         learner = self.cfg.learner
         shards = shard_batch(
-            batch, len(self.ranks), self.cfg.algorithm.mini_batches, learner.micro_batch_size,
-            self.cfg.algorithm.aggregation, learner.max_tokens_per_micro_batch,
-        )  # fmt: skip
+            batch,
+            len(self.ranks),
+            self.cfg.algorithm.mini_batches,
+            learner.micro_batch_size,
+            self.cfg.algorithm.aggregation,
+            learner.max_tokens_per_micro_batch,
+        )
         self.training = [rank.train.remote(shard) for rank, shard in zip(self.ranks, shards, strict=True)]
 
     def finish_train(self) -> dict[str, float]:

@@ -93,18 +93,22 @@ def completion_rows(rollout: Rollout, advantages: torch.Tensor, version: int, na
     count = max(per_group, limit // per_group * per_group)
     rows = []
     for index, (c, score) in enumerate(zip(rollout.completions[:count], rollout.scores[:count], strict=True)):
-        rows.append({
-            "prompt": rollout.prompts[c.prompt_index].text,
-            "completion": conversation(c),
-            "reward": _json_number(score.total),
-            **{f"reward/{name}": _json_number(value) for name, value in zip(names, score.per_function, strict=True)},
-            "advantage": _json_number(advantages[index].item()),
-            "staleness": version - c.weight_version,
-            "generator": c.generator,
-            "length": c.sampled_tokens,
-            **({"turns": c.episode.turns, "tool_calls": c.episode.tool_calls} if c.episode else {}),
-            "finish_reason": c.finish_reason,
-        })  # fmt: skip
+        rows.append(
+            {
+                "prompt": rollout.prompts[c.prompt_index].text,
+                "completion": conversation(c),
+                "reward": _json_number(score.total),
+                **{
+                    f"reward/{name}": _json_number(value) for name, value in zip(names, score.per_function, strict=True)
+                },
+                "advantage": _json_number(advantages[index].item()),
+                "staleness": version - c.weight_version,
+                "generator": c.generator,
+                "length": c.sampled_tokens,
+                **({"turns": c.episode.turns, "tool_calls": c.episode.tool_calls} if c.episode else {}),
+                "finish_reason": c.finish_reason,
+            }
+        )
     return rows
 
 
@@ -192,8 +196,10 @@ class MetricsSink:
             if finishing.is_alive():  # a network that hangs must not hold the run's end (its processes, its exit)
                 log.warning(
                     "W&B did not finish within %g s (wandb.finish_timeout_s); its files stay in %s (`wandb sync` "
-                    "uploads them)", self.finish_timeout_s, self.path.parent / "wandb",
-                )  # fmt: skip
+                    "uploads them)",
+                    self.finish_timeout_s,
+                    self.path.parent / "wandb",
+                )
 
 
 def _wandb_media(samples: StepSamples | None) -> dict[str, Any]:
@@ -203,8 +209,7 @@ def _wandb_media(samples: StepSamples | None) -> dict[str, Any]:
     import wandb
 
     media = {}
-    for key, values in (("rewards", samples.rewards), ("lengths", samples.lengths),
-                        ("advantages", samples.advantages)):  # fmt: skip
+    for key, values in (("rewards", samples.rewards), ("lengths", samples.lengths), ("advantages", samples.advantages)):
         finite = [value for value in values if math.isfinite(value)]
         if finite:
             media[f"histograms/{key}"] = wandb.Histogram(finite)

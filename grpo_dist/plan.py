@@ -109,8 +109,10 @@ class Plan:
             out.append("  learner ranks on CPUs (learner.num_gpus 0): host memory, not planned")
         if self.engine:
             parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.engine.items())
-            out.append(f"  engine: {self.engine_gb:.1f} of {self.engine_budget_gb:.1f} GB ({parts}); KV room "
-                       f"{self.kv_room_tokens:,} tokens")  # fmt: skip
+            out.append(
+                f"  engine: {self.engine_gb:.1f} of {self.engine_budget_gb:.1f} GB ({parts}); KV room "
+                f"{self.kv_room_tokens:,} tokens"
+            )
         else:
             out.append("  engines on CPUs (rollout.num_gpus 0): not planned")
         for name, gb in self.host.items():

@@ -113,8 +113,12 @@ def plot_run(metrics_path: str | Path, out_path: str | Path, window: int = 10) -
         points = [(row["step"], row[f"time/{phase}"]) for row in timed if row.get(f"time/{phase}") is not None]
         if points:
             sparse = len(points) < len(rows) / 2  # a phase of some steps only (eval): points, not a line
-            times.plot(*zip(*points, strict=True), label=phase, marker="o" if sparse else None,
-                       linestyle="none" if sparse else "-")  # fmt: skip
+            times.plot(
+                *zip(*points, strict=True),
+                label=phase,
+                marker="o" if sparse else None,
+                linestyle="none" if sparse else "-",
+            )
     times.set_title("seconds per step, by phase")
     for key in ("staleness/mean", "staleness/max"):
         points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]

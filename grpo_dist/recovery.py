@@ -110,8 +110,11 @@ def restart_learner(
 def what_to_change(cfg: Config, kind: str) -> str:
     """The settings that make a training step need less of the device, for a failure seen twice at one step."""
     learner = cfg.learner
-    length = (f"environment.max_total_tokens (now {cfg.environment.max_total_tokens})" if cfg.environment
-              else f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})")  # fmt: skip
+    length = (
+        f"environment.max_total_tokens (now {cfg.environment.max_total_tokens})"
+        if cfg.environment
+        else f"rollout.max_new_tokens (now {cfg.rollout.max_new_tokens})"
+    )
     if learner.max_tokens_per_micro_batch is not None:
         smaller = f"lower learner.max_tokens_per_micro_batch (now {learner.max_tokens_per_micro_batch}) or {length}"
     else:
@@ -138,8 +141,10 @@ def checkpoint_at_stop(cfg: Config, run: RunStore, cluster: Cluster, step: int, 
     if not cfg.checkpoint.every_steps or checkpoints.written(run, step):
         return
     if cluster.learner.version != version or cluster.learner.busy:
-        print(f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
-              "from the latest checkpoint")  # fmt: skip
+        print(
+            f"stopped after the learner's update of step {step + 1}: no checkpoint of it; --resume continues "
+            "from the latest checkpoint"
+        )
         return
     try:
         print(f"checkpoint of step {step} written to {checkpoints.save(cfg, run, cluster, step, state)}")

@@ -42,9 +42,15 @@ class RewardPool:
         self.isolation = {"sandbox/namespaces": float(jail.status().namespaces)} if cfg.model_code_runs else {}
         self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
         self.pool = ActorPool(
-            "reward worker", "reward_worker_restarts", self._start, cfg.reward.num_workers, faults,
-            cfg.faults.max_reward_worker_restarts, self.bounds.start, close_call="close",
-        )  # fmt: skip
+            "reward worker",
+            "reward_worker_restarts",
+            self._start,
+            cfg.reward.num_workers,
+            faults,
+            cfg.faults.max_reward_worker_restarts,
+            self.bounds.start,
+            close_call="close",
+        )
         self.judge = None
         if cfg.reward.judge is not None:
             from grpo_dist.judge_pool import JudgePool
@@ -75,8 +81,10 @@ class RewardPool:
     def _score(self, requests: list[ScoreRequest], judge: str | None) -> list[Score]:
         """`score` of requests that can be scored."""
         if self.judge is not None and (judge or "judge") == "judge":
-            requests = [ScoreRequest(request.prompt, request.completion, {**request.fields, **_verdict(*found)})
-                        for request, found in zip(requests, self.judge.score(requests), strict=True)]  # fmt: skip
+            requests = [
+                ScoreRequest(request.prompt, request.completion, {**request.fields, **_verdict(*found)})
+                for request, found in zip(requests, self.judge.score(requests), strict=True)
+            ]
         shards = split(len(requests), len(self.pool.actors))
         scored: dict[int, list[Score]] = {}
         attempts = 1 + self.cfg.faults.rescore_attempts
@@ -95,8 +103,11 @@ class RewardPool:
             if shards and again:
                 self.faults.count("rescored", sum(_count(span) for span in shards.values()))
         for slot, span in shards.items():
-            self.faults.record("unscored", f"{_count(span)} completions left unscored: their reward worker was lost "
-                               f"{attempts} times", _count(span))  # fmt: skip
+            self.faults.record(
+                "unscored",
+                f"{_count(span)} completions left unscored: their reward worker was lost {attempts} times",
+                _count(span),
+            )
             scored[slot] = [self._lost() for _ in range(_count(span))]
         return [score for slot in sorted(scored) for score in scored[slot]]
 

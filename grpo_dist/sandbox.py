@@ -147,13 +147,18 @@ class Sandbox:
         if os.geteuid() == 0:
             os.chown(self.home, NOBODY, NOBODY)
         self.process = subprocess.Popen(
-            jail.in_pid_namespace([sys.executable, "-m", "grpo_dist.sandbox_child"]), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=sandbox_env(self.home, self.limits.env), cwd=self.home, start_new_session=True,
+            jail.in_pid_namespace([sys.executable, "-m", "grpo_dist.sandbox_child"]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=sandbox_env(self.home, self.limits.env),
+            cwd=self.home,
+            start_new_session=True,
             preexec_fn=die_with_parent,
-        )  # fmt: skip
+        )
         jail.RUNNING.add(self.process.pid)
-        self.process.stdin.write(json.dumps({"functions": self.names, "kind": self.kind,
-                                             "limits": asdict(self.limits)}).encode() + b"\n")  # fmt: skip
+        self.process.stdin.write(
+            json.dumps({"functions": self.names, "kind": self.kind, "limits": asdict(self.limits)}).encode() + b"\n"
+        )
         self.process.stdin.flush()
         line = self._line(START_TIMEOUT_S)
         ready = json.loads(line) if line is not None else None
@@ -222,9 +227,15 @@ class Sandbox:
 def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
     """A sandbox's whole environment: what Python needs, the import path (this process's, the working directory
     last so nothing planted there shadows an installed module), and the variables named in `passed`."""
-    env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": home,
-           "TMPDIR": home, SANDBOX_MARK: str(os.getpid()), "TOKENIZERS_PARALLELISM": "false",
-           **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")}  # fmt: skip
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        "HOME": home,
+        "TMPDIR": home,
+        SANDBOX_MARK: str(os.getpid()),
+        "TOKENIZERS_PARALLELISM": "false",
+        **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1"),
+    }
     env["PYTHONPATH"] = os.pathsep.join([*map(os.path.abspath, filter(None, sys.path)), os.getcwd()])
     env.update({name: os.environ[name] for name in passed if name in os.environ})
     return env

@@ -115,9 +115,13 @@ def pack(batch: TrainBatch, host: TrainBatch | None = None) -> Packed:
 
 
 def scores(
-    model, batch: TrainBatch, temperature: float, entropy: bool = False, packed: bool = True,
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    entropy: bool = False,
+    packed: bool = True,
     host: TrainBatch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of `batch`'s tokens under `model` (a Hugging Face causal LM, or a DeepSpeed engine around
     one) and with `entropy` the entropies: packed (only the tokens that count in the loss; 0 elsewhere) or padded.
     `host`: the same micro-batch in host memory, if the caller has it (see `pack`)."""
@@ -239,8 +243,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -252,8 +257,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     parts = []
     for positions in kwargs["packed_buckets"]:  # the sequences of one length at once: [n, L] positions
         count, length = positions.shape
-        q, k, v = (tensor[0][:, positions.reshape(-1)].unflatten(1, (count, length)).transpose(0, 1)
-                   for tensor in (query, key, value))  # [n, H, L, D] each  # fmt: skip
+        q, k, v = (
+            tensor[0][:, positions.reshape(-1)].unflatten(1, (count, length)).transpose(0, 1)
+            for tensor in (query, key, value)
+        )  # [n, H, L, D] each
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)  # [n, H, L, D]
         parts.append(out.transpose(1, 2).flatten(0, 1))  # [n L, H, D]
     return torch.cat(parts)[kwargs["packed_inverse"]][None], None

@@ -94,8 +94,10 @@ def _examples(cfg: Config, train_path: str, tokenizer: Any) -> list[Example]:
             raise DatasetError(f"{train_path}: row {number}: no {field!r} field to learn from (sft.answer_field)")
     records, _ = encode_prompts(rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template)
     if isinstance(rows[0][field], list):
-        return [_transcript(cfg, tokenizer, rows[record.index][field], f"{train_path}: row {record.index + 1}")
-                for record in records]  # fmt: skip
+        return [
+            _transcript(cfg, tokenizer, rows[record.index][field], f"{train_path}: row {record.index + 1}")
+            for record in records
+        ]
     eos = [tokenizer.eos_token_id]
     return [
         Example(

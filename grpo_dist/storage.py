@@ -314,8 +314,10 @@ def _make(parent: int, name: str, where: Path) -> bool:
     except FileExistsError:
         return False
     except OSError as err:
-        raise StorageError(f"{where}: cannot create it ({err.strerror}): set run.staging_dir to a directory on this "
-                           "node's own disk that you can write") from None  # fmt: skip
+        raise StorageError(
+            f"{where}: cannot create it ({err.strerror}): set run.staging_dir to a directory on this "
+            "node's own disk that you can write"
+        ) from None
     return True
 
 
@@ -323,15 +325,19 @@ def _enter(parent: int, name: str, where: Path, own: bool) -> int:
     """The open directory `name` in `parent`; one of the run's own (`own`) is not reached through a link, is this
     user's and is left with mode 0o700."""
     if own and stat.S_ISLNK(os.lstat(name, dir_fd=parent).st_mode):
-        raise StorageError(f"{where} is a symbolic link (to {os.readlink(name, dir_fd=parent)}), which a staging "
-                           "directory is never reached through: someone may have planted it to read or replace the "
-                           "run's files; remove it, or set run.staging_dir to a directory of your own")  # fmt: skip
+        raise StorageError(
+            f"{where} is a symbolic link (to {os.readlink(name, dir_fd=parent)}), which a staging "
+            "directory is never reached through: someone may have planted it to read or replace the "
+            "run's files; remove it, or set run.staging_dir to a directory of your own"
+        )
     try:
         child = os.open(name, OWN if own else os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
     except OSError as err:
         why = "a symbolic link" if err.errno == errno.ELOOP else err.strerror
-        raise StorageError(f"{where}: cannot open it as a directory ({why}): remove it, or set run.staging_dir to "
-                           "a directory of your own") from None  # fmt: skip
+        raise StorageError(
+            f"{where}: cannot open it as a directory ({why}): remove it, or set run.staging_dir to "
+            "a directory of your own"
+        ) from None
     if own:
         _check_owner(child, where)
     return child
@@ -342,8 +348,10 @@ def _check_owner(directory: int, where: Path) -> None:
     info = os.fstat(directory)
     if info.st_uid != os.geteuid():
         os.close(directory)
-        raise StorageError(f"{where} belongs to another user (uid {info.st_uid}, you are {os.geteuid()}), who could "
-                           "read or replace the run's files there: set run.staging_dir to a directory of your own "
-                           "(/tmp/grpo-dist-staging-$USER)")  # fmt: skip
+        raise StorageError(
+            f"{where} belongs to another user (uid {info.st_uid}, you are {os.geteuid()}), who could "
+            "read or replace the run's files there: set run.staging_dir to a directory of your own "
+            "(/tmp/grpo-dist-staging-$USER)"
+        )
     if stat.S_IMODE(info.st_mode) != 0o700:
         os.fchmod(directory, 0o700)

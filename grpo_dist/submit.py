@@ -30,20 +30,40 @@ from grpo_dist.config import ConfigError, load_config
 FORWARDED = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
 """Environment variables forwarded into every job when they are set here (the secrets among them only with
 `--forward-secrets`)."""
-STORE_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                     "AWS_DEFAULT_REGION", "AWS_REGION")  # fmt: skip
+STORE_CREDENTIALS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+)
 """Forwarded too when they are set here and `run.output_dir` is an object store (every node uploads to it); the
 keys only with `--forward-secrets`."""
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 """A variable whose name says it holds a secret (WANDB_API_KEY, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...)."""
 PATHS_TO_SECRETS = ("GOOGLE_APPLICATION_CREDENTIALS", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")
 """Named like secrets, but they hold the path of a file: not secrets themselves."""
-RAY_LOGS_THEM = ("Ray writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node "
-                 "(readable by whoever can read the nodes' Ray logs)")  # fmt: skip
-ON_THE_CLUSTER = ("set them in the nodes' own environment (a Kubernetes Secret mounted as env vars in the KubeRay pod "
-                  "spec, or the environment `ray start` runs in), or pass --forward-secrets")  # fmt: skip
-EXCLUDES = [".venv", "outputs", "wandb", ".git", "**/__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
-            "*.egg-info", ".cache"]  # fmt: skip
+RAY_LOGS_THEM = (
+    "Ray writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node "
+    "(readable by whoever can read the nodes' Ray logs)"
+)
+ON_THE_CLUSTER = (
+    "set them in the nodes' own environment (a Kubernetes Secret mounted as env vars in the KubeRay pod "
+    "spec, or the environment `ray start` runs in), or pass --forward-secrets"
+)
+EXCLUDES = [
+    ".venv",
+    "outputs",
+    "wandb",
+    ".git",
+    "**/__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    "*.egg-info",
+    ".cache",
+]
 """What never goes up with the working directory."""
 POLL_S = 1.0
 STOP_WAIT_S = 600
@@ -69,14 +89,18 @@ class JobServer:
         except AuthenticationError as err:
             raise SubmitError(self.auth_problem(err)) from None
         except ConnectionError as err:
-            raise SubmitError(f"cannot reach the Ray job server at {address}: {str(err).splitlines()[0]} (the "
-                              "head's dashboard address, http://HEAD:8265 by default)") from None  # fmt: skip
+            raise SubmitError(
+                f"cannot reach the Ray job server at {address}: {str(err).splitlines()[0]} (the "
+                "head's dashboard address, http://HEAD:8265 by default)"
+            ) from None
 
     def auth_problem(self, err: BaseException) -> str:
         told = "wrong" if "invalid" in str(err).lower() else "missing"
-        return (f"the Ray job server at {self.address} uses token authentication and the token is {told}: set "
-                "RAY_AUTH_TOKEN (or write ~/.ray/auth_token) to the cluster's token, the one its head was started "
-                "with")  # fmt: skip
+        return (
+            f"the Ray job server at {self.address} uses token authentication and the token is {told}: set "
+            "RAY_AUTH_TOKEN (or write ~/.ray/auth_token) to the cluster's token, the one its head was started "
+            "with"
+        )
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         from ray.exceptions import AuthenticationError
@@ -101,8 +125,9 @@ def job_environment(env: list[str], object_store: bool, forward_secrets: bool) -
         raise ConfigError(f"--env {' '.join(missing)}: not set here, so there is nothing to forward")
     asked_secrets = [name for name in env if is_secret(name)]
     if asked_secrets and not forward_secrets:
-        raise ConfigError(f"--env {' '.join(asked_secrets)}: a secret, by its name, and {RAY_LOGS_THEM}: "
-                          f"{ON_THE_CLUSTER}")  # fmt: skip
+        raise ConfigError(
+            f"--env {' '.join(asked_secrets)}: a secret, by its name, and {RAY_LOGS_THEM}: {ON_THE_CLUSTER}"
+        )
     names = list(dict.fromkeys([*FORWARDED, *(STORE_CREDENTIALS if object_store else ()), *env]))
     set_here = [name for name in names if name in os.environ]
     withheld = [] if forward_secrets else [name for name in set_here if is_secret(name)]
@@ -119,9 +144,14 @@ def report_secrets(forwarded: dict[str, str], withheld: list[str]) -> None:
 
 
 def submit(
-    config: str, overrides: list[str], address: str, env: list[str], working_dir: str, follow: bool,
+    config: str,
+    overrides: list[str],
+    address: str,
+    env: list[str],
+    working_dir: str,
+    follow: bool,
     forward_secrets: bool = False,
-) -> int:  # fmt: skip
+) -> int:
     """Validate the config, submit `grpo-dist train` as a job and (with `follow`) print its logs until it ends.
     Secrets go into the job only with `forward_secrets` (`job_environment`). Returns the exit status: 0 when the
     job succeeded (or was submitted, not followed), 1 otherwise."""

@@ -153,9 +153,14 @@ class Generator:
         return [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
 
     async def _trajectories(
-        self, row: dict, prompt_token_ids: list[int], group_size: int, sampling: Sampling, prompt_index: int,
+        self,
+        row: dict,
+        prompt_token_ids: list[int],
+        group_size: int,
+        sampling: Sampling,
+        prompt_index: int,
         seed: int | None,
-    ) -> list[Completion]:  # fmt: skip
+    ) -> list[Completion]:
         """`group_size` trajectories from `row`, each advancing on its own; the group once all have ended. One whose
         user code raised comes back failed (no tokens after `prompt_token_ids`, `episode.failure`), the rest as
         they ended."""
@@ -167,8 +172,13 @@ class Generator:
         from grpo_dist.agents.protocol import Sampled
 
         async def sample(prefix: list[int], max_tokens: int, turn_seed: int | None) -> Sampled:
-            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, logprobs=0,
-                                    max_tokens=min(max_tokens, sampling.max_tokens), seed=turn_seed)  # fmt: skip
+            params = SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                logprobs=0,
+                max_tokens=min(max_tokens, sampling.max_tokens),
+                seed=turn_seed,
+            )
             (turn,) = (await self._sample(prefix, params)).outputs
             return Sampled(list(turn.token_ids), _logprobs(turn), turn.finish_reason or "length", self._versions(turn))
 
@@ -179,12 +189,18 @@ class Generator:
         )
         return [
             Completion(
-                prompt_index=prompt_index, prompt_token_ids=t.prompt_token_ids, token_ids=t.token_ids, text=t.text,
-                logprobs=t.logprobs, finish_reason=t.finish_reason, mask=t.mask, episode=t.episode,
+                prompt_index=prompt_index,
+                prompt_token_ids=t.prompt_token_ids,
+                token_ids=t.token_ids,
+                text=t.text,
+                logprobs=t.logprobs,
+                finish_reason=t.finish_reason,
+                mask=t.mask,
+                episode=t.episode,
                 **self._version_fields(t.versions),
             )
             for t in trajectories
-        ]  # fmt: skip
+        ]
 
     def _versions(self, sample) -> list[int]:
         """The weight versions that sampled any of a sample's tokens."""

@@ -73,9 +73,14 @@ class Learner:
         return free_port()
 
     def setup(
-        self, rank: int, world_size: int, local_rank: int, local_world_size: int, master: tuple[str, int],
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        local_world_size: int,
+        master: tuple[str, int],
         collective_timeout_s: float,
-    ):  # fmt: skip
+    ):
         """Join the ranks' process group and build the policy and reference engines (collective: every rank
         calls it at once); a collective that waits past `collective_timeout_s` on a peer fails. Returns the torch
         threads this rank uses."""
@@ -119,9 +124,12 @@ class Learner:
         native_ops.load(native_ops.needed(self.cfg.offload, torch.cuda.is_available()))
         address, port = master
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-            MASTER_ADDR=address, MASTER_PORT=str(port),
-        )  # fmt: skip
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(local_rank),
+            MASTER_ADDR=address,
+            MASTER_PORT=str(port),
+        )
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
         deepspeed.init_distributed(dist_backend=self._backend(), verbose=False, timeout=timedelta(seconds=timeout_s))

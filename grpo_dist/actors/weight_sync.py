@@ -50,8 +50,11 @@ class WeightReceiver:
         try:
             self.finish_weight_update()
         except Exception as err:  # the half-loaded weights are replaced by the update that follows
-            log.warning("closing an abandoned weight update failed (%s: %s); the next update reloads every weight",
-                        type(err).__name__, err)  # fmt: skip
+            log.warning(
+                "closing an abandoned weight update failed (%s: %s); the next update reloads every weight",
+                type(err).__name__,
+                err,
+            )
             self._weight_update_active = False
             self.weight_transfer_engine.reset_weight_update_target()
         return True

@@ -68,14 +68,30 @@ class Session:
         bound."""
         self.closed = True
         if not self.mask:
-            raise RuntimeError(f"environment.agent {agent} got no reply from the model in its trajectory (no call, "
-                               "or none with room under environment.max_total_tokens): nothing to train")  # fmt: skip
+            raise RuntimeError(
+                f"environment.agent {agent} got no reply from the model in its trajectory (no call, "
+                "or none with room under environment.max_total_tokens): nothing to train"
+            )
         truncated = cut or self.finish_reason == "length" or not self.ended_on_eos
-        episode = Episode(messages=list(self.history), turns=self.replies, tool_calls=self.tool_calls,
-                          truncated=truncated, rewards=rewards, diverged=self.diverged)  # fmt: skip
+        episode = Episode(
+            messages=list(self.history),
+            turns=self.replies,
+            tool_calls=self.tool_calls,
+            truncated=truncated,
+            rewards=rewards,
+            diverged=self.diverged,
+        )
         finish = "length" if truncated else "stop"
-        return Trajectory(list(self.prompt), list(self.tokens), list(self.logprobs), list(self.mask), self.text,
-                          finish, list(self.versions), episode)  # fmt: skip
+        return Trajectory(
+            list(self.prompt),
+            list(self.tokens),
+            list(self.logprobs),
+            list(self.mask),
+            self.text,
+            finish,
+            list(self.versions),
+            episode,
+        )
 
 
 def same_message(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
@@ -210,8 +226,9 @@ class Endpoint:
         observed = session.renderer.observation(messages[len(kept) :])
         return session.prompt + session.tokens + observed, observed
 
-    def _record(self, session: Session, messages: list[dict], reply: dict, sampled: Sampled, observed: list[int],
-                calls: int) -> None:  # fmt: skip
+    def _record(
+        self, session: Session, messages: list[dict], reply: dict, sampled: Sampled, observed: list[int], calls: int
+    ) -> None:
         """The observation the call added and its reply, into the trajectory."""
         session.history = [*messages, reply]
         session.tokens += observed
@@ -231,10 +248,16 @@ class Endpoint:
         finish = "tool_calls" if calls else ("length" if sampled.finish_reason == "length" else "stop")
         completion = len(sampled.token_ids)
         return {
-            "id": f"chatcmpl-{time.monotonic_ns()}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{time.monotonic_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": body.get("model", ""),
-            "choices": [{"index": 0, "message": {**reply, "tool_calls": tool_calls}, "finish_reason": finish,
-                         "logprobs": None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion},
-        }  # fmt: skip
+            "choices": [
+                {"index": 0, "message": {**reply, "tool_calls": tool_calls}, "finish_reason": finish, "logprobs": None}
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            },
+        }

@@ -52,9 +52,16 @@ TURN_SEED_STRIDE = 1_000_003  # turn t of a trajectory seeded s samples with see
 
 
 async def run_episode(
-    environment: Environment, row: dict[str, Any], renderer: Renderer, parser: Callable, tools: ToolBox,
-    sample: Sampler, limits: Limits, seed: int | None, episode: Episode,
-) -> Trajectory:  # fmt: skip
+    environment: Environment,
+    row: dict[str, Any],
+    renderer: Renderer,
+    parser: Callable,
+    tools: ToolBox,
+    sample: Sampler,
+    limits: Limits,
+    seed: int | None,
+    episode: Episode,
+) -> Trajectory:
     """One trajectory in `environment` from `row`, told in `episode` as it goes. Raises
     `UserCodeError` when the environment's `reset` or `step` or the tool parser raises, or returns what cannot be
     read; `episode` then holds the conversation up to there."""
@@ -92,8 +99,9 @@ async def run_episode(
         episode.tool_seconds += time.monotonic() - started
         episode.tool_calls += len(calls)
         episode.tool_errors += sum(call.error is not None for call in calls)
-        done, observed_messages, observed = _guarded(f"{where}.step", _step, environment, Turn(text, calls, number),
-                                                     renderer, episode.rewards)  # fmt: skip
+        done, observed_messages, observed = _guarded(
+            f"{where}.step", _step, environment, Turn(text, calls, number), renderer, episode.rewards
+        )
         if done:
             break
         if number == limits.max_turns or len(prompt) + len(tokens) + len(observed) >= limits.max_total_tokens:
@@ -179,17 +187,27 @@ class AgentLoop:
     wrong name fails when the loop is built)."""
 
     def __init__(
-        self, environment: EnvironmentConfig, tokenizer: Any, max_new_tokens: int, isolation: str = "best_effort",
+        self,
+        environment: EnvironmentConfig,
+        tokenizer: Any,
+        max_new_tokens: int,
+        isolation: str = "best_effort",
         sandbox_env: list[str] = (),
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`isolation`, `sandbox_env`: `reward.isolation` and `reward.sandbox_env` (README: Sandbox)."""
         self.config = environment
         self.environment = environment_class(environment.name)
         self.specs = tool_specs(environment)
         self.renderer = Renderer(tokenizer, [spec.chat_template_entry for spec in self.specs])
         self.parser = resolve_parser(environment.tool_parser)
-        limits = SandboxLimits(environment.sandbox_memory_mb, environment.tool_timeout_s, False,
-                               environment.sandbox_network, isolation == "require", tuple(sandbox_env))  # fmt: skip
+        limits = SandboxLimits(
+            environment.sandbox_memory_mb,
+            environment.tool_timeout_s,
+            False,
+            environment.sandbox_network,
+            isolation == "require",
+            tuple(sandbox_env),
+        )
         self.tools = ToolBox(self.specs, limits, environment.tool_workers, environment.tool_timeout_s)
         self.limits = Limits(environment.max_turns, environment.max_total_tokens, max_new_tokens)
         self.agent = resolve_named(environment.agent, {}, "environment.agent") if environment.agent else None
@@ -216,8 +234,9 @@ class AgentLoop:
             if self.agent is not None:
                 return await self._agent_trajectory(row, sample, seed, episode)
             environment = _guarded(f"{self.environment.__qualname__}.__init__", self.new_environment)
-            return await run_episode(environment, row, self.renderer, self.parser, self.tools, sample, self.limits,
-                                     seed, episode)  # fmt: skip
+            return await run_episode(
+                environment, row, self.renderer, self.parser, self.tools, sample, self.limits, seed, episode
+            )
         except UserCodeError as failure:
             episode.failure = failure.reason
             return Trajectory(list(prompt_token_ids), [], [], [], "", "failed", [], episode)
@@ -246,9 +265,13 @@ class AgentLoop:
             await client.close()
         rewards = _guarded(f"environment.agent {self.config.agent} (its return value)", _agent_rewards, found)
         if not session.mask:
-            raise UserCodeError(f"environment.agent {self.config.agent}", RuntimeError(
-                "it got no reply from the model to train on (no call, or none with room under "
-                "environment.max_total_tokens)"))  # fmt: skip
+            raise UserCodeError(
+                f"environment.agent {self.config.agent}",
+                RuntimeError(
+                    "it got no reply from the model to train on (no call, or none with room under "
+                    "environment.max_total_tokens)"
+                ),
+            )
         return session.trajectory(rewards, cut, self.config.agent)
 
     async def _run_agent(self, client: Any, row: dict[str, Any]) -> Any:

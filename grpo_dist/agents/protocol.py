@@ -101,9 +101,14 @@ def assistant_message(text: str, calls: list[ToolCall]) -> dict[str, Any]:
     shape (so each `tool` message's `tool_call_id` names the call it answers)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
-        message["tool_calls"] = [{"id": call.id, "type": "function",
-                                  "function": {"name": call.name, "arguments": json.dumps(call.arguments, default=str)}}
-                                 for call in calls]  # fmt: skip
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments, default=str)},
+            }
+            for call in calls
+        ]
     return message
 
 
@@ -148,8 +153,9 @@ def resolve_named(name: str, builtins: dict[str, Any], what: str) -> Any:
         return builtins[name]
     module_name, _, attribute = name.rpartition(".")
     if not module_name:
-        raise ValueError(f"{what} {name!r}: not a built-in ({', '.join(builtins)}) nor a dotted path "
-                         "'package.module.attribute'")  # fmt: skip
+        raise ValueError(
+            f"{what} {name!r}: not a built-in ({', '.join(builtins)}) nor a dotted path 'package.module.attribute'"
+        )
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
@@ -160,8 +166,9 @@ def environment_class(name: str) -> type[Environment]:
     """The environment `name`: `tools` (the base class), or the `Environment` subclass at that dotted path."""
     found = resolve_named(name, {"tools": Environment}, "environment.name")
     if not (isinstance(found, type) and issubclass(found, Environment)):
-        raise ValueError(f"environment.name {name!r}: not `tools` nor the dotted path of a "
-                         "grpo_dist.agents.Environment subclass")  # fmt: skip
+        raise ValueError(
+            f"environment.name {name!r}: not `tools` nor the dotted path of a grpo_dist.agents.Environment subclass"
+        )
     return found
 
 

@@ -140,8 +140,13 @@ def load_rows(path: str | Path, prompt_field: str = "prompt", messages: bool = F
     return rows
 
 
-def prompt_text(row: dict[str, Any], tokenizer: PromptTokenizer, system_prompt: str | None = None,
-                chat_template: bool | None = None, tools: list[dict] | None = None) -> str:  # fmt: skip
+def prompt_text(
+    row: dict[str, Any],
+    tokenizer: PromptTokenizer,
+    system_prompt: str | None = None,
+    chat_template: bool | None = None,
+    tools: list[dict] | None = None,
+) -> str:
     """The prompt of a row (its `prompt` text or its `messages` turns) exactly as the model reads it: through the
     tokenizer's chat template (`chat_template` true, or null and the tokenizer has one), with `tools` offered, else
     raw text; a system turn `system_prompt` first when given."""

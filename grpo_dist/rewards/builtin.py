@@ -52,8 +52,9 @@ def environment(prompt: str, completion: str, environment_reward: float = 0.0, *
     return float(environment_reward)
 
 
-def judge(prompt: str, completion: str, judge_score: float | None = None, judge_failure: str | None = None,
-          **_: Any) -> float:  # fmt: skip
+def judge(
+    prompt: str, completion: str, judge_score: float | None = None, judge_failure: str | None = None, **_: Any
+) -> float:
     """The verdict of the LLM judge (`reward.judge`), asked by the judge pool before the reward functions run."""
     if judge_score is None:
         raise ValueError(judge_failure or "no verdict: reward.judge is not set")

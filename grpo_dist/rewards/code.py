@@ -83,9 +83,13 @@ def _started(jailed: Jailed) -> bool:
 
 
 def passes(
-    code: str, test: str, timeout_s: float, isolation: Isolation, memory_mb: int = MEMORY_MB,
+    code: str,
+    test: str,
+    timeout_s: float,
+    isolation: Isolation,
+    memory_mb: int = MEMORY_MB,
     deadline: float = math.inf,
-) -> bool:  # fmt: skip
+) -> bool:
     """Whether `test` passes after `code` ran, in a fresh jailed process (the protocol above): the code and then the
     test each given `timeout_s` of wall-clock time, and neither past `deadline`. Raises `RuntimeError` only where no
     jail comes up, twice (the machine, not the code)."""
@@ -110,9 +114,15 @@ def _judged(jailed: Jailed, code: str, test: str, timeout_s: float, deadline: fl
 
 
 def code_tests(
-    prompt: str, completion: str, tests: Any, timeout_per_test_s: float = 2.0, isolation: str = "require",
-    memory_mb: int = MEMORY_MB, budget_s: float = math.inf, **_: Any,
-) -> float:  # fmt: skip
+    prompt: str,
+    completion: str,
+    tests: Any,
+    timeout_per_test_s: float = 2.0,
+    isolation: str = "require",
+    memory_mb: int = MEMORY_MB,
+    budget_s: float = math.inf,
+    **_: Any,
+) -> float:
     """The fraction of ``tests`` (a row field: Python statements, usually ``assert``s, as a list or one per line)
     that pass after the completion's code has run: its last fenced Python block, or the whole completion. Each test
     runs in a jailed process of its own (`grpo_dist.jail`), the code and then the test each given

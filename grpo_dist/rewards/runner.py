@@ -32,12 +32,22 @@ class RewardRunner:
         isolation = reward.isolation
         if isolation == "auto":  # a config validated resolves it; a runner built from a bare RewardConfig does here
             isolation = "require" if runs_model_code(names) else "best_effort"
-        self.jailed = {index: functools.partial(resolve_reward(name), isolation=isolation,
-                                                memory_mb=min(reward.sandbox_memory_mb, MEMORY_MB))
-                       for index, name in enumerate(names) if name in MODEL_CODE_REWARDS}  # fmt: skip
+        self.jailed = {
+            index: functools.partial(
+                resolve_reward(name), isolation=isolation, memory_mb=min(reward.sandbox_memory_mb, MEMORY_MB)
+            )
+            for index, name in enumerate(names)
+            if name in MODEL_CODE_REWARDS
+        }
         if reward.sandbox:
-            limits = Limits(reward.sandbox_memory_mb, reward.timeout_s, reward.sandbox_processes,
-                            reward.sandbox_network, isolation == "require", tuple(reward.sandbox_env))  # fmt: skip
+            limits = Limits(
+                reward.sandbox_memory_mb,
+                reward.timeout_s,
+                reward.sandbox_processes,
+                reward.sandbox_network,
+                isolation == "require",
+                tuple(reward.sandbox_env),
+            )
             self.sandbox = Sandbox(names, limits, reap)
             for note in self.sandbox.notes:
                 log.warning(note)
@@ -49,9 +59,14 @@ class RewardRunner:
             self.executor = TrackingExecutor(max_workers=self.threads, thread_name_prefix="reward")
 
     def score(
-        self, functions: list[int], weights: list[float], kwargs: list[dict[str, Any]], prompt: str, completion: str,
+        self,
+        functions: list[int],
+        weights: list[float],
+        kwargs: list[dict[str, Any]],
+        prompt: str,
+        completion: str,
         fields: dict[str, Any],
-    ) -> tuple[float, list[float], list[str | None]]:  # fmt: skip
+    ) -> tuple[float, list[float], list[str | None]]:
         """`functions` (indices into `names`) on one completion, called as `f(prompt, completion, **fields,
         **kwargs)`: (weighted sum, each score, each error or None); a failed call scores NaN, saying why."""
         if self.sandbox is None and not self.jailed:
@@ -63,8 +78,9 @@ class RewardRunner:
                 score, error = self._jailed(index, prompt, completion, {**fields, **extra})
             elif self.sandbox is None:
                 chosen = [self.functions[index]]
-                _, [score], [error] = score_one(chosen, [1.0], [extra], prompt, completion, fields, self.timeout_s,
-                                                self.executor)  # fmt: skip
+                _, [score], [error] = score_one(
+                    chosen, [1.0], [extra], prompt, completion, fields, self.timeout_s, self.executor
+                )
             else:
                 score, error = self.sandbox.call(index, prompt, completion, {**fields, **extra}, self.timeout_s)
             scores.append(score)

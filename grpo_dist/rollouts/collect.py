@@ -37,8 +37,9 @@ def collect_rollout(
     key = f"{cfg.run.seed}:{step}"
     if not cfg.algorithm.dynamic_sampling:
         prompts = next(sampler)
-        rollout, synced = sample_batch(cfg, cluster, prompts, prompt_seeds(key, len(prompts), len(prompts)), timer,
-                                       in_flight)  # fmt: skip
+        rollout, synced = sample_batch(
+            cfg, cluster, prompts, prompt_seeds(key, len(prompts), len(prompts)), timer, in_flight
+        )
         return rollout, {"sync/in_flight": float(synced)}
     refill = Refill(cfg, sampler, key)
     prompts, seeds = refill.first()
@@ -161,9 +162,15 @@ def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -
     """What the reward functions judge: the prompt, the completion (a trajectory's last turn) and the row's fields;
     of a trajectory also its conversation (`messages`) and the environment's reward (`environment_reward`), or why
     it failed (then it is not scored)."""
-    return [ScoreRequest(prompts[c.prompt_index].text, c.text, {**prompts[c.prompt_index].fields, **_episode(c)},
-                         c.episode.failure if c.episode is not None else None)
-            for c in completions]  # fmt: skip
+    return [
+        ScoreRequest(
+            prompts[c.prompt_index].text,
+            c.text,
+            {**prompts[c.prompt_index].fields, **_episode(c)},
+            c.episode.failure if c.episode is not None else None,
+        )
+        for c in completions
+    ]
 
 
 def _episode(completion: Completion) -> dict:

@@ -58,8 +58,10 @@ class RolloutQueue:
         self.reset()
         ahead = state.get("ahead")
         if ahead and ahead["settings"] != batch_settings(self.cfg):
-            print("the checkpoint's batch drawn ahead was sampled or scored under other settings (rewards, batch "
-                  "size, sampling): its prompts are drawn again")  # fmt: skip
+            print(
+                "the checkpoint's batch drawn ahead was sampled or scored under other settings (rewards, batch "
+                "size, sampling): its prompts are drawn again"
+            )
         elif ahead and self.cfg.rollout.max_staleness >= 1 and ahead["batch"][0] == step + 1:
             self.sampler.load_state_dict(ahead["sampler"])
             self.ahead, self.sampler_before_ahead = ahead["batch"], state["sampler"]

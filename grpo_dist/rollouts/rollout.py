@@ -25,8 +25,10 @@ class Rollout:
     def per_function(self) -> torch.Tensor:
         """[P*G, F] each reward function's value (NaN where it failed); a whole row NaN where the completion is
         unscored, whatever its values (a sum out of range, a failed trajectory), so none enters an advantage."""
-        rows = [score.per_function if math.isfinite(score.total) else [math.nan] * len(score.per_function)
-                for score in self.scores]  # fmt: skip
+        rows = [
+            score.per_function if math.isfinite(score.total) else [math.nan] * len(score.per_function)
+            for score in self.scores
+        ]
         return torch.tensor(rows, dtype=torch.float)
 
     def lengths(self) -> torch.Tensor:
