@@ -5,11 +5,17 @@ process killed while it holds that file (a run stopped during start-up) leaves i
 the machine waits on it forever. Here loads are serialised by an advisory lock that the kernel drops when its holder
 dies; whoever holds it knows no other grpo-dist process is inside a build, so a lock file it finds is stale and
 removed. `make install` runs this module once so that no run pays for the compile (minutes on two cores).
+
+Every load runs the ninja installed with DeepSpeed (pip's `ninja`), never whichever comes first on PATH: a machine
+often has another (Debian's ninja-build 1.11 beside pip's 1.13), and the two keep build logs in formats each
+discards from the other, so a process with the other one first on PATH recompiled the op from scratch, and the
+next process with the first one compiled it again.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -37,6 +43,7 @@ def load(names: list[str], log=print) -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
+    _pin_ninja()
     with _exclusive(build_root() / "grpo_dist" / "lock"):
         for name in names:
             builder = get_accelerator().create_op_builder(name)
@@ -51,6 +58,18 @@ def load(names: list[str], log=print) -> None:
             builder.load(verbose=False)
             if not compiled:
                 log(f"compiled {builder.name} in {time.monotonic() - started:.0f} s")
+
+
+def _pin_ninja() -> None:
+    """Put the directory of pip's `ninja` first on this process's PATH (torch runs `ninja` by name); nothing to do
+    where it is not installed."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if not path.startswith(ninja.BIN_DIR + os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
 
 
 @contextmanager
