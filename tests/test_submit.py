@@ -74,7 +74,9 @@ def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(to
 @pytest.mark.slow
 def test_job_stop_lets_the_run_write_its_checkpoint(token_head, tmp_path):
     """`grpo-dist job stop` is SIGTERM to the run; the wait Ray leaves before killing it (3 s by default) is raised,
-    so the run writes a checkpoint of its last finished step and its policy before it exits."""
+    so the run finishes its stop (a checkpoint of its last finished step when the learner holds its weights) and
+    saves its policy before it exits. Which of the two a stop lands on is up to timing; the checkpoint written at a
+    stop is proven deterministically in test_resume.py."""
     raw = small_config(tmp_path, run={"output_dir": str(tmp_path / "outputs"), "steps": 10_000},
                        checkpoint={"every_steps": 100_000})  # fmt: skip
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
@@ -95,7 +97,11 @@ def test_job_stop_lets_the_run_write_its_checkpoint(token_head, tmp_path):
         assert time.monotonic() < deadline, status.stdout
         time.sleep(2)
     logs = grpo_dist("job", "logs", job_id, "--address", token_head, env=env, timeout=60).stdout
-    assert re.search(r"checkpoint of step \d+ written", logs), logs[-3000:]
+    # The stop lands between steps (a checkpoint of the last finished one) or during the learner's update of the
+    # next (whose weights belong to no finished step, so none is written, and the run says so): either way the run
+    # had the time to finish its stop, which ends with the current policy saved.
+    said = r"checkpoint of step \d+ written|stopped after the learner's update of step \d+: no checkpoint of it"
+    assert re.search(said, logs), logs[-3000:]
     assert (tmp_path / "outputs" / "test" / "interrupted" / "model.safetensors").is_file()
 
 
