@@ -212,9 +212,15 @@ def find(run: RunStore, path: str | None) -> Checkpoint:
     """The checkpoint to resume from: `path` (a path or a URI), verified; or the latest of the run that verifies,
     falling back (with a warning) to the newest earlier one that does when the latest is damaged. Its config and
     run state are read on this machine, each checked against the manifest. A clear error when there is none."""
+    manifests: dict[str, dict[str, dict]] = {}  # each checkpoint's manifest, read once while it is verified
+
+    def problem(store: Store, key: str) -> str | None:
+        why, manifests[key] = _verified(store, key)
+        return why
+
     if path:
         store, key = Store(path), ""
-        if why := _problem(store, key):
+        if why := problem(store, key):
             raise ConfigError(f"--resume: {store.name()} is not a complete checkpoint: {why}")
     else:
         store, prefix = run.checkpoints, run.checkpoints_key
@@ -222,9 +228,9 @@ def find(run: RunStore, path: str | None) -> Checkpoint:
         if not latest:
             raise ConfigError(f"--resume: no checkpoint in {store.name(prefix)} (no `{LATEST}` file)")
         names = [child for child in store.children(prefix) if child.startswith("step-")]
-        name = _first_whole(latest, names, lambda n: _problem(store, f"{prefix}/{n}"), store.name(prefix))
+        name = _first_whole(latest, names, lambda n: problem(store, f"{prefix}/{n}".lstrip("/")), store.name(prefix))
         key = f"{prefix}/{name}".lstrip("/")
-    files = _manifest(store.read_text(f"{key}/{manifest.MANIFEST}"))
+    files = manifests[key]
     if store.local:
         return Checkpoint(store, key, store.path(key), files)
     local = run.work / "checkpoints" / _base_name(store.name(key))
@@ -238,25 +244,27 @@ def find(run: RunStore, path: str | None) -> Checkpoint:
 NO_MANIFEST = f"no {manifest.MANIFEST} (an interrupted write or prune, or files deleted from it)"
 
 
-def _problem(store: Store, key: str) -> str | None:
-    """What keeps the checkpoint at `key` from being resumed from (None: nothing): it has a manifest (written last:
+def _verified(store: Store, key: str) -> tuple[str | None, dict[str, dict]]:
+    """What keeps the checkpoint at `key` from being resumed from (None: nothing), and the files its manifest lists
+    (none when it has no readable one). It must have a manifest (written last:
     one without may lack any of its files), the store lists every file the manifest names at its size, the manifest
     names every learner rank's part, and (on a path, where reading them is cheap) every file matches its checksum;
     from an object store each reader checks the checksums of what it downloads."""
     if not store.exists(f"{key}/{STATE}") or not store.exists(f"{key}/learner"):
-        return f"no {STATE} or learner/"
+        return f"no {STATE} or learner/", {}
     text = store.read_text(f"{key}/{manifest.MANIFEST}")
     if text is None:
-        return NO_MANIFEST
+        return NO_MANIFEST, {}
     try:
         files = _manifest(text)
     except (ValueError, KeyError, AttributeError) as err:
-        return f"no readable {manifest.MANIFEST} ({type(err).__name__})"
-    return (
+        return f"no readable {manifest.MANIFEST} ({type(err).__name__})", {}
+    why = (
         _listing_problem(files, store.sizes(key))
         or _missing_part(files, _saved_learner(store.read_text(f"{key}/config.yaml")))
         or store.checksums(key, files)
     )
+    return why, files
 
 
 def _manifest(text: str) -> dict[str, dict]:

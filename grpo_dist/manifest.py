@@ -42,13 +42,9 @@ def entry(path: Path) -> dict:
 
 def write(directory: Path) -> None:
     """Sync every file under `directory` to disk, then write its manifest (synced too)."""
-    write_entries(directory, entries(directory))
-
-
-def write_entries(directory: Path, entries: dict[str, dict]) -> None:
-    target = directory / MANIFEST
-    with target.open("w") as file:
-        json.dump({"files": entries}, file, indent=1, sort_keys=True)
+    listed = entries(directory)
+    with (directory / MANIFEST).open("w") as file:
+        json.dump({"files": listed}, file, indent=1, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
     sync_dir(directory)
@@ -61,15 +57,6 @@ def sync_dir(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def problem(directory: Path) -> str | None:
-    """What is wrong with the checkpoint in `directory` against its manifest (None: it is whole)."""
-    try:
-        listed = json.loads((directory / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as err:
-        return f"no readable {MANIFEST} ({type(err).__name__})"
-    return mismatch(directory, listed)
 
 
 def mismatch(directory: Path, listed: dict[str, dict]) -> str | None:

@@ -75,12 +75,6 @@ class Store:
     def __reduce__(self):
         return Store, (self.where,)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Store) and other.where == self.where
-
-    def __hash__(self) -> int:
-        return hash(self.where)
-
     def name(self, key: str = "") -> str:
         """Where `key` is, as its user finds it: a path, or a URI (redacted, though a store's URI carries none)."""
         if self.local:

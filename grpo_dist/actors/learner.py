@@ -15,7 +15,6 @@ ranks. The reference model is a full copy on each rank under ZeRO 0-2 and sharde
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -364,8 +363,10 @@ class Learner:
         return str(store.fetch(key, Path(local), expected))
 
     def discard(self, local: str) -> None:
-        """Remove a staged copy from this node's disk."""
-        shutil.rmtree(local, ignore_errors=True)
+        """Remove a staged copy from this node's disk (`grpo_dist.storage.discard`)."""
+        from grpo_dist.storage import discard
+
+        discard(Path(local))
 
     def connect_weights(self, spec, generators: list) -> None:
         """Open this rank's side of the broadcast weight transport (collective; rank 0 meets the generators)."""
