@@ -4,7 +4,6 @@ any other Ray cluster on the machine."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,9 @@ from pathlib import Path
 
 import psutil
 from conftest import TESTS_DIR
+
+# The tests' Ray nodes listen on ports drawn as the learner group's are.
+from grpo_dist.actors.learner import free_port as free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -39,12 +41,6 @@ def node_root(name: str) -> Path:
     """A directory of its own for a test's Ray nodes, under /tmp: Ray puts its Unix sockets under a node's temp dir,
     and a socket's path holds at most 107 bytes, which pytest's directories under pytest-xdist leave no room for."""
     return Path(tempfile.mkdtemp(prefix=f"grpo-{name}-", dir="/tmp"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def cluster_cpus(address: str) -> float:

@@ -82,6 +82,23 @@ def embedding_and_first_layer_mb(model_dir: str) -> float:
 
 
 @pytest.mark.slow
+def test_a_rendezvous_port_is_free_and_outside_the_range_the_kernel_hands_out():
+    """A port the kernel hands to any socket (gloo's pair connections, Ray's servers) could be taken between being
+    chosen and the group's store listening on it: the learner group lost its rendezvous that way under load."""
+    import socket
+    from pathlib import Path
+
+    from grpo_dist.actors.learner import RAY_WORKER_PORTS_END, free_port
+
+    low, _ = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn, not one fixed port every run shares
+    for port in ports:
+        assert RAY_WORKER_PORTS_END < port < low
+        with socket.socket() as sock:
+            sock.bind(("", port))
+
+
 def test_every_generator_holds_the_learners_weights_after_each_transport(ray_cluster, tmp_path):
     """2 ranks under ZeRO-3 train a step, then sync both generators; each generator's logprobs for a fixed sequence
     then equal the learner's (and differ from the initial model's), for each transport in turn."""

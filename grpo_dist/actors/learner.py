@@ -15,6 +15,7 @@ ranks. The reference model is a full copy on each rank under ZeRO 0-2 and sharde
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -32,10 +33,24 @@ from grpo_dist.jail import die_with_parent
 from grpo_dist.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
 
+RAY_WORKER_PORTS_END = 19999  # Ray's workers listen on 10002-19999 by default
+
 
 def free_port() -> int:
+    """A port to rendezvous on, free now. Drawn at random between Ray's worker ports and the kernel's ephemeral
+    range, where nothing that asks the kernel for any port (gloo's connections, Ray's own servers, outgoing
+    sockets) can take it before the group's store listens on it; the kernel's choice where that range is empty."""
+    low, _ = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    candidates = list(range(RAY_WORKER_PORTS_END + 1, low))
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return sock.getsockname()[1]
 
 
