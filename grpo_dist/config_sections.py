@@ -144,8 +144,9 @@ class RolloutConfig(_Section):
     """Nucleus sampling threshold."""
     max_model_len: int = Field(512, ge=8)
     """vLLM context length: prompt plus completion."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Engine dtype. float32 on CPU keeps generator and learner logprobs equal to float tolerance."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype. auto: float32 on CPU (generator and learner logprobs equal to float tolerance), the model's own
+    dtype on a GPU (bfloat16 for a float32 checkpoint); float32 on a GPU takes twice the memory."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of each GPU vLLM may take (ignored on CPU)."""
     enforce_eager: bool | None = None

@@ -1,12 +1,13 @@
 """The memory plan of a config on GPUs (`grpo-dist plan CONFIG`, and part of `check` and `train`'s pre-flight): per
-GPU, what a learner rank holds (weights, gradients and optimizer state by ZeRO stage and offload, the reference,
-the activations of one micro-batch) and what an engine holds (its share of the weights, the KV cache of one whole
-sequence), against `cluster.gpu_memory_gb`. The arithmetic is the README's ("Sizing"): bf16 mixed-precision Adam,
-16 B per trained parameter; the model's shape comes from its config.json alone, so a plan needs no weights.
+GPU, what a learner rank holds (its model states by ZeRO stage and offload, as DeepSpeed's own estimators count them;
+the reference; the activations of one micro-batch) and what an engine holds (its share of the weights and the KV cache
+of one whole sequence, at the engine's dtype), against `cluster.gpu_memory_gb`. The model's shape comes from its
+config.json alone, so a plan needs no weights.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,8 @@ class Shape:
     layers: int
     intermediate: int
     vocab: int
-    kv_bytes_per_token: int  # bf16 keys and values of one token over all layers
+    largest_layer: int  # parameters of the largest module (ZeRO-3 gathers one whole): the embedding, mostly
+    kv_values_per_token: int  # keys and values of one token over all layers
 
     @classmethod
     def of(cls, model_dir: str | Path) -> Shape:
@@ -58,7 +60,8 @@ class Shape:
             layers=c.num_hidden_layers,
             intermediate=c.intermediate_size,
             vocab=c.vocab_size,
-            kv_bytes_per_token=2 * c.num_hidden_layers * kv_heads * head_dim * 2,
+            largest_layer=max(c.vocab_size, c.intermediate_size, (heads + kv_heads) * head_dim) * c.hidden_size,
+            kv_values_per_token=2 * c.num_hidden_layers * kv_heads * head_dim,
         )
 
 
@@ -69,6 +72,7 @@ class Plan:
     learner: dict[str, float]
     engine: dict[str, float]
     host: dict[str, float]
+    engine_dtype: str
     gpu_gb: float
     engine_budget_gb: float
     kv_room_tokens: int
@@ -97,6 +101,7 @@ class Plan:
                 f"an engine needs {self.engine_gb:.1f} GB per GPU (weights and one whole sequence's KV cache), more "
                 f"than its {self.engine_budget_gb:.1f} GB (rollout.gpu_memory_utilization x cluster.gpu_memory_gb): "
                 "raise rollout.tensor_parallel_size or lower rollout.max_model_len"
+                + (" (or serve in bfloat16: rollout.dtype auto)" if self.engine_dtype == "float32" else "")
             )
         return found
 
@@ -110,57 +115,87 @@ class Plan:
         if self.engine:
             parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.engine.items())
             out.append(
-                f"  engine: {self.engine_gb:.1f} of {self.engine_budget_gb:.1f} GB ({parts}); KV room "
-                f"{self.kv_room_tokens:,} tokens"
+                f"  engine at {self.engine_dtype}: {self.engine_gb:.1f} of {self.engine_budget_gb:.1f} GB ({parts}); "
+                f"KV room {self.kv_room_tokens:,} tokens"
             )
         else:
             out.append("  engines on CPUs (rollout.num_gpus 0): not planned")
         for name, gb in self.host.items():
-            out.append(f"  host memory of the learner's nodes: {name} {gb:.1f} GB")
+            out.append(f"  host memory of the learner's nodes together: {name} {gb:.1f} GB (DeepSpeed's estimate)")
         out.extend(f"  does not fit: {problem}" for problem in self.problems())
         return out
+
+
+ENGINE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+"""Bytes per weight and KV value of an engine on a GPU, by `rollout.dtype`: auto is the model's own dtype there (vLLM
+serves a float32 checkpoint in bfloat16 on a GPU)."""
+
+
+def model_states(p: int, largest: int, ranks: int, stage: int, offload: str) -> tuple[float, float]:
+    """(bytes per GPU, bytes of host memory over the learner's nodes) of the policy's weights, gradients and Adam
+    state under bf16 mixed precision, as DeepSpeed's estimators count them: 2 B bf16 weights, and 18 B of gradients
+    (bf16 and fp32), fp32 master weights and Adam's two moments per parameter. ZeRO-2 and -3 are DeepSpeed's own
+    functions (ranks on one node: host memory for all of them); ZeRO-0 and -1, for which DeepSpeed has none, follow
+    the same count (ZeRO-1 shards the fp32 part, 16 B, ZeRO-0 nothing)."""
+    estimate_zero2, estimate_zero3 = _deepspeed_estimators()
+    offloaded = offload != "none"
+    if stage == 3:
+        host, gpu, _ = estimate_zero3(
+            p, largest, ranks, 1, offloaded, offload == "optimizer_and_params", zero_init=False
+        )
+    elif stage == 2 or offloaded:
+        host, gpu = estimate_zero2(p, ranks, 1, offloaded)
+    else:
+        host, _ = estimate_zero2(p, ranks, 1, False)
+        gpu = 2 * p + 2 * p + 16 * p / ranks if stage == 1 else 20 * p
+    return gpu, host
+
+
+def _deepspeed_estimators():
+    """DeepSpeed's ZeRO-2 and ZeRO-3 model-state estimators, imported without its line about a machine with no GPU
+    (which would land in the plan's output)."""
+    import torch
+
+    quiet = {} if torch.cuda.is_available() or "DS_ACCELERATOR" in os.environ else {"DS_ACCELERATOR": "cpu"}
+    os.environ.update(quiet)
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    finally:
+        for name in quiet:
+            del os.environ[name]
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 
 
 def plan(cfg: Config, shape: Shape) -> Plan:
     """The per-GPU memory of `cfg`'s learner ranks and engines for a model of `shape`."""
     learner, rollout, p = cfg.learner, cfg.rollout, shape.params
     ranks, stage = learner.num_ranks, learner.zero_stage
-    weights, grads, optimizer = 2 * p, 2 * p, 12 * p
-    if stage >= 1:
-        optimizer /= ranks
-    if stage >= 2:
-        grads /= ranks
-    if stage >= 3:
-        weights /= ranks
-    host = {}
-    if learner.offload != "none":
-        host["optimizer state"] = 12 * p / GB
-        optimizer = 0
-    if learner.offload == "optimizer_and_params":
-        host["weights"] = weights * ranks / GB
-        weights = 0
+    states, host_bytes = model_states(p, shape.largest_layer, ranks, stage, learner.offload)
     tokens = learner.max_tokens_per_micro_batch or learner.micro_batch_size * cfg.sequence_budget
     full_layer = (6 * shape.hidden + 4 * shape.intermediate) * 2  # bytes per token of one layer's intermediates
     if learner.gradient_checkpointing:
         layers = tokens * (shape.hidden * 2 * shape.layers + full_layer)
     else:
         layers = tokens * full_layer * shape.layers
-    parts = {"weights": weights, "gradients": grads, "optimizer": optimizer}
+    parts = {"model states": states}
     if cfg.algorithm.kl_coef > 0:
         parts["reference"] = 2 * p / (ranks if stage >= 3 else 1)
     parts["activations"] = layers + tokens * shape.vocab * (PACKED_LOGITS_BYTES if learner.packing else LOGITS_BYTES)
     gpu_gb = cfg.cluster.gpu_memory_gb
-    tp = rollout.tensor_parallel_size
+    tp, width = rollout.tensor_parallel_size, ENGINE_BYTES[rollout.dtype]
     budget = rollout.gpu_memory_utilization * gpu_gb
+    kv_bytes_per_token = shape.kv_values_per_token * width
     engine = {
-        "weights": 2 * p / tp / GB,
-        "KV of one sequence": rollout.max_model_len * shape.kv_bytes_per_token / tp / GB,
+        "weights": width * p / tp / GB,
+        "KV of one sequence": rollout.max_model_len * kv_bytes_per_token / tp / GB,
     }
-    room = max(0, int((budget - engine["weights"]) * GB * tp / shape.kv_bytes_per_token))
+    room = max(0, int((budget - engine["weights"]) * GB * tp / kv_bytes_per_token))
     return Plan(
         learner={name: value / GB for name, value in parts.items()} if learner.num_gpus > 0 else {},
         engine=engine if rollout.num_gpus > 0 else {},
-        host=host if learner.num_gpus > 0 else {},
+        host={"model states": host_bytes / GB} if learner.num_gpus > 0 else {},
+        engine_dtype="the model's dtype" if rollout.dtype == "auto" else rollout.dtype,
         gpu_gb=gpu_gb,
         engine_budget_gb=budget,
         kv_room_tokens=room,

@@ -30,6 +30,12 @@ def eager(rollout: RolloutConfig, on_gpu: bool) -> bool:
     return rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu
 
 
+def engine_dtype(rollout: RolloutConfig, on_gpu: bool) -> str:
+    """`rollout.dtype`, auto meaning float32 on the CPU backend (where vLLM's auto would take a bfloat16 checkpoint
+    as it is) and the model's own dtype on a GPU."""
+    return "float32" if rollout.dtype == "auto" and not on_gpu else rollout.dtype
+
+
 def engine_environment() -> dict[str, str]:
     """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
     process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
@@ -85,7 +91,7 @@ class Generator:
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=model_path,
-                dtype=rollout.dtype,
+                dtype=engine_dtype(rollout, on_gpu),
                 max_model_len=rollout.max_model_len,
                 gpu_memory_utilization=rollout.gpu_memory_utilization,
                 kv_cache_memory_bytes=None if on_gpu else int(rollout.cpu_kv_cache_gib * 2**30),
