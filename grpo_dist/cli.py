@@ -210,12 +210,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from grpo_dist.hub import CONFIG_FILES
     from grpo_dist.inputs import prepare_model
     from grpo_dist.plan import check_plan
 
     cfg = load_config(args.config, args.overrides)
     with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
-        check_plan(cfg, prepare_model(cfg, Path(scratch)))
+        check_plan(cfg, prepare_model(cfg, Path(scratch), CONFIG_FILES))
     return 0
 
 
@@ -434,11 +435,12 @@ def _check_inputs(cfg: Config) -> None:
 
     import yaml
 
+    from grpo_dist.hub import TOKENIZER_FILES
     from grpo_dist.inputs import prepare
 
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     with tempfile.TemporaryDirectory(prefix="grpo-dist-check-") as scratch:
-        inputs = prepare(cfg, scratch=Path(scratch))
+        inputs = prepare(cfg, scratch=Path(scratch), model_files=TOKENIZER_FILES)
     sets = ", ".join(f"{each.name} ({len(each.prompts)} prompts)" for each in inputs.eval_sets) or "none"
     print(
         f"inputs: {len(inputs.train)} training prompts, eval sets {sets}, rewards "

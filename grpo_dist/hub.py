@@ -13,14 +13,29 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """`org/name`: a repository on the Hugging Face hub (a path that exists is always read as a path)."""
 NOT_LOADED = ["*.pth", "original/*", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "*.ot", "*.tflite"]
 """Files of a hub model that neither transformers nor vLLM reads here: not downloaded."""
+CONFIG_FILES = ["config.json"]
+"""What sizing a model reads (`grpo-dist plan`)."""
+TOKENIZER_FILES = CONFIG_FILES + [
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "*.model",
+]
+"""What checking a config against a model reads (`grpo-dist check`): its config and its tokenizer, not its weights."""
 
 
-def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model") -> str:
+def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model", files: list[str] | None = None) -> str:
     """The local snapshot of `repo_id` (a `kind`: model or dataset) at `revision` (a branch, tag or commit; main when
-    None). Its path names the commit, so every process that reads it reads the same files."""
+    None); only the files matching the patterns `files` when given (`CONFIG_FILES`, `TOKENIZER_FILES`). Its path
+    names the commit, so every process that reads it reads the same files."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        IncompleteSnapshotError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -28,7 +43,9 @@ def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model") 
 
     named = f"{repo_id}@{revision or 'main'}"
     try:
-        path = snapshot_download(repo_id, repo_type=kind, revision=revision, ignore_patterns=NOT_LOADED)
+        path = snapshot_download(
+            repo_id, repo_type=kind, revision=revision, allow_patterns=files, ignore_patterns=NOT_LOADED
+        )
     except GatedRepoError:
         raise ConfigError(f"{key}: {named} is gated: accept its terms on the hub and set HF_TOKEN") from None
     except RepositoryNotFoundError:
@@ -37,11 +54,18 @@ def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model") 
         ) from None
     except RevisionNotFoundError:
         raise ConfigError(f"{key}: {repo_id} has no revision {revision!r}") from None
+    except IncompleteSnapshotError:
+        raise ConfigError(
+            f"{key}: the Hugging Face cache ({constants.HF_HUB_CACHE}) holds only part of {named} (what "
+            "`grpo-dist plan` or `check` fetched: its config and tokenizer) and the hub cannot be reached "
+            f"(HF_HUB_OFFLINE=1, or no network): download it where the hub can be reached (`hf download {repo_id}`)"
+        ) from None
     except LocalEntryNotFoundError:
         raise ConfigError(
             f"{key}: {named} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the hub cannot be "
             "reached (HF_HUB_OFFLINE=1, or no network): download it where the hub can be reached "
-            f"(`hf download {repo_id}{' --repo-type dataset' if kind == 'dataset' else ''}`) into an HF_HOME every "
+            f"(`hf download {repo_id}{' --repo-type dataset' if kind == 'dataset' else ''}"
+            f"{''.join(f' --include {pattern!r}' for pattern in files or [])}`) into an HF_HOME every "
             "node shares, or name a local path"
         ) from None
     print(f"{key}: {named} is {path}")

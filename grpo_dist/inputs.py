@@ -46,12 +46,13 @@ class Inputs:
     eval_sets: list[EvalSet]  # empty when there are no held-out prompts and no eval sets
 
 
-def prepare(cfg: Config, scratch: Path | None = None) -> Inputs:
+def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | None = None) -> Inputs:
     """Build or check the model, read and tokenise the data, resolve the rewards: fail here, not in an actor.
-    `scratch`: where to build what the config asks to be built, instead of its own paths (a dry run)."""
+    `scratch`: where to build what the config asks to be built, instead of its own paths (a dry run);
+    `model_files`: the hub model's files it needs (`prepare_model`), all when None."""
     rewards = check_rewards(cfg)
     try:
-        model_path = prepare_model(cfg, scratch)
+        model_path = prepare_model(cfg, scratch, model_files)
         if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
             check_plan(cfg, model_path)
         tokenizer = load_tokenizer(model_path)
@@ -249,9 +250,10 @@ def template_tools(cfg: Config) -> list[dict] | None:
         raise ConfigError(str(error)) from None
 
 
-def prepare_model(cfg: Config, scratch: Path | None = None) -> str:
+def prepare_model(cfg: Config, scratch: Path | None = None, files: list[str] | None = None) -> str:
     """The policy's model directory (`model.path`), built first when `model.tiny` asks for one, downloaded (or found
-    in the Hugging Face cache) when it names a hub model."""
+    in the Hugging Face cache) when it names a hub model: only the files matching `files` when given
+    (`hub.CONFIG_FILES` to size it, `hub.TOKENIZER_FILES` to check a config against it), else all it loads."""
     path = Path(cfg.model.path).expanduser()
     if cfg.sft is not None and not path.exists():
         raise ConfigError(
@@ -259,7 +261,15 @@ def prepare_model(cfg: Config, scratch: Path | None = None) -> str:
             "`grpo-dist sft CONFIG` writes there (see its sft section)"
         )
     if not path.exists() and cfg.model.tiny is None and HUB_ID.fullmatch(cfg.model.path):
-        return model_directory(cfg, Path(snapshot(cfg.model.path, cfg.model.revision, "model.path")), "model.path")
+        found = Path(snapshot(cfg.model.path, cfg.model.revision, "model.path", files=files))
+        if files is None and not any(found.glob("*.safetensors")) and not any(found.glob("*.bin")):
+            raise ConfigError(
+                f"model.path: {cfg.model.path}@{cfg.model.revision or 'main'} in the Hugging Face cache holds no "
+                f"weights ({found} has {', '.join(sorted(p.name for p in found.iterdir())) or 'nothing'}: what "
+                "`grpo-dist plan` or `check` fetched): run where the hub can be reached, or download it "
+                f"(`hf download {cfg.model.path}`)"
+            )
+        return model_directory(cfg, found, "model.path")
     if cfg.model.revision is not None:
         raise ConfigError(f"model.revision applies to a hub id; model.path {cfg.model.path} is a directory")
     return model_directory(cfg, path, "model.path", scratch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,101 @@ def test_the_policy_loaded_is_the_revision_asked_for(hub_cache, monkeypatch):
     main, v1 = (load_file(paths[name] / "model.safetensors") for name in ("main", "v1"))
     assert main.keys() == v1.keys()
     assert any(not torch.equal(main[key], v1[key]) for key in main)
+
+
+class Hub:
+    """A hub server on this machine serving `acme/tiny` at one commit (the repository API, the file tree and file
+    downloads the hub client uses), recording which files were downloaded."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import hashlib
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        files = {file.name: file.read_bytes() for file in sorted(model_dir.iterdir())}
+        self.downloaded: list[str] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, body: bytes, headers: dict[str, str], status: int = 200) -> None:
+                self.send_response(status)
+                for name, value in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(name, value)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if path.startswith("/api/models/acme/tiny/revision/"):
+                    info = {"id": "acme/tiny", "sha": MAIN, "siblings": [{"rfilename": name} for name in files]}
+                    return self._send(json.dumps(info).encode(), {"Content-Type": "application/json"})
+                if path.startswith("/api/models/acme/tiny/tree/"):
+                    tree = [
+                        {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                        for name, data in files.items()
+                    ]
+                    return self._send(json.dumps(tree).encode(), {"Content-Type": "application/json"})
+                prefix = f"/acme/tiny/resolve/{MAIN}/"
+                if path.startswith(prefix) and path[len(prefix) :] in files:
+                    name = path[len(prefix) :]
+                    if self.command == "GET":
+                        hub.downloaded.append(name)
+                    etag = f'"{hashlib.sha1(files[name]).hexdigest()}"'
+                    return self._send(files[name], {"X-Repo-Commit": MAIN, "ETag": etag})
+                self._send(b"{}", {"Content-Type": "application/json", "X-Error-Code": "EntryNotFound"}, 404)
+
+            do_HEAD = do_GET
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.parametrize(
+    ("command", "fetched"),
+    [
+        ("plan", {"config.json"}),
+        ("check", {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}),
+    ],
+)
+def test_sizing_or_checking_a_hub_model_downloads_its_config_not_its_weights(tmp_path, command, fetched):
+    """`plan` reads a hub model's config.json and `check` its tokenizer too: neither downloads the weights (65 GB for
+    a 32B model). A run then finds the snapshot without its weights in the cache and names what to do."""
+    model = build_tiny_model(tmp_path / "served", hidden_size=128, num_heads=2, num_layers=1, intermediate_size=256,
+                             characters="0123456789 :")  # fmt: skip
+    assert (model / "model.safetensors").is_file()
+    hub = Hub(model)
+    try:
+        raw = small_config(tmp_path)
+        raw["model"] = {"path": "acme/tiny"}
+        config = tmp_path / "run.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": hub.endpoint, "PYTHONPATH": str(TESTS_DIR)}
+        for name in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "HF_TOKEN"):
+            env.pop(name, None)
+        run = subprocess.run([sys.executable, "-m", "grpo_dist", command, str(config)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert set(hub.downloaded) == fetched & {path.name for path in model.iterdir()}, hub.downloaded
+        assert "model.safetensors" not in hub.downloaded
+    finally:
+        hub.server.shutdown()
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS_DIR)}
+    env.pop("HF_HUB_CACHE", None)
+
+    def train_offline() -> str:
+        run = subprocess.run([sys.executable, "-m", "grpo_dist", "train", str(config)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+        return run.stderr
+
+    assert "the Hugging Face cache" in (told := train_offline()) and "holds only part of acme/tiny@main" in told, told
+    # A cache filled by another client keeps no file list: the snapshot is returned as it is, and found weightless.
+    shutil.rmtree(tmp_path / "hf" / "hub" / "models--acme--tiny" / "trees")
+    assert "model.path: acme/tiny@main in the Hugging Face cache holds no weights" in (told := train_offline()), told
+    assert not (tmp_path / "outputs" / "test").exists()  # the run directory is not left behind
