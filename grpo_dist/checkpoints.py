@@ -208,10 +208,11 @@ def written(run: RunStore, step: int) -> bool:
     return run.checkpoints.exists(f"{run.checkpoints_key}/step-{step:06d}/{manifest.MANIFEST}")
 
 
-def find(run: RunStore, path: str | None) -> Checkpoint:
+def find(run: RunStore, path: str | None, flag: str = "--resume") -> Checkpoint:
     """The checkpoint to resume from: `path` (a path or a URI), verified; or the latest of the run that verifies,
     falling back (with a warning) to the newest earlier one that does when the latest is damaged. Its config and
-    run state are read on this machine, each checked against the manifest. A clear error when there is none."""
+    run state are read on this machine, each checked against the manifest. A clear error when there is none,
+    naming `flag` (the option that named the checkpoint)."""
     manifests: dict[str, dict[str, dict]] = {}  # each checkpoint's manifest, read once while it is verified
 
     def problem(store: Store, key: str) -> str | None:
@@ -221,12 +222,12 @@ def find(run: RunStore, path: str | None) -> Checkpoint:
     if path:
         store, key = Store(path), ""
         if why := problem(store, key):
-            raise ConfigError(f"--resume: {store.name()} is not a complete checkpoint: {why}")
+            raise ConfigError(f"{flag}: {store.name()} is not a complete checkpoint: {why}")
     else:
         store, prefix = run.checkpoints, run.checkpoints_key
         latest = (store.read_text(f"{prefix}/{LATEST}") or "").strip()
         if not latest:
-            raise ConfigError(f"--resume: no checkpoint in {store.name(prefix)} (no `{LATEST}` file)")
+            raise ConfigError(f"{flag}: no checkpoint in {store.name(prefix)} (no `{LATEST}` file)")
         names = [child for child in store.children(prefix) if child.startswith("step-")]
         name = _first_whole(latest, names, lambda n: problem(store, f"{prefix}/{n}".lstrip("/")), store.name(prefix))
         key = f"{prefix}/{name}".lstrip("/")
@@ -237,7 +238,7 @@ def find(run: RunStore, path: str | None) -> Checkpoint:
     for name in ("config.yaml", STATE):
         store.download(f"{key}/{name}", local / name)
     if why := manifest.mismatch(local, {name: files[name] for name in ("config.yaml", STATE) if name in files}):
-        raise ConfigError(f"--resume: {store.name(key)}: downloaded to {local}, {why}")
+        raise ConfigError(f"{flag}: {store.name(key)}: downloaded to {local}, {why}")
     return Checkpoint(store, key, local, files)
 
 

@@ -205,7 +205,7 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
     hugging_face = "://" not in path and (Path(policy) / "config.json").is_file()
     with tempfile.TemporaryDirectory(prefix="grpo-dist-eval-") as scratch:
         cfg, run = open_run(eval_config(cfg, scratch, policy if hugging_face else None))
-        checkpoint = None if hugging_face else checkpoints.find(run, policy)
+        checkpoint = None if hugging_face else checkpoints.find(run, policy, "--checkpoint")
         run.work.mkdir(parents=True, exist_ok=True)
         inputs = prepare(cfg, scratch=Path(scratch) / "inputs")
         if not inputs.eval_sets:
