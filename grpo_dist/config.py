@@ -368,18 +368,31 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 
 
 def apply_override(raw: dict, override: str) -> None:
-    """Set `section.key=value` in a raw config dict; the value is parsed as YAML (`8`, `1e-5`, `null`, `[a, b]`)."""
+    """Set `section.key=value` in a raw config dict; the value is parsed as YAML (`8`, `1e-5`, `null`, `[a, b]`). A
+    number picks an item of a list (`reward.functions.1.weight=0.5`: the second function's weight)."""
     key, sep, text = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {redact(repr(override))} must look like section.key=value")
+    named = redact(repr(override))
     node = raw
     parts = key.split(".")
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {redact(repr(override))}: {part!r} holds a value, not a section")
-        node = child
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(
+                    f"override {named}: {'.'.join(parts[:depth])} is a list of {len(node)} items, indexed 0 to "
+                    f"{len(node) - 1}, not {part!r}"
+                )
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"override {named}: {parts[depth - 1]!r} holds a value, not a section")
+        if last:
+            node[part] = yaml.safe_load(text) if text.strip() else None
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            node = node[part]
 
 
 def validate_config(raw: dict, source: str = "<config>") -> Config:

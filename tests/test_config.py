@@ -87,12 +87,28 @@ def test_structural_errors(raw, message):
     [
         pytest.param("learner", "must look like section.key=value", id="no-equals"),
         pytest.param("learner.lr.x=1", "'lr' holds a value, not a section", id="value-as-section"),
+        pytest.param("reward.functions.2.weight=1", "reward.functions is a list of 2 items, indexed 0 to 1, not '2'",
+                     id="index-past-the-end"),
+        pytest.param("reward.functions.first.weight=1", "reward.functions is a list of 2 items", id="not-an-index"),
     ],
-)
+)  # fmt: skip
 def test_malformed_overrides(override, message):
-    raw = {"learner": {"lr": 1.0}}
+    raw = {"learner": {"lr": 1.0}, "reward": {"functions": [{"name": "a"}, {"name": "b"}]}}
     with pytest.raises(ConfigError, match=message):
         apply_override(raw, override)
+
+
+def test_an_override_reaches_an_item_of_a_list(tmp_path):
+    """`reward.functions.1.weight=0.5` sets the second reward function's weight, and nothing else."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path)))
+    before = load_config(config).reward.functions
+    cfg = load_config(config, ["reward.functions.1.weight=0.25", "reward.functions.0.name=math_answer"])
+    assert [(f.name, f.weight) for f in cfg.reward.functions] == [
+        ("math_answer", before[0].weight),
+        (before[1].name, 0.25),
+    ]
+    assert before[1].weight != 0.25
 
 
 def test_missing_and_malformed_files(tmp_path):
