@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_dist.config import Config, ConfigError, field_docs, load_config, refuse_credentials
+from grpo_dist.console import survive_a_closed_reader
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         _resume_or_override(args)
+    survive_a_closed_reader()  # `grpo-dist train ... | head`: the command goes on to its end, and its exit code
     try:
         return _run(args)
     except ConfigError as err:
         print(f"grpo-dist: {err}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `grpo-dist reference | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
-        return 0
 
 
 def _run(args: argparse.Namespace) -> int:

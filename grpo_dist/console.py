@@ -97,6 +97,40 @@ class Console:
         self.file.flush()
 
 
+class ReaderGone:
+    """Standard output that outlives its reader: once the pipe it writes to is closed (`grpo-dist train ... | head`),
+    what is written is dropped instead of raising in the middle of a run; everything else is the stream's own."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        return self._guarded(self._stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, call, *args):
+        if self.gone:
+            return None
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            self.gone = True  # and no error when Python flushes at exit: the descriptor now leads nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            return None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def survive_a_closed_reader() -> None:
+    """Have this process's standard output drop what it writes once its reader is gone (`ReaderGone`)."""
+    if not isinstance(sys.stdout, ReaderGone):
+        sys.stdout = ReaderGone(sys.stdout)
+
+
 def _quiet_progress_bars() -> None:
     """transformers' and the hub's own bars (writing a model's shards, downloading one)."""
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"

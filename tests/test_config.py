@@ -176,6 +176,25 @@ def test_cli_errors_are_one_line_never_a_traceback(tmp_path):
     assert closed.returncode == 0 and closed.stderr == "", closed.stderr
 
 
+def test_a_check_whose_reader_left_still_gives_its_verdict(tmp_path):
+    """`grpo-dist check CONFIG | head -1`: the reader leaves after the first line, and the check goes on to its end:
+    data it cannot read is still exit 2 (not the 0 of a command cut short), a good config still checked through."""
+    rewards = {"functions": [{"name": "math_answer", "weight": 1.0}]}
+    good = small_config(tmp_path, reward=rewards)
+    bad = small_config(tmp_path, reward=rewards, data={"task": None, "path": str(tmp_path / "absent.jsonl")})
+    for name, raw, code in [("bad.yaml", bad, 2), ("good.yaml", good, 0)]:
+        (tmp_path / name).write_text(yaml.safe_dump(raw))
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            checked = grpo_dist_cli("check", str(tmp_path / name), stdout=write_end)
+        finally:
+            os.close(write_end)
+        assert checked.returncode == code, checked.stderr
+        assert "Traceback" not in checked.stderr and "BrokenPipe" not in checked.stderr, checked.stderr
+    assert "absent.jsonl" in grpo_dist_cli("check", str(tmp_path / "bad.yaml")).stderr
+
+
 def test_resume_followed_by_an_override_is_an_override(monkeypatch, tmp_path):
     from grpo_dist import cli
 

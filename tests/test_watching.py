@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+import yaml
+from conftest import REPO, small_config
 from test_resume import grpo_dist, rows
 from transformers import AutoModelForCausalLM
 from wandb_files import history, records, table
@@ -136,3 +138,23 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
 
     out = run("plot", str(run_dir / "metrics.jsonl"), str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_whose_reader_left_trains_to_its_end(tmp_path):
+    """`grpo-dist train CONFIG | head -2`: the console's reader is gone before the first step; the run is not
+    touched by it: every step, its checkpoint and the final policy written, exit 0."""
+    raw = small_config(tmp_path, run={"steps": 2}, checkpoint={"every_steps": 2})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = grpo_dist("train", str(config), stdout=write_end, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write_end)
+    _, err = process.communicate(timeout=900)
+    assert process.returncode == 0, err[-3000:]
+    run_dir = tmp_path / "outputs" / "test"
+    assert [row["step"] for row in jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert (run_dir / "final" / "model.safetensors").is_file()
