@@ -25,6 +25,7 @@ from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepSamples, completion_rows, rollout_metrics, start_wandb
 from grpo_dist.recovery import (
+    RunFinished,
     check_same_data,
     checkpoint_at_stop,
     find_checkpoint,
@@ -46,7 +47,11 @@ def train(cfg: Config, cluster: Cluster | None = None, resume: str | bool = Fals
     from the checkpoint at a path. `verbose`: the libraries' and actors' output on the console too, not only in
     the run directory's verbose.log."""
     cfg, run = open_run(cfg)
-    checkpoint = find_checkpoint(cfg, run, resume)
+    try:
+        checkpoint = find_checkpoint(cfg, run, resume)
+    except RunFinished as finished:
+        print(f"{finished}; raise run.steps to train on")  # `submit` adds --resume auto: a finished job ends at once
+        return run.work
     earlier = None if checkpoint else start_run_dir(cfg, run)
     console = Console(verbose)
     console.open(run.work)

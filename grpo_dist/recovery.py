@@ -38,11 +38,24 @@ def find_checkpoint(cfg: Config, run: RunStore, resume: str | bool) -> Checkpoin
             return None
         resume = True
     checkpoint = checkpoints.find(run, resume if isinstance(resume, str) else None)
+    step = checkpoints.load_state(checkpoint)["step"]
+    if step >= cfg.run.steps and (not cfg.run.save_final or _final_saved(run)):
+        raise RunFinished(f"the run already finished at step {step} (run.steps {cfg.run.steps}): nothing to train")
     for change in checkpoints.check_config(cfg, checkpoint):
         print(f"resuming with a changed setting: {change}")
     run.download_run_files()
     checkpoints.record_resume(run, checkpoint)
     return checkpoint
+
+
+class RunFinished(Exception):
+    """Resuming a run that has trained all its steps and saved its final policy: there is nothing to do."""
+
+
+def _final_saved(run: RunStore) -> bool:
+    """Whether the run's final policy is in its store (published whole: moved into place, or uploaded)."""
+    names = run.store.children(f"{run.run}/final")
+    return "config.json" in names and any(name.endswith(".safetensors") for name in names)
 
 
 def check_same_data(cfg: Config, checkpoint: Checkpoint | None, sampler: PromptSampler) -> None:

@@ -164,7 +164,9 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
     assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
     assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
 
-    # other data under the same checkpoint: refused before anything starts, unless allowed
+    # other data under the same checkpoint: refused before anything starts, unless allowed (one more step to go:
+    # a run already at its last step has nothing to train, whatever its data)
+    path.write_text(path.read_text().replace("steps: 6", "steps: 7"))
     train = tmp_path / "data" / "train.jsonl"
     first, *rest = train.read_text().splitlines()
     row = json.loads(first)

@@ -140,9 +140,10 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_run_whose_reader_left_trains_to_its_end(tmp_path):
+def test_a_run_whose_reader_left_trains_to_its_end_and_resuming_it_finds_it_finished(tmp_path):
     """`grpo-dist train CONFIG | head -2`: the console's reader is gone before the first step; the run is not
-    touched by it: every step, its checkpoint and the final policy written, exit 0."""
+    touched by it: every step, its checkpoint and the final policy written, exit 0. Then the finished run submitted
+    again (`--resume auto`, as `submit` does) says so and ends before any actor starts, its files as they were."""
     raw = small_config(tmp_path, run={"steps": 2}, checkpoint={"every_steps": 2})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -158,3 +159,9 @@ def test_a_run_whose_reader_left_trains_to_its_end(tmp_path):
     assert [row["step"] for row in jsonl(run_dir / "metrics.jsonl")] == [1, 2]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
     assert (run_dir / "final" / "model.safetensors").is_file()
+
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()}
+    again = run("train", str(config), "--resume", "auto")
+    assert "the run already finished at step 2 (run.steps 2): nothing to train" in again, again
+    assert "started in" not in again and "training: steps" not in again  # no cluster, no loop
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()} == before
