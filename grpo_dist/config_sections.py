@@ -592,7 +592,8 @@ class WandbConfig(_Section):
     notes: str | None = None
     """W&B notes: a line on what this run tries."""
     mode: Literal["auto", "online", "offline", "disabled"] = "auto"
-    """`auto` is online when WANDB_API_KEY is set and offline otherwise."""
+    """`auto` follows W&B's own switches (WANDB_MODE, WANDB_DISABLED) when set; else online with credentials
+    (WANDB_API_KEY, or `wandb login`'s netrc entry), offline without."""
     table_every: int = Field(10, ge=0)
     """Log a table of sampled completions every this many steps (and at the first); 0: none."""
     table_rows: int = Field(32, ge=1)

@@ -223,14 +223,41 @@ def _json_number(value: float) -> float | None:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
+def wandb_mode(mode: str) -> str:
+    """`wandb.mode`, where auto follows W&B's own switches: WANDB_MODE when set (`dryrun` is offline), disabled with
+    WANDB_DISABLED; else online where there are credentials (WANDB_API_KEY, or what `wandb login` stored in the netrc
+    file for the W&B host), offline otherwise."""
+    if mode != "auto":
+        return mode
+    chosen = os.environ.get("WANDB_MODE", "").strip().lower()
+    if chosen:
+        return {"dryrun": "offline", "run": "online"}.get(chosen, chosen)
+    if os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes"):
+        return "disabled"
+    return "online" if os.environ.get("WANDB_API_KEY") or _logged_in() else "offline"
+
+
+def _logged_in() -> bool:
+    """Whether `wandb login` left a key for the W&B host (WANDB_BASE_URL's, api.wandb.ai by default) in the netrc
+    file (NETRC, else ~/.netrc)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host) if path.is_file() else None
+    except (netrc.NetrcParseError, OSError):
+        return False
+    return bool(entry and entry[2])
+
+
 def start_wandb(cfg: Config, run_dir: Path, run_id: str | None = None) -> Any | None:
     """A W&B run (offline into the run directory when no API key is set), or None when disabled; `run_id`
     continues that run (a resumed one). Says where to watch it: the run's page, or the offline directory and how
     to upload it."""
     settings = cfg.wandb
-    mode = settings.mode
-    if mode == "auto":
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    mode = wandb_mode(settings.mode)
     if not settings.enabled or mode == "disabled":
         return None
     import wandb
