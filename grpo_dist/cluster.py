@@ -37,20 +37,24 @@ def actor_cpus(cfg: Config) -> float:
     )
 
 
-def start_ray(cfg: Config) -> None:
+def start_ray(cfg: Config) -> bool:
     """Join `ray.address`, or start a local cluster of this run's own big enough for its actors (even where another
-    Ray cluster runs on the machine: that one is joined only when named in `ray.address`)."""
+    Ray cluster runs on the machine: that one is joined only when named in `ray.address`). Returns whether it did:
+    a process already connected to Ray (the caller's own `ray.init`) keeps that connection."""
+    if ray.is_initialized():
+        return False
     quiet = {"TOKENIZERS_PARALLELISM": "false"}
     if cfg.ray.address:
         if problem := unreachable(cfg.ray.address):
             raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")  # Ray's own retries would take minutes
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
-        return
+        return True
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
     ray.init(
         address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": quiet}, log_to_driver=True
     )
+    return True
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
@@ -90,6 +94,7 @@ class Cluster:
     placement: Placement
     faults: FaultLog
     sync_reports: list = field(default_factory=list)  # what the syncs since the last `sync_metrics` sent
+    owns_ray: bool = False  # Ray was started (or joined) for this cluster: `shutdown` ends the connection too
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, probe: Probe | None = None) -> Cluster:
@@ -234,11 +239,14 @@ class Cluster:
         return self.learner.save(out_dir)
 
     def shutdown(self) -> None:
-        """Stop every actor of the run (the Ray cluster itself stays up)."""
+        """Stop every actor of the run, and this process's Ray when it was started for the run (a local cluster
+        goes with it; a joined one stays up), so a next run in the same process starts afresh."""
         self.learner.shutdown()
         self.generators.shutdown()
         self.rewards.shutdown()
         self.placement.remove()
+        if self.owns_ray:
+            ray.shutdown()
 
 
 def start_cluster(cfg: Config, model_path: str, console: Console | None = None, run: RunStore | None = None) -> Cluster:
@@ -250,12 +258,18 @@ def start_cluster(cfg: Config, model_path: str, console: Console | None = None, 
         f"and {cfg.reward.num_workers} reward worker(s)"
     )
     on_sigterm = signal.getsignal(signal.SIGTERM)
-    start_ray(cfg)
+    owns_ray = start_ray(cfg)
     if callable(on_sigterm):
         signal.signal(signal.SIGTERM, on_sigterm)
     if console is not None:
         console.take_actor_output()  # what the actors print while they start, too
-    cluster = Cluster.start(cfg, model_path, probe=write_probe(run) if run else None)
+    try:
+        cluster = Cluster.start(cfg, model_path, probe=write_probe(run) if run else None)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    cluster.owns_ray = owns_ray
     if console is not None:
         console.open(cfg.run_dir)  # the libraries imported meanwhile
     section(f"started in {time.perf_counter() - started:.1f} s")

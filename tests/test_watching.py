@@ -9,12 +9,13 @@ import json
 import math
 import os
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, small_config
+from conftest import REPO, TESTS_DIR, small_config
 from test_resume import grpo_dist, rows
 from transformers import AutoModelForCausalLM
 from wandb_files import history, records, table
@@ -31,6 +32,14 @@ def run(*args: str) -> str:
     out, _ = process.communicate(timeout=900)
     assert process.returncode == 0, out[-4000:]
     return out
+
+
+def grpo_dist_python(script: str, *args: str) -> subprocess.Popen:
+    """A Python process running `script` with grpo-dist importable and the tests' reward functions found."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-c", script, *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -165,3 +174,24 @@ def test_a_run_whose_reader_left_trains_to_its_end_and_resuming_it_finds_it_fini
     assert "the run already finished at step 2 (run.steps 2): nothing to train" in again, again
     assert "started in" not in again and "training: steps" not in again  # no cluster, no loop
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()} == before
+
+
+def test_train_runs_twice_in_one_process(tmp_path):
+    """`train()` called again in the same Python process (a notebook cell run a second time): each call starts its
+    own Ray and ends it, and both runs finish."""
+    raw = small_config(tmp_path, run={"steps": 1})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    script = (
+        "import sys\n"
+        "from grpo_dist.config import load_config\n"
+        "from grpo_dist.driver import train\n"
+        "for name in ('first', 'second'):\n"
+        "    print('ran', train(load_config(sys.argv[1], [f'run.name={name}'])), flush=True)\n"
+    )
+    process = grpo_dist_python(script, str(config))
+    out, _ = process.communicate(timeout=900)
+    assert process.returncode == 0, out[-4000:]
+    for name in ("first", "second"):
+        assert f"ran {tmp_path / 'outputs' / name}" in out
+        assert [row["step"] for row in jsonl(tmp_path / "outputs" / name / "metrics.jsonl")] == [1]
