@@ -82,9 +82,11 @@ def table() -> list[str]:
     return lines
 
 
-def versus_deepspeed() -> list[str]:
-    """Per-GPU model states and host memory: the plan (config.json only) against DeepSpeed's estimators given the
-    module's own parameter counts, for ZeRO-2 and -3 with and without offload, on 4 and 8 ranks."""
+def deepspeed_cases(name: str) -> list[dict]:
+    """For the model `name`: per-GPU model states and host memory in GB, the plan's (config.json only) against
+    DeepSpeed's estimators given the module's own counts (built on the meta device: shapes, no weights; total
+    parameters and the largest module's own, as its `*_all_live` helpers count), for ZeRO-2 and -3 with and without
+    offload, on 4 and 8 ranks."""
     import itertools
 
     import torch
@@ -92,34 +94,43 @@ def versus_deepspeed() -> list[str]:
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[name]))
+        with torch.device("meta"):
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    total = sum(parameter.numel() for parameter in module.parameters())  # (meta tensors share one data_ptr)
+    _, largest = model_to_params(module)
+    shape = shape_of(name)
+    cases = []
+    for ranks, stage, offload in itertools.product([4, 8], [2, 3], ["none", "optimizer", "optimizer_and_params"]):
+        if offload == "optimizer_and_params" and stage < 3:
+            continue
+        result = plan(config(ranks, stage, offload, False, 1, 1, 0.0), shape)
+        offloaded = offload != "none"
+        if stage == 3:
+            host, gpu, _ = estimate_zero3_model_states_mem_needs(
+                total, largest, ranks, 1, offloaded, offload == "optimizer_and_params", zero_init=False
+            )
+        else:
+            host, gpu = estimate_zero2_model_states_mem_needs(total, ranks, 1, offloaded)
+        cases.append(
+            {"case": f"| {name} | {ranks} | {stage} | {offload} |", "gpu": (result.learner["model states"], gpu / 1e9),
+             "host": (result.host["model states"], host / 1e9)}
+        )  # fmt: skip
+    return cases
+
+
+def versus_deepspeed() -> list[str]:
     lines = [
         "| policy | ranks | ZeRO | offload | GPU: plan | GPU: DeepSpeed | ratio | host: plan | host: DeepSpeed "
         "| ratio |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in ("0.5B", "7B", "32B"):
-        with tempfile.TemporaryDirectory() as model_dir:
-            (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[name]))
-            with torch.device("meta"):
-                module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-        total = sum(parameter.numel() for parameter in module.parameters())
-        _, largest = model_to_params(module)
-        shape = shape_of(name)
-        for ranks, stage, offload in itertools.product([4, 8], [2, 3], ["none", "optimizer", "optimizer_and_params"]):
-            if offload == "optimizer_and_params" and stage < 3:
-                continue
-            result = plan(config(ranks, stage, offload, False, 1, 1, 0.0), shape)
-            offloaded = offload != "none"
-            if stage == 3:
-                host, gpu, _ = estimate_zero3_model_states_mem_needs(
-                    total, largest, ranks, 1, offloaded, offload == "optimizer_and_params", zero_init=False
-                )
-            else:
-                host, gpu = estimate_zero2_model_states_mem_needs(total, ranks, 1, offloaded)
-            ours, theirs = result.learner["model states"], gpu / 1e9
-            ours_host, theirs_host = result.host["model states"], host / 1e9
+        for each in deepspeed_cases(name):
+            (ours, theirs), (ours_host, theirs_host) = each["gpu"], each["host"]
             lines.append(
-                f"| {name} | {ranks} | {stage} | {offload} | {ours:.2f} GB | {theirs:.2f} GB | {ours / theirs:.3f} "
+                f"{each['case']} {ours:.2f} GB | {theirs:.2f} GB | {ours / theirs:.3f} "
                 f"| {ours_host:.1f} GB | {theirs_host:.1f} GB | {ours_host / theirs_host:.3f} |"
             )
     return lines

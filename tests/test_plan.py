@@ -6,7 +6,6 @@ published with them, no weights) are put in a hub cache of the test's own and re
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from conftest import REPO, small_config
 from test_hub_models import cache_model
 
 from grpo_dist.config import load_config, validate_config
-from grpo_dist.plan import Shape, plan
+from grpo_dist.plan import Shape
 
 SHAPES = {  # config.json of each recipe's model: the fields a plan reads, as published
     "deepseek-ai/deepseek-math-7b-instruct": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
@@ -64,55 +63,30 @@ def test_parameters_are_counted_as_the_model_has_them(tmp_path):
 
 def test_the_readme_sizing_table_is_the_one_the_plan_prints():
     """The README's table ("Sizing") is what `benchmarks/sizing.py` makes of the plan today."""
-    spec = importlib.util.spec_from_file_location("sizing", REPO / "benchmarks" / "sizing.py")
-    sizing = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sizing)
-    table = sizing.table()
-    assert len(table) == 2 + len(sizing.ROWS)
+    made = sizing()
+    table = made.table()
+    assert len(table) == 2 + len(made.ROWS)
     assert "\n".join(table) in (REPO / "README.md").read_text()
 
 
-PUBLISHED = {  # 0.5B (tied embeddings), 7B and 32B, as published
-    "Qwen/Qwen2.5-0.5B": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-        "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-        "tie_word_embeddings": True},
-    "Qwen/Qwen2.5-Math-7B": {**SHAPES["Qwen/Qwen2.5-Math-7B"], "tie_word_embeddings": False},
-    "Qwen/Qwen2.5-32B": {**SHAPES["Qwen/Qwen2.5-32B"], "tie_word_embeddings": False},
-}  # fmt: skip
+def sizing():
+    """benchmarks/sizing.py: the README's table and the plan set beside DeepSpeed's estimators."""
+    spec = importlib.util.spec_from_file_location("sizing", REPO / "benchmarks" / "sizing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.mark.parametrize("model", PUBLISHED)
-def test_model_states_are_within_5_percent_of_deepspeeds_estimators_on_the_real_module(model, tmp_path):
+@pytest.mark.parametrize("model", ["0.5B", "7B", "32B"])  # Qwen2.5-0.5B (tied embeddings), -Math-7B, -32B
+def test_model_states_are_within_5_percent_of_deepspeeds_estimators_on_the_real_module(model):
     """DeepSpeed's estimators fed the module itself (built on the meta device: shapes, no weights), counted the way
     its `*_all_live` helpers count (total parameters, the largest module's own), against the plan, which has only
     config.json: per-GPU model states and host memory for ZeRO-2 and -3, with and without offload, 4 and 8 ranks."""
-    import torch
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[model]))
-    with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
-    total = sum(parameter.numel() for parameter in module.parameters())  # (meta tensors share one data_ptr)
-    _, largest = model_to_params(module)
-    shape = Shape.of(tmp_path)
-    for ranks, stage, offload in itertools.product([4, 8], [2, 3], ["none", "optimizer", "optimizer_and_params"]):
-        if offload == "optimizer_and_params" and stage < 3:
-            continue
-        raw = small_config(tmp_path, learner={"num_ranks": ranks, "zero_stage": stage, "offload": offload,
-                                              "num_gpus": 1}, algorithm={"kl_coef": 0})  # fmt: skip
-        result = plan(validate_config(raw), shape)
-        if stage == 3:
-            params_offloaded = offload == "optimizer_and_params"
-            host, gpu, _ = estimate_zero3_model_states_mem_needs(
-                total, largest, ranks, 1, offload != "none", params_offloaded, zero_init=False
-            )
-        else:
-            host, gpu = estimate_zero2_model_states_mem_needs(total, ranks, 1, offload != "none")
-        case = f"{model} ZeRO-{stage} {ranks} ranks offload {offload}"
-        assert result.learner["model states"] == pytest.approx(gpu / 1e9, rel=0.05), case
-        assert result.host["model states"] == pytest.approx(host / 1e9, rel=0.05), case
+    cases = sizing().deepspeed_cases(model)
+    assert len(cases) == 10
+    for each in cases:
+        for ours, theirs in (each["gpu"], each["host"]):
+            assert ours == pytest.approx(theirs, rel=0.05), each
 
 
 def cache_dir(hf_home: Path, repo_id: str) -> Path:
