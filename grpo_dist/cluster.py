@@ -41,12 +41,19 @@ def start_ray(cfg: Config) -> bool:
     """Join `ray.address`, or start a local cluster of this run's own big enough for its actors (even where another
     Ray cluster runs on the machine: that one is joined only when named in `ray.address`). Returns whether it did:
     a process already connected to Ray (the caller's own `ray.init`) keeps that connection."""
+    if cfg.ray.address and (problem := unreachable(cfg.ray.address)):
+        raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
     if ray.is_initialized():
+        if cfg.ray.address:
+            log.info(
+                "this process is already connected to Ray (%s): the run uses that connection, ray.address %s is not"
+                " joined again",
+                ray.get_runtime_context().gcs_address,
+                cfg.ray.address,
+            )
         return False
     quiet = {"TOKENIZERS_PARALLELISM": "false"}
     if cfg.ray.address:
-        if problem := unreachable(cfg.ray.address):
-            raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")  # Ray's own retries would take minutes
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return True

@@ -136,6 +136,16 @@ def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
         start_ray(cfg)
 
 
+@pytest.mark.slow
+def test_an_unreachable_ray_address_fails_even_in_a_process_already_connected_to_ray(tmp_path, ray_cluster):
+    from grpo_dist.cluster import start_ray
+
+    cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
+    with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):
+        start_ray(cfg)
+    assert start_ray(validate_config(small_config(tmp_path))) is False  # the caller's connection is kept, not ended
+
+
 def test_a_relative_output_dir_is_made_absolute_once_against_the_drivers_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     loaded = validate_config(small_config(tmp_path, run={"output_dir": "outputs"}, checkpoint={"dir": "ckpt"}))
