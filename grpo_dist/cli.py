@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import signal
 import sys
@@ -319,19 +320,25 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("layout", choices=["gsm8k", "math"])
+    from grpo_dist.data.prepare import LAYOUTS
+
+    parser.add_argument("layout", choices=sorted(LAYOUTS))
     parser.add_argument("source", help="a data file, a save_to_disk directory or a hub dataset id")
     parser.add_argument("out", help="JSON Lines file to write")
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--subset", default=None, help="a hub dataset's subset (openai/gsm8k: main)")
+    parser.add_argument("--split", default=None, help="the split to read (the layout's own by default: gsm8k: train)")
+    parser.add_argument("--subset", default=None, help="a hub dataset's subset (the layout's own on its hub id)")
+    parser.add_argument("--revision", default=None, help="a hub dataset's branch, tag or commit (main by default)")
 
 
 @bad_data_exits_2
 def _prepare(args: argparse.Namespace) -> int:
     from grpo_dist.data.prepare import prepare
 
-    out = prepare(args.layout, args.source, args.out, args.split, args.subset)
-    print(f"{sum(1 for _ in out.open())} rows written to {out} (prompt, answer, solution)")
+    out, repeated = prepare(args.layout, args.source, args.out, args.split, args.subset, args.revision)
+    rows = out.read_text().splitlines()
+    columns = ", ".join(json.loads(rows[0])) if rows else "no columns"
+    left_out = f"; {repeated} repeated prompts left out" if repeated else ""
+    print(f"{len(rows)} rows written to {out} ({columns}){left_out}")
     return 0
 
 
@@ -382,7 +389,7 @@ COMMANDS: dict[str, Command] = {
         "per-GPU memory of the learner ranks and engines: grpo-dist plan CONFIG", _config_and_overrides, _plan
     ),
     "prepare": Command(
-        "GSM8K or MATH as prompt/answer rows with the final answer: grpo-dist prepare gsm8k|math SOURCE OUT.jsonl",
+        "a recipe's dataset as the rows a run reads: grpo-dist prepare gsm8k|math|dapo-math|aime|mbpp SOURCE OUT.jsonl",
         _prepare_arguments,
         _prepare,
     ),

@@ -84,9 +84,10 @@ class TaskConfig(_Section):
 
 class FieldsConfig(_Section):
     prompt: str = "prompt"
-    """Column holding the prompt text."""
+    """Column holding the prompt text (a dotted path such as `question.text` reaches into a nested column)."""
     answer: str | None = "answer"
-    """Column holding the reference answer, passed to the rewards as `answer`; null when the rewards need none."""
+    """Column holding the reference answer, passed to the rewards as `answer` (a dotted path such as
+    `reward_model.ground_truth` reaches into a nested column); null when the rewards need none."""
     messages: str | None = None
     """Column holding the prompt as chat turns (`[{role, content}, ...]`), used instead of `prompt`."""
 

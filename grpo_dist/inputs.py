@@ -67,7 +67,7 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
         if skipped:
             print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
-        print(f"first prompt, as the model reads it: {train[0].text!r}")
+        show_first_prompt(cfg, train[0], tokenizer)
         if cfg.environment is not None:
             check_environment(cfg, tokenizer, train[0])
         if cfg.reward.judge is not None:
@@ -144,6 +144,17 @@ def check_rewards(cfg: Config) -> RewardRunner:
         raise ConfigError(str(err)) from None
 
 
+def show_first_prompt(cfg: Config, record: PromptRecord, tokenizer: Any) -> None:
+    """Print the first prompt as the model reads it: its tokens decoded, so characters the tokenizer cannot encode
+    (a tiny model's `characters`) show as missing, and are named."""
+    read = tokenizer.decode(record.token_ids, skip_special_tokens=False)
+    print(f"first prompt, as the model reads it: {read!r}")
+    lost = sorted(set(record.text) - set(read))
+    if lost:
+        where = " (model.tiny.characters)" if cfg.model.tiny is not None else ""
+        print(f"warning: the tokenizer of model.path drops characters of the prompts: {''.join(lost)!r}{where}")
+
+
 def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: str, name: str) -> None:
     """The reference answer of a dataset's first row, given as the completion, must score 1.0 with the judge `name`
     (one of `rewards`' eval judges): otherwise the answer column or the reward's parser is wrong, and every step
@@ -160,8 +171,8 @@ def check_answer(cfg: Config, rewards: RewardRunner, record: PromptRecord, key: 
             f"{key}: the first row's answer {str(answer)[:100]!r}, given as the completion, scores {score} with "
             f"eval.reward={name}, not 1.0: the reward cannot read the column mapped to the answer (data.fields.answer="
             f"{cfg.data.fields.answer}) as an answer. Map the column that holds the final answer (`grpo-dist prepare "
-            "gsm8k|math` extracts it from a worked solution), or judge with a reward that reads this one (eval.reward, "
-            "e.g. exact_answer for text)"
+            "gsm8k|math|...` extracts it from a worked solution), or judge with a reward that reads this one "
+            "(eval.reward, e.g. exact_answer for text)"
         )
 
 

@@ -142,7 +142,7 @@ def test_gsm8k_and_math_are_prepared_with_their_final_answers(tmp_path):
     assert last_boxed(r"\boxed{a{b}c}") == "a{b}c" and last_boxed("none") is None
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text(json.dumps({"question": "3 apples and 4 more?", "answer": "3 + 4 = 7\n#### 7"}) + "\n")
-    out = prepare("gsm8k", str(gsm8k), tmp_path / "out" / "train.jsonl")
+    out, _ = prepare("gsm8k", str(gsm8k), tmp_path / "out" / "train.jsonl")
     assert json.loads(out.read_text()) == {
         "prompt": "3 apples and 4 more?",
         "answer": "7",
@@ -158,7 +158,7 @@ def test_gsm8k_and_math_are_prepared_with_their_final_answers(tmp_path):
 
 def check(tmp_path: Path, data: dict, env: dict | None = None) -> subprocess.CompletedProcess:
     raw = small_config(tmp_path, data={"task": None, "max_prompt_tokens": 24, "prompts_per_step": 4, **data})
-    raw["model"]["tiny"] = {"characters": "0123456789+=: abcdefghijklmnopqrstuvwxyz.?"}
+    raw["model"]["tiny"] = {"characters": "0123456789+=: abcdefghijklmnopqrstuvwxyz.?\n"}
     raw["rollout"]["max_model_len"] = 32
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -222,3 +222,171 @@ def test_prepare_gsm8k_from_the_command_line(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [row["answer"] for row in rows[:2]] == ["1000", "1001"] and rows[0]["prompt"] == "999+1="
     assert check(tmp_path, {"path": str(tmp_path / "p.jsonl")}).returncode == 0
+
+
+def hub_dataset(home: Path, repo_id: str, subset: str, splits: dict[str, list[dict]]) -> None:
+    """Put `repo_id` in the hub cache of HF_HOME `home` as the hub client leaves it, its rows as the dataset's own
+    Parquet files under the subset `subset` (the README's configs name its splits)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo, commit = home / "hub" / f"datasets--{repo_id.replace('/', '--')}", "e" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    (snapshot / subset).mkdir(parents=True)
+    files = ""
+    for split, rows in splits.items():
+        pq.write_table(pa.Table.from_pylist(rows), snapshot / subset / f"{split}-00000-of-00001.parquet")
+        files += f"  - split: {split}\n    path: {subset}/{split}-*\n"
+    (snapshot / "README.md").write_text(f"---\nconfigs:\n- config_name: {subset}\n  data_files:\n{files}---\n")
+
+
+DAPO_PROMPT = (
+    "Solve the following math problem step by step. The last line of your response should be of the form Answer: "
+    "$Answer (without quotes) where $Answer is the answer to the problem.\n\n{}\n\nRemember to put your answer on its "
+    'own line after "Answer:".'
+)
+
+
+def dapo_row(problem: str, answer: str) -> dict:
+    return {"data_source": "math_dapo", "prompt": [{"content": DAPO_PROMPT.format(problem), "role": "user"}],
+            "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": f"id-{problem}"}}  # fmt: skip
+
+
+MBPP_FULL = {
+    "task_id": 11,
+    "text": "Write a function to add two numbers.",
+    "code": "def add(a, b):\n    return a + b",
+    "test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == ZERO"],
+    "test_setup_code": "ZERO = 0",
+    "challenge_test_list": [],
+}
+MBPP_SANITIZED = {
+    "source_file": "Benchmark Questions Verification V2.ipynb",
+    "task_id": 12,
+    "prompt": "Write a function to find the square root.",
+    "code": "import math\ndef root(x):\n    return math.sqrt(x)",
+    "test_imports": ["import math"],
+    "test_list": ["assert math.isclose(root(4), 2)"],
+}
+# Each recipe's source in its own layout on the hub: (layout, hub id, subset, {split: rows}, rows expected written)
+SOURCES = [
+    ("gsm8k", "openai/gsm8k", "main", {"train": [{"question": "3 and 4?", "answer": "3 + 4 = 7\n#### 7"}]},
+     [{"prompt": "3 and 4?", "answer": "7", "solution": "3 + 4 = 7\n#### 7"}]),
+    ("math", "DigitalLearningGmbH/MATH-lighteval", "default",
+     {"train": [{"problem": "Halve 1.", "level": "Level 1", "solution": r"So $\boxed{\frac12}$.", "type": "Algebra"}]},
+     [{"prompt": "Halve 1.", "answer": r"\frac12", "solution": r"So $\boxed{\frac12}$."}]),
+    ("dapo-math", "BytedTsinghua-SIA/DAPO-Math-17k", "default",
+     {"train": [dapo_row("What is 2+2?", "4"), dapo_row("What is 3*3?", "9"), dapo_row("What is 2+2?", "4")]},
+     [{"prompt": DAPO_PROMPT.format("What is 2+2?"), "answer": "4"},
+      {"prompt": DAPO_PROMPT.format("What is 3*3?"), "answer": "9"}]),
+    ("aime", "HuggingFaceH4/aime_2024", "default",
+     {"train": [{"id": 60, "problem": "Find N.", "solution": "...", "answer": "204", "url": "u", "year": "2024"}]},
+     [{"prompt": "Find N.", "answer": "204"}]),
+    ("mbpp", "google-research-datasets/mbpp", "full", {"train": [MBPP_FULL], "test": [MBPP_FULL]},
+     [{"prompt": "Write a function to add two numbers.\nYour code should pass these tests:\nassert add(1, 2) == 3\n"
+                 "assert add(2, 2) == 4\nassert add(0, 0) == ZERO\nAnswer with the code in a ```python block.",
+       "answer": "```python\ndef add(a, b):\n    return a + b\n```",
+       "tests": ["ZERO = 0\nassert add(1, 2) == 3", "ZERO = 0\nassert add(2, 2) == 4",
+                 "ZERO = 0\nassert add(0, 0) == ZERO"]}]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layout", "repo_id", "subset", "splits", "expected"), SOURCES, ids=[s[0] for s in SOURCES])
+def test_each_recipes_dataset_is_prepared_from_its_layout_on_the_hub(tmp_path, layout, repo_id, subset, splits,
+                                                                       expected):  # fmt: skip
+    """Rows in each source's own layout, in a hub cache read offline under the source's own id, with the layout's
+    own subset and split: what is written is the prompt and the answer the reward compares with."""
+    hub_dataset(tmp_path / "hf", repo_id, subset, splits)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "grpo_dist", "prepare", layout, repo_id, str(tmp_path / "out.jsonl")]
+    prepared = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr
+    assert [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()] == expected
+    repeated = len(splits["train"]) - len(expected)  # DAPO's hub copy repeats its problems
+    assert (f"; {repeated} repeated prompts left out" in prepared.stdout) == (repeated > 0), prepared.stdout
+
+
+def test_mbpps_sanitized_subset_and_a_row_the_layout_cannot_read(tmp_path):
+    source = tmp_path / "sanitized.jsonl"
+    source.write_text(json.dumps(MBPP_SANITIZED) + "\n")
+    (row,) = [json.loads(line) for line in prepare("mbpp", str(source), tmp_path / "s.jsonl", subset="sanitized")[0]
+              .read_text().splitlines()]  # fmt: skip
+    assert row["prompt"].startswith("Write a function to find the square root.\nYour code should pass these tests:")
+    assert row["tests"] == ["import math\nassert math.isclose(root(4), 2)"]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({**MBPP_FULL, "test_list": []}) + "\n")
+    with pytest.raises(DatasetError, match=r"broken.jsonl: row 1: no 'code' and 'test_list'"):
+        prepare("mbpp", str(broken), tmp_path / "b.jsonl")
+    assert not (tmp_path / "b.jsonl").exists()
+
+
+def test_a_dotted_field_reaches_into_a_nested_column(tmp_path):
+    """DAPO-Math-17k read as it is: chat turns in `prompt`, the answer in `reward_model.ground_truth` (Parquet keeps
+    the nested column a struct; JSON Lines an object); a path that leads nowhere is named with the row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [dapo_row("What is 2+2?", "4"), dapo_row("What is 3*3?", "9")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dapo.parquet")
+    (tmp_path / "dapo.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    fields = FieldsConfig(messages="prompt", answer="reward_model.ground_truth")
+    for name in ("dapo.parquet", "dapo.jsonl"):
+        read = read_source(str(tmp_path / name), "train", None, fields, "data.path")
+        assert [row["answer"] for row in read] == ["4", "9"]
+        assert read[1]["messages"] == rows[1]["prompt"] and read[1]["reward_model"]["style"] == "rule-lighteval/MATH_v2"
+    wrong = FieldsConfig(messages="prompt", answer="reward_model.truth")
+    with pytest.raises(DatasetError, match=r"row 1: no answer column 'reward_model.truth' \(data.fields.answer"):
+        read_source(str(tmp_path / "dapo.jsonl"), "train", None, wrong, "data.path")
+
+
+def test_prepare_from_the_command_line_says_what_it_wrote_and_left_out(tmp_path):
+    source = tmp_path / "dapo.jsonl"
+    source.write_text("".join(json.dumps(dapo_row(f"{n % 3}+1?", str(n % 3 + 1))) + "\n" for n in range(9)))
+    command = [sys.executable, "-m", "grpo_dist", "prepare", "dapo-math", str(source), str(tmp_path / "p.jsonl")]
+    prepared = subprocess.run(command, capture_output=True, text=True)
+    assert prepared.returncode == 0, prepared.stderr
+    assert f"3 rows written to {tmp_path / 'p.jsonl'} (prompt, answer); 6 repeated prompts left out" in prepared.stdout
+
+
+def code_recipe_check(tmp_path: Path, rows: list[dict]) -> subprocess.CompletedProcess:
+    """`grpo-dist check configs/code.yaml` on MBPP rows prepared here, shrunk to a tiny model on the CPU."""
+    tmp_path.mkdir()
+    source = tmp_path / "mbpp.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    prepare("mbpp", str(source), tmp_path / "train.jsonl")
+    overrides = [f"model.path={tmp_path / 'model'}", "model.tiny={}", f"data.path={tmp_path / 'train.jsonl'}",
+                 f"data.eval_path={tmp_path / 'train.jsonl'}", f"run.output_dir={tmp_path / 'outputs'}",
+                 "data.prompts_per_step=2", "data.max_prompt_tokens=240", "rollout.max_model_len=256",
+                 "rollout.max_new_tokens=16", "rollout.num_generators=1", "rollout.num_gpus=0",
+                 "rollout.dtype=auto", "learner.num_gpus=0", "learner.num_ranks=1", "reward.num_workers=1",
+                 "wandb.enabled=false"]  # fmt: skip
+    command = [sys.executable, "-m", "grpo_dist", "check", str(REPO / "configs" / "code.yaml"), *overrides]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_the_code_recipe_checks_its_reference_solutions_against_the_tests(tmp_path):
+    """The code recipe's pre-flight runs the first reference solution through its tests in the jail: MBPP's own
+    passes; one that fails a test stops `check` (exit 2) before anything starts, naming the reward."""
+    second = {**MBPP_FULL, "task_id": 13, "text": "Write a function to add three numbers."}
+    passed = code_recipe_check(tmp_path / "good", [MBPP_FULL, second])
+    assert passed.returncode == 0, passed.stdout[-2000:] + passed.stderr
+    assert "first prompt, as the model reads it: 'Write a function to add two numbers." in passed.stdout
+    wrong = {**MBPP_FULL, "code": "def add(a, b):\n    return a - b"}
+    refused = code_recipe_check(tmp_path / "wrong", [wrong, second])
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    # add(0, 0) == 0 still holds: one test of three
+    assert "scores 0.3333333333333333 with eval.reward=code_tests, not 1.0" in refused.stderr, refused.stderr
+
+
+def test_characters_the_tokenizer_drops_are_shown_and_named(tmp_path, saved):
+    """A tiny model's `characters` without those of the system prompt: the first prompt is shown as the model reads
+    it (without them), and a warning names them."""
+    result = check(tmp_path, {"path": str(saved), "eval_path": str(saved), "fields": {"prompt": "question",
+                   "answer": "solution"}, "system_prompt": "Add, please!"})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "first prompt, as the model reads it: 'dd please\\n\\n0+0='" in result.stdout
+    assert "warning: the tokenizer of model.path drops characters of the prompts: '!,A' (model.tiny.characters)" \
+        in result.stdout  # fmt: skip

@@ -25,12 +25,14 @@ SHAPES = {  # config.json of each recipe's model: the fields a plan reads, as pu
         "num_hidden_layers": 30, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 102400},
     "Qwen/Qwen2.5-Math-7B": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064},
+    "Qwen/Qwen2.5-Coder-7B-Instruct": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064},
     "Qwen/Qwen3-8B": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "head_dim": 128,
         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936},
     "Qwen/Qwen2.5-32B": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064},
 }  # fmt: skip
-RECIPES = ["grpo", "dr_grpo", "gspo", "dapo"]
+RECIPES = ["grpo", "dr_grpo", "gspo", "dapo", "code"]
 
 
 @pytest.fixture(scope="module")

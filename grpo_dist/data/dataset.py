@@ -53,18 +53,34 @@ class PromptRecord:
         return {**self.fields, "messages": turns}
 
 
+MISSING = object()
+
+
+def lookup(row: dict[str, Any], path: str) -> Any:
+    """The value of column `path` in `row`, or `MISSING`: a column of that exact name, else a dotted path into
+    nested objects (`reward_model.ground_truth`: the `ground_truth` of the `reward_model` column)."""
+    if path in row:
+        return row[path]
+    value: Any = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value
+
+
 def check_row(row: Any, prompt_field: str, where: str, messages: bool = False) -> dict[str, Any]:
     """`row` if it holds a prompt in `prompt_field` (a non-empty string, or with `messages` a non-empty list of
     `{role, content}` turns); a `DatasetError` naming `where` otherwise."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}; write one object per line.")
     key = "data.fields.messages" if messages else "data.fields.prompt"
-    if prompt_field not in row:
+    prompt = lookup(row, prompt_field)
+    if prompt is MISSING:
         raise DatasetError(
             f"{where}: missing prompt field {prompt_field!r} (fields present: {sorted(row)}); "
-            f"add it or set {key} to the column that holds the prompt."
+            f"add it or set {key} to the column that holds the prompt (a dotted path reaches into a nested one)."
         )
-    prompt = row[prompt_field]
     if messages:
         turns_ok = (
             isinstance(prompt, list)

@@ -1,24 +1,32 @@
-"""`grpo-dist prepare gsm8k|math SOURCE OUT.jsonl`: the two layouts people bring first, rewritten as prompt/answer
-rows whose answer is the final answer the reward compares with, not the worked solution.
+"""`grpo-dist prepare LAYOUT SOURCE OUT.jsonl`: the public datasets the recipes train and evaluate on, rewritten as
+the rows a run reads, each row's answer the one its reward compares with (not a worked solution).
 
-- GSM8K (`question`, `answer` = worked solution ending in `#### 72`): the answer is what follows `####`, without
-  thousands separators.
-- MATH (`problem`, `solution` with the result in `\\boxed{...}`): the answer is the last boxed expression.
+- gsm8k (openai/gsm8k, subset main: `question`, `answer` = worked solution ending in `#### 72`): the answer is what
+  follows `####`, without thousands separators.
+- math (MATH, as DigitalLearningGmbH/MATH-lighteval, and MATH-500: `problem`, `solution` with the result in
+  `\\boxed{...}`): the last boxed expression.
+- dapo-math (DAPO-Math-17k: `prompt` = chat turns, `reward_model.ground_truth`): the user's turn and the ground
+  truth; the hub copy repeats every problem many times, and each is written once.
+- aime (AIME 2024 and 2025: `problem`, `answer`): the problem and its integer answer.
+- mbpp (MBPP, subsets full and sanitized: a description (`text`, `prompt`), `code`, `test_list`, setup code or
+  imports): a prompt that names the tests, `tests` for the `code_tests` reward (each with the setup before it),
+  and the reference code as the answer, which the pre-flight check scores with `eval.reward: code_tests`.
 
-SOURCE is any layout `data.path` takes (a file, a `save_to_disk` directory, a hub id with --split/--subset). A row
-whose final answer cannot be found is named, and nothing is written.
+SOURCE is any layout `data.path` takes (a file, a `save_to_disk` directory, a hub id with --split, --subset and
+--revision). A row the layout cannot read is named with what it lacks, and nothing is written.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grpo_dist.config_sections import FieldsConfig
 from grpo_dist.data.dataset import DatasetError
 from grpo_dist.data.sources import read_source
-
-LAYOUTS = {"gsm8k": ("question", "answer"), "math": ("problem", "solution")}
 
 
 def gsm8k_answer(solution: str) -> str | None:
@@ -42,24 +50,117 @@ def last_boxed(solution: str) -> str | None:
     return None
 
 
-EXTRACT = {"gsm8k": gsm8k_answer, "math": last_boxed}
+Row = dict[str, Any]
 
 
-def prepare(layout: str, source: str, out: str | Path, split: str = "train", subset: str | None = None) -> Path:
-    """Write `out` (JSON Lines of {prompt, answer, solution}) from the `layout` dataset at `source`."""
-    prompt, solution = LAYOUTS[layout]
-    fields = FieldsConfig(prompt=prompt, answer=solution)
-    rows = read_source(source, split, subset, fields, "SOURCE")
-    prepared = []
+def _gsm8k(row: Row) -> Row | str:
+    answer = gsm8k_answer(str(row["answer"]))
+    if answer is None:
+        return "no final answer (a `####` line) in its 'answer' column"
+    return {"prompt": row["prompt"], "answer": answer, "solution": row["answer"]}
+
+
+def _math(row: Row) -> Row | str:
+    answer = last_boxed(str(row["answer"]))
+    if answer is None:
+        return "no final answer (a \\boxed{...}) in its 'solution' column"
+    return {"prompt": row["prompt"], "answer": answer, "solution": row["answer"]}
+
+
+def _dapo_math(row: Row) -> Row | str:
+    users = [turn["content"] for turn in row["messages"] if turn["role"] == "user"]
+    if not users or not str(row["answer"]).strip():
+        return "no user turn in 'prompt'" if not users else "an empty 'reward_model.ground_truth'"
+    return {"prompt": users[-1], "answer": str(row["answer"]).strip()}
+
+
+def _aime(row: Row) -> Row | str:
+    answer = str(row["answer"]).strip()
+    return {"prompt": row["prompt"], "answer": answer} if answer else "an empty 'answer'"
+
+
+def _mbpp(row: Row) -> Row | str:
+    tests, code = row.get("test_list"), row.get("code")
+    if not isinstance(tests, list) or not tests or not code:
+        return f"no 'code' and 'test_list' (it has {sorted(row)})"
+    setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or [])
+    listed = "\n".join(tests)
+    return {
+        "prompt": f"{row['prompt']}\nYour code should pass these tests:\n{listed}\nAnswer with the code in a "
+        "```python block.",
+        "answer": f"```python\n{code}\n```",
+        "tests": [f"{setup}\n{test}" if setup.strip() else test for test in tests],
+    }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A public dataset's layout: where it lives, the columns read as prompt and answer, and the row it becomes."""
+
+    source: str  # its hub id (the recipes' SOURCE), with `subset` and `split`
+    subset: str | None
+    split: str
+    fields: FieldsConfig
+    convert: Callable[[Row], Row | str]  # the row written, or why the row cannot be read
+    unique: bool = False  # write each prompt once
+    subset_fields: dict[str, FieldsConfig] | None = None  # a subset whose columns differ
+
+    def fields_of(self, subset: str | None) -> FieldsConfig:
+        return (self.subset_fields or {}).get(subset or "", self.fields)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "gsm8k": Layout("openai/gsm8k", "main", "train", FieldsConfig(prompt="question", answer="answer"), _gsm8k),
+    "math": Layout(
+        "DigitalLearningGmbH/MATH-lighteval", None, "train", FieldsConfig(prompt="problem", answer="solution"), _math
+    ),
+    "dapo-math": Layout(
+        "BytedTsinghua-SIA/DAPO-Math-17k",
+        None,
+        "train",
+        FieldsConfig(messages="prompt", answer="reward_model.ground_truth"),
+        _dapo_math,
+        unique=True,
+    ),
+    "aime": Layout("HuggingFaceH4/aime_2024", None, "train", FieldsConfig(prompt="problem", answer="answer"), _aime),
+    "mbpp": Layout(
+        "google-research-datasets/mbpp",
+        "full",
+        "train",
+        FieldsConfig(prompt="text", answer=None),
+        _mbpp,
+        subset_fields={"sanitized": FieldsConfig(prompt="prompt", answer=None)},
+    ),
+}
+
+
+def prepare(
+    layout: str,
+    source: str,
+    out: str | Path,
+    split: str | None = None,
+    subset: str | None = None,
+    revision: str | None = None,
+) -> tuple[Path, int]:
+    """Write `out` (JSON Lines) from the `layout` dataset at `source`; returns it and how many repeated prompts were
+    left out. `split` and `subset` default to the layout's own (openai/gsm8k: main, train)."""
+    chosen = LAYOUTS[layout]
+    hub = source == chosen.source
+    subset = subset if subset is not None else (chosen.subset if hub else None)
+    rows = read_source(source, split or chosen.split, subset, chosen.fields_of(subset), "SOURCE", revision)
+    prepared: list[Row] = []
+    seen: set[str] = set()
     for number, row in enumerate(rows, start=1):
-        answer = EXTRACT[layout](str(row["answer"]))
-        if answer is None:
-            found = "a `####` line" if layout == "gsm8k" else "a \\boxed{...}"
-            raise DatasetError(f"{source}: row {number}: no final answer ({found}) in its {solution!r} column")
-        prepared.append({"prompt": row["prompt"], "answer": answer, "solution": row["answer"]})
+        converted = chosen.convert(row)
+        if isinstance(converted, str):
+            raise DatasetError(f"{source}: row {number}: {converted}")
+        if chosen.unique and converted["prompt"] in seen:
+            continue
+        seen.add(converted["prompt"])
+        prepared.append(converted)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     partial.write_text("".join(json.dumps(row) + "\n" for row in prepared))
     partial.rename(out)
-    return out
+    return out, len(rows) - len(prepared)

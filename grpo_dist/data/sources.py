@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from grpo_dist.config_sections import FieldsConfig
-from grpo_dist.data.dataset import SUPPORTED_SUFFIXES, DatasetError, check_row, load_rows
+from grpo_dist.data.dataset import MISSING, SUPPORTED_SUFFIXES, DatasetError, check_row, load_rows, lookup
 
 HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 CSV_SUFFIXES = (".csv",)
 
 
-def read_source(location: str, split: str, subset: str | None, fields: FieldsConfig, key: str) -> list[dict[str, Any]]:
+def read_source(
+    location: str, split: str, subset: str | None, fields: FieldsConfig, key: str, revision: str | None = None
+) -> list[dict[str, Any]]:
     """The rows of the data at `location` (config key `key`: data.path, data.eval_path), checked and mapped: each
-    holds `prompt` or `messages`, `answer` when `fields.answer` names a column, and the source's other columns."""
+    holds `prompt` or `messages`, `answer` when `fields.answer` names a column, and the source's other columns. A
+    hub dataset is read at `revision` (a branch, tag or commit; main when None)."""
     column = fields.messages or fields.prompt
     messages = fields.messages is not None
     path = Path(location).expanduser()
@@ -38,7 +41,8 @@ def read_source(location: str, split: str, subset: str | None, fields: FieldsCon
         elif path.suffix.lower() in (*SUPPORTED_SUFFIXES, *CSV_SUFFIXES) or not HUB_DATASET.fullmatch(location):
             raise DatasetError(f"{key}: {location}: no such file or directory (resolved to {path.resolve()})")
         else:
-            rows, named = _from_hub(location, subset, split, key), f"{location} ({subset or 'default'}, {split})"
+            named = f"{location} ({subset or 'default'}, {split})"
+            rows = _from_hub(location, subset, split, key, revision)
         rows = [check_row(row, column, f"{named}: row {n}", messages) for n, row in enumerate(rows, 1)]
     if not rows:
         raise DatasetError(f"{key}: {named} has no rows")
@@ -46,17 +50,18 @@ def read_source(location: str, split: str, subset: str | None, fields: FieldsCon
 
 
 def _mapped(row: dict[str, Any], fields: FieldsConfig, named: str, number: int, key: str) -> dict[str, Any]:
-    if fields.answer is not None and fields.answer not in row:
+    answer = MISSING if fields.answer is None else lookup(row, fields.answer)
+    if fields.answer is not None and answer is MISSING:
         raise DatasetError(
             f"{named}: row {number}: no answer column {fields.answer!r} (data.fields.answer; columns: "
-            f"{sorted(row)}): map it to the column that holds the reference answer, or set it to null when the "
-            f"rewards need none ({key})"
+            f"{sorted(row)}): map it to the column that holds the reference answer (a dotted path reaches into a "
+            f"nested one), or set it to null when the rewards need none ({key})"
         )
     prompt_column = fields.messages or fields.prompt
     mapped = {name: value for name, value in row.items() if name not in (prompt_column, fields.answer)}
-    mapped["messages" if fields.messages else "prompt"] = row[prompt_column]
-    if fields.answer is not None:
-        mapped["answer"] = row[fields.answer]
+    mapped["messages" if fields.messages else "prompt"] = lookup(row, prompt_column)
+    if answer is not MISSING:
+        mapped["answer"] = answer
     return mapped
 
 
@@ -78,12 +83,12 @@ def _from_disk(path: Path, split: str, key: str) -> list[dict[str, Any]]:
     return loaded.to_list()
 
 
-def _from_hub(repo_id: str, subset: str | None, split: str, key: str) -> list[dict[str, Any]]:
+def _from_hub(repo_id: str, subset: str | None, split: str, key: str, revision: str | None) -> list[dict[str, Any]]:
     """A hub dataset: its snapshot resolved like a hub model's (from the Hugging Face cache, or downloaded there),
     then read by `datasets` from that directory (its README's configs name the subsets and splits)."""
     from grpo_dist.hub import snapshot
 
-    return _through_datasets(snapshot(repo_id, None, key, kind="dataset"), subset, split, key)
+    return _through_datasets(snapshot(repo_id, revision, key, kind="dataset"), subset, split, key)
 
 
 def _through_datasets(name: str, subset: str | None, split: str, key: str, **options: Any) -> list[dict[str, Any]]:
