@@ -250,8 +250,8 @@ def _submit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["status", "logs", "stop"])
-    parser.add_argument("job_id")
+    parser.add_argument("action", choices=["list", "status", "logs", "stop"])
+    parser.add_argument("job_id", nargs="?", help="the job (what submit printed); not with list")
     _job_server(parser)
     parser.add_argument("--follow", action="store_true", help="with logs: print them as they grow until the job ends")
 
@@ -263,6 +263,10 @@ def _submit_or_job(args: argparse.Namespace) -> int:
         raise ConfigError("--address: the Ray job server's URL (http://HEAD:8265) is needed, or RAY_ADDRESS set to it")
     try:
         if args.command == "job":
+            if (args.job_id is None) != (args.action == "list"):
+                raise ConfigError(
+                    f"grpo-dist job {args.action}: " + ("takes no job id" if args.job_id else "name the job")
+                )
             return job(args.action, args.job_id, args.address, follow=args.follow)
         return submit(
             args.config,
@@ -279,8 +283,11 @@ def _submit_or_job(args: argparse.Namespace) -> int:
 
 
 def _scale_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="the run's directory (run.output_dir/run.name)")
+    parser.add_argument("run", help="the run's directory (run.output_dir/run.name), or with --address its run.name")
     parser.add_argument("setting", help="generators=N")
+    parser.add_argument(
+        "--address", default=None, help="the job server of the run's Ray cluster, http://HEAD:8265 (a remote run)"
+    )
 
 
 # reference, plot, prepare, tiny-model
@@ -371,11 +378,15 @@ COMMANDS: dict[str, Command] = {
     "submit": Command(
         "run CONFIG on a Ray cluster as a Ray job and follow its logs", _submit_arguments, _submit_or_job
     ),
-    "job": Command("a submitted run: grpo-dist job status|logs|stop ID --address URL", _job_arguments, _submit_or_job),
+    "job": Command(
+        "submitted runs: grpo-dist job list --address URL, grpo-dist job status|logs|stop ID --address URL",
+        _job_arguments,
+        _submit_or_job,
+    ),
     "scale": Command(
-        "add or remove generators of a running run: grpo-dist scale RUN_DIR generators=N",
+        "add or remove generators of a running run: grpo-dist scale RUN_DIR generators=N (or RUN_NAME --address URL)",
         _scale_arguments,
-        lambda args: _scale_run(args.run_dir, args.setting),
+        lambda args: _scale_run(args.run, args.setting, args.address),
     ),
     "reference": Command(
         "print every config key with its default and meaning",
@@ -417,16 +428,19 @@ def _refuse_credentials_in_flags(args: argparse.Namespace) -> None:
             refuse_credentials(value, flag)
 
 
-def _scale_run(run_dir: str, setting: str) -> int:
-    from grpo_dist.control import scale
+def _scale_run(run: str, setting: str, address: str | None) -> int:
+    from grpo_dist.control import NotRunning, scale
+    from grpo_dist.submit import SubmitError, ask_on_cluster
 
     key, _, value = setting.partition("=")
-    if key != "generators" or not value.isdigit():
-        print(f"grpo-dist scale: expected generators=N, got {setting!r}", file=sys.stderr)
+    if key != "generators" or not value.isdigit() or int(value) < 1:
+        print(f"grpo-dist scale: expected generators=N (N >= 1), got {setting!r}", file=sys.stderr)
         return 2
     try:
-        request = scale(run_dir, int(value))
-    except (FileNotFoundError, ValueError) as err:
+        if address:
+            return ask_on_cluster(run, int(value), address)
+        request = scale(run, int(value))
+    except (FileNotFoundError, ValueError, NotRunning, SubmitError) as err:
         print(f"grpo-dist scale: {err}", file=sys.stderr)
         return 2
     print(f"asked the run to go to {value} generators ({request}); it does so between two steps and prints it")

@@ -71,8 +71,19 @@ def run_training(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint
         raise
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     check_same_data(cfg, checkpoint, sampler)
+    running = control.Running(cfg.run_dir)  # `grpo-dist scale` reaches the run while it holds this
+    try:
+        return run_steps(cfg, run, cluster, checkpoint, console, inputs, sampler, running)
+    finally:
+        running.close()
+
+
+def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, console: Console, inputs, sampler,
+              running: control.Running) -> Path:  # fmt: skip
+    """The run's cluster and its steps, from `checkpoint` (or the start), until run.steps or a stop."""
     own_cluster = cluster is None
     cluster = cluster or start_cluster(cfg, inputs.model_path, console, run)
+    running.open_mailbox(cfg.run.name)
     console.take_actor_output()
     rollouts = RolloutQueue(cfg, cluster, sampler)
     step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
@@ -84,7 +95,7 @@ def run_training(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint
         section(f"training: steps {step + 1}-{cfg.run.steps}, one line each")
         while step < cfg.run.steps:
             try:
-                apply_scale_request(cfg, cluster)
+                apply_scale_request(running, cluster)
                 metrics, samples = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
                 sink.log(step + 1, {**metrics, "epoch": sampler.epoch}, samples)
                 tqdm.write(step_line(step + 1, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
@@ -165,10 +176,10 @@ def step_samples(cfg: Config, step: int, rollout, advantages, version: int) -> S
     return StepSamples(rewards, [c.sampled_tokens for c in rollout.completions], advantages.tolist(), table)
 
 
-def apply_scale_request(cfg: Config, cluster: Cluster) -> None:
+def apply_scale_request(running: control.Running, cluster: Cluster) -> None:
     """Between steps: the generator count `grpo-dist scale` asked for, and the generators that have started since,
     taken in by the cluster; what happened is printed (the run goes on with the generators it has)."""
-    for line in cluster.scale(control.take_request(cfg.run_dir)):
+    for line in cluster.scale(running.take()):
         tqdm.write(f"scale: {line}")
 
 

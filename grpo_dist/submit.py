@@ -195,6 +195,7 @@ def submit(
 
 
 AGENT_WAIT_S = 60.0  # a head just started takes seconds before its job agent takes submissions
+ASK_WAIT_S = 120.0  # a scale request's job: start, connect, hand over
 
 
 def submit_job(server: JobServer, entrypoint: str, runtime_env: dict) -> str:
@@ -231,9 +232,11 @@ def follow_job(server: JobServer, job_id: str) -> int:
     return 0 if status == "SUCCEEDED" else 1
 
 
-def job(action: str, job_id: str, address: str, follow: bool = False) -> int:
-    """`grpo-dist job status|logs|stop ID`."""
+def job(action: str, job_id: str | None, address: str, follow: bool = False) -> int:
+    """`grpo-dist job list` and `grpo-dist job status|logs|stop ID`."""
     server = JobServer(address)
+    if action == "list":
+        return list_jobs(server)
     if action == "status":
         info = server.call("get_job_info", job_id)
         print(f"{job_id}: {info.status.value}" + (f" ({info.message})" if info.message else ""))
@@ -243,6 +246,41 @@ def job(action: str, job_id: str, address: str, follow: bool = False) -> int:
             return follow_job(server, job_id)
         print(server.call("get_job_logs", job_id), end="")
         return 0
-    stopped = server.call("stop_job", job_id)
-    print(f"{job_id}: " + ("asked to stop (it writes a checkpoint and exits)" if stopped else "already ended"))
+    status = str(server.call("get_job_status", job_id).value)
+    if status in DONE:
+        raise SubmitError(f"job {job_id} already ended ({status}): there is nothing to stop")
+    server.call("stop_job", job_id)
+    print(f"{job_id}: asked to stop (it writes a checkpoint and exits)")
+    return 0
+
+
+def list_jobs(server: JobServer) -> int:
+    """Every job the cluster knows, oldest first: its id, status, start time and command (a run's config)."""
+    jobs = sorted(server.call("list_jobs"), key=lambda info: info.start_time or 0)
+    if not jobs:
+        print(f"no jobs on the Ray cluster at {server.address}")
+    for info in jobs:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.start_time / 1000)) if info.start_time else "-"
+        command = info.entrypoint.removeprefix("python -m grpo_dist ")
+        print(f"{info.submission_id or info.job_id}  {info.status.value:9}  {started}  {command}")
+    return 0
+
+
+def ask_on_cluster(run_name: str, generators: int, address: str) -> int:
+    """`grpo-dist scale RUN_NAME generators=N --address URL`: a small job on the run's cluster hands the request to
+    the run's mailbox (`grpo_dist.control`); 0 when the run took it, else a `SubmitError` saying why not."""
+    server = JobServer(address)
+    entrypoint = shlex.join(["python", "-m", "grpo_dist.control", run_name, str(generators)])
+    job_id = submit_job(server, entrypoint, {})
+    deadline = time.monotonic() + ASK_WAIT_S
+    while (status := str(server.call("get_job_status", job_id).value)) not in DONE:
+        if time.monotonic() > deadline:
+            server.call("stop_job", job_id)
+            raise SubmitError(f"the request job {job_id} did not end within {ASK_WAIT_S:g} s on {address}")
+        time.sleep(POLL_S)
+    said = server.call("get_job_logs", job_id).strip().splitlines()
+    last = said[-1] if said else f"the request job {job_id} printed nothing"
+    if status != "SUCCEEDED":
+        raise SubmitError(f"{last} (request job {job_id}: {status})")
+    print(last)
     return 0

@@ -46,6 +46,19 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
     (tmp_path / "config.yaml").write_text("{}")
     with pytest.raises(ValueError, match="generators must be a whole number >= 1"):
         control.scale(tmp_path, generators=0)
+    with pytest.raises(control.NotRunning, match="the run is not running .* set rollout.num_generators when you"):
+        control.scale(tmp_path, generators=3)  # a finished run: nothing would take it but a later resume
+    assert not (tmp_path / control.REQUEST).exists()
+    (tmp_path / control.REQUEST).write_text('{"generators": 1}')  # left by hand before the run: not the run's
+    running = control.Running(tmp_path)  # what a run holds while it trains (Ray not connected: no mailbox)
+    with pytest.raises(control.NotRunning, match="another process runs this run already"):
+        control.Running(tmp_path)
+    assert running.take() is None
+    control.scale(tmp_path, generators=3)
+    assert running.take() == 3 and running.take() is None  # consumed
+    running.close()
+    assert not control.is_running(tmp_path)
+    running = control.Running(tmp_path)
     control.scale(tmp_path, generators=3)
     assert control.take_request(tmp_path) == 3
     assert control.take_request(tmp_path) is None  # consumed
@@ -54,6 +67,9 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
     assert "ignored" in capsys.readouterr().out
     done = grpo_dist("scale", str(tmp_path), "workers=2", stderr=subprocess.PIPE, text=True)
     assert done.wait(timeout=60) == 2 and "expected generators=N" in done.stderr.read()
+    running.close()
+    refused = grpo_dist("scale", str(tmp_path), "generators=2", stderr=subprocess.PIPE, text=True)
+    assert refused.wait(timeout=60) == 2 and "the run is not running (it finished or stopped)" in refused.stderr.read()
 
 
 def train_rows(cfg) -> tuple[Path, list[dict]]:

@@ -72,8 +72,10 @@ def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(to
 
 
 @pytest.mark.slow
-def test_job_stop_lets_the_run_write_its_checkpoint(token_head, tmp_path):
-    """`grpo-dist job stop` is SIGTERM to the run; the wait Ray leaves before killing it (3 s by default) is raised,
+def test_a_submitted_run_is_listed_scaled_through_the_address_and_stopped_with_a_checkpoint(token_head, tmp_path):
+    """A running job shows in `grpo-dist job list`; `grpo-dist scale RUN_NAME --address` reaches the run with the
+    job server's address alone; once stopped, the run refuses a second stop and a scale request. `grpo-dist job
+    stop` is SIGTERM to the run; the wait Ray leaves before killing it (3 s by default) is raised,
     so the run finishes its stop (a checkpoint of its last finished step when the learner holds its weights) and
     saves its policy before it exits. Which of the two a stop lands on is up to timing; the checkpoint written at a
     stop is proven deterministically in test_resume.py."""
@@ -90,12 +92,28 @@ def test_job_stop_lets_the_run_write_its_checkpoint(token_head, tmp_path):
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
         assert time.monotonic() < deadline, "the job logged no second step within 300 s"
         time.sleep(1)
+    listed = grpo_dist("job", "list", "--address", token_head, env=env, timeout=60)
+    assert re.search(rf"^{job_id}  RUNNING  .*  train run.yaml ray.address=auto", listed.stdout, re.M), listed.stdout
+    # The run reached through the cluster's address alone, by its name: the 4 CPUs are taken, so the generator
+    # asked for waits (as it would for a node to join), and the run says so in its metrics.
+    scaled = grpo_dist("scale", "test", "generators=2", "--address", token_head, env=env, timeout=180)
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    assert "asked the run 'test' to go to 2 generators" in scaled.stdout
+    deadline = time.monotonic() + 300
+    while not any(json.loads(line).get("generators/joining") == 1 for line in metrics.read_text().splitlines()):
+        assert time.monotonic() < deadline, "the run did not take the request within 300 s"
+        time.sleep(1)
     stopped = grpo_dist("job", "stop", job_id, "--address", token_head, env=env, timeout=60)
     assert stopped.returncode == 0 and "asked to stop" in stopped.stdout
     deadline = time.monotonic() + 300
     while "STOPPED" not in (status := grpo_dist("job", "status", job_id, "--address", token_head, env=env)).stdout:
         assert time.monotonic() < deadline, status.stdout
         time.sleep(2)
+    refused = grpo_dist("scale", "test", "generators=1", "--address", token_head, env=env, timeout=180)
+    assert refused.returncode == 2 and "no run named 'test' is running on this Ray cluster" in refused.stderr
+    again = grpo_dist("job", "stop", job_id, "--address", token_head, env=env, timeout=60)
+    assert again.returncode == 2 and f"job {job_id} already ended (STOPPED): there is nothing to stop" in again.stderr
+    assert re.search(rf"^{job_id}  STOPPED", grpo_dist("job", "list", "--address", token_head, env=env).stdout, re.M)
     logs = grpo_dist("job", "logs", job_id, "--address", token_head, env=env, timeout=60).stdout
     # The stop lands between steps (a checkpoint of the last finished one) or during the learner's update of the
     # next (whose weights belong to no finished step, so none is written, and the run says so): either way the run
