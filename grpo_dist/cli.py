@@ -199,13 +199,16 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         "saved policy (final/, interrupted/, a Hugging Face model directory)",
     )
     parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show what the libraries and actors print on the console too"
+    )
 
 
 @bad_data_exits_2
 def _eval(args: argparse.Namespace) -> int:
     from grpo_dist.evaluation import evaluate_checkpoint
 
-    evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint, args.out)
+    evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint, args.out, args.verbose)
     return 0
 
 

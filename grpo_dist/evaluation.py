@@ -187,12 +187,28 @@ def eval_config(cfg: Config, scratch: str, model_path: str | None) -> Config:
     return cfg.model_copy(update=sections)
 
 
-def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[str, float]:
+def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None, verbose: bool = False) -> dict[str, float]:
     """`grpo-dist eval`: the config's eval sets on the policy at `path` (a checkpoint, verified, on a path every
     learner node sees or in an object store; or a saved policy on such a path: `final/`, `interrupted/`, any
     Hugging Face model directory),
     on a cluster of its own started in a scratch directory (the run's directory is not touched). The metrics are
-    printed, and written as JSON to `out` when given."""
+    printed, and written as JSON to `out` when given. What the libraries and actors print goes to a verbose.log of
+    its own, kept and named on the console (and to the console too when `verbose`), as a run's does."""
+    import tempfile
+
+    from grpo_dist.console import LOG_NAME, Console
+
+    logs = Path(tempfile.mkdtemp(prefix="grpo-dist-eval-log-"))
+    print(f"the libraries' and actors' output: {logs / LOG_NAME}" + ("" if verbose else " (--verbose: here too)"))
+    console = Console(verbose)
+    console.open(logs)
+    try:
+        return _evaluate_checkpoint(cfg, path, out, console)
+    finally:
+        console.close()
+
+
+def _evaluate_checkpoint(cfg: Config, path: str, out: str | None, console) -> dict[str, float]:
     import tempfile
 
     from grpo_dist import checkpoints
@@ -210,7 +226,8 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None) -> dict[
         inputs = prepare(cfg, scratch=Path(scratch) / "inputs")
         if not inputs.eval_sets:
             raise ConfigError("nothing to evaluate: set eval.sets, or data.eval_path (or data.task) for a held-out set")
-        cluster = start_cluster(cfg, inputs.model_path, run=None)  # nothing is written on the learner nodes
+        cluster = start_cluster(cfg, inputs.model_path, console, run=None)  # nothing written on the learner nodes
+        console.take_actor_output()
         try:
             if checkpoint is not None:
                 checkpoints.load_learner(cluster.learner, checkpoint, checkpoints.load_state(checkpoint)["step"])

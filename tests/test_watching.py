@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -144,6 +145,9 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
     after = jsonl(run_dir / "eval.jsonl")[-1]
     assert standalone["eval/held_out/accuracy"] == after["eval/held_out/accuracy"]
     assert f"eval held_out of {run_dir / 'final'}: accuracy" in out
+    assert not [line for line in out.splitlines() if "pid=" in line or "WARNING" in line], out  # as train's console
+    (log,) = re.findall(r"the libraries' and actors' output: (\S+verbose.log)", out)
+    assert "pid=" in Path(log).read_text()  # ... and it went to eval's own log file, kept
 
     out = run("plot", str(run_dir / "metrics.jsonl"), str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
