@@ -71,10 +71,11 @@ class Running:
             os.close(self.lock)
             raise NotRunning(f"{run_dir}: another process runs this run already; one run directory, one run") from None
         take_request(run_dir, quiet=True)  # a request left before the run started is not this run's
-        self.mailbox = None
+        self.mailbox, self.run_name = None, ""
 
     def open_mailbox(self, run_name: str) -> None:
         """Once Ray is connected: the mailbox `scale --address` finds by the run's name."""
+        self.run_name = run_name
         self.mailbox = _open_mailbox(run_name)
 
     def take(self) -> int | None:
@@ -82,7 +83,12 @@ class Running:
         if self.mailbox is not None:
             import ray
 
-            asked = ray.get(self.mailbox.take.remote(), timeout=ASK_TIMEOUT_S) or asked
+            try:
+                asked = ray.get(self.mailbox.take.remote(), timeout=ASK_TIMEOUT_S) or asked
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+                tqdm.write(f"scale: the run's mailbox was lost ({type(err).__name__}); a new one takes requests")
+                ray.kill(self.mailbox)
+                self.mailbox = _open_mailbox(self.run_name)
         return asked
 
     def close(self) -> None:
@@ -117,8 +123,11 @@ def _open_mailbox(run_name: str):
             asked, self.generators = self.generators, None
             return asked
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)  # the driver's node
     try:
-        return Mailbox.options(name=mailbox_name(run_name), namespace=NAMESPACE).remote()
+        return Mailbox.options(name=mailbox_name(run_name), namespace=NAMESPACE, scheduling_strategy=here).remote()
     except ValueError:
         tqdm.write(f"scale: another run named {run_name!r} holds its name on this Ray cluster; scale --address "
                    "reaches that one, and this run only through its directory")  # fmt: skip
