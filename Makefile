@@ -8,7 +8,7 @@ CONFIG ?= configs/quickstart.yaml
 # Where the CPU build of torch comes from (PyPI's torch for Linux is the CUDA build); any reachable mirror of it works.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install lock demo demo-agent test test-fast lint format clean
+.PHONY: install lock demo demo-agent test test-fast lint docs format clean
 
 install: $(STAMP)
 
@@ -65,6 +65,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+
+# The documentation site (mkdocs.yml, docs/) into site/; strict: a broken link, anchor or reference fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

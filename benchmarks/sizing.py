@@ -1,4 +1,4 @@
-"""The README's sizing table ("Sizing"), made by the memory plan (`grpo_dist.plan`) from each model's published
+"""The sizing table of docs/scaling.md ("Sizing"), made by the memory plan (`grpo_dist.plan`) from each model's
 config.json: model states by DeepSpeed's own estimators, the reference, engines in bfloat16, 80 GB GPUs.
 
     python benchmarks/sizing.py

@@ -394,7 +394,7 @@ COMMANDS: dict[str, Command] = {
     "reference": Command(
         "print every config key with its default and meaning",
         lambda parser: parser.add_argument(
-            "--markdown", action="store_true", help="as the Markdown table of the README"
+            "--markdown", action="store_true", help="as a Markdown table (the site's configuration page)"
         ),
         _reference,
     ),

@@ -441,7 +441,7 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
 
 
 def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every field: the config reference in the README and `--help`."""
+    """(dotted key, default, description) for every field: the site's configuration page and `grpo-dist reference`."""
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"

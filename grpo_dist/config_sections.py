@@ -1,5 +1,5 @@
 """The sections of a grpo-dist config (`grpo_dist.config.Config` holds one of each): every key typed, with its
-default, its constraints and a docstring (the README's config reference is made from them). Pydantic only: no torch,
+default, its constraints and a docstring (the site's configuration page is made from them). Pydantic only: no torch,
 no ray."""
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class RewardConfig(_Section):
     namespaces of its own (bubblewrap), and the reward and tool sandboxes in a network namespace and, under root,
     as `nobody`; where the machine refuses any of it the run stops before any engine starts, saying what was
     refused. `best_effort`: what the machine allows, said once on the console. `auto`: `require` where the model's
-    code runs, else `best_effort`. README: Sandbox."""
+    code runs, else `best_effort`. See docs/sandbox.md."""
     num_cpus: float = Field(0.25, gt=0)
     """CPUs reserved per reward worker."""
     max_unscored_fraction: float = Field(0.9, gt=0, le=1)

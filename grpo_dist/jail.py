@@ -125,7 +125,7 @@ def check(isolation: Isolation, what: str) -> Status:
             "seccomp and AppArmor unconfined (Kubernetes: securityContext.seccompProfile.type: Unconfined and "
             "appArmorProfile.type: Unconfined; the bundled KubeRay manifests do), or on a host that allows "
             "unprivileged user namespaces. Or set reward.isolation=best_effort to run it with only a user of its "
-            "own, limits and a clean environment (README: Sandbox)."
+            "own, limits and a clean environment (docs/sandbox.md)."
         )
     return found
 

@@ -1,6 +1,6 @@
 """The sandbox process itself (`python -m grpo_dist.sandbox_child`, started by `grpo_dist.sandbox.Sandbox`): it
 takes its limits, turns the network off, becomes `nobody` where it runs as root, imports the reward functions or
-tools it is named, then answers one JSON request at a time (README: Sandbox). Nothing imports this module: it is the
+tools it is named, then answers one JSON request at a time (docs/sandbox.md). Nothing imports this module: it is the
 top of its own process, the one place that resolves user rewards and tools by name inside a sandbox."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _serve() -> None:
     limits = Limits(**setup["limits"])
     notes = [note for note in [None if limits.network else _network_off(), _become_nobody()] if note]
     if limits.require and notes:
-        answer({"error": f"{'; '.join(notes)}, and reward.isolation=require (README: Sandbox)"})
+        answer({"error": f"{'; '.join(notes)}, and reward.isolation=require (docs/sandbox.md)"})
         return
     jail.die_with_parent()  # after the change of user, which clears it
     memory = limits.memory_mb << 20

@@ -1,5 +1,5 @@
 """The memory plan (`grpo_dist.plan`, `grpo-dist plan`, part of `check`): parameters counted from a config.json as
-the model has them, the README's sizing arithmetic, every shipped recipe fitting the GPUs it names, and configs that
+the model has them, the manual's sizing arithmetic, every shipped recipe fitting the GPUs it names, and configs that
 do not fit refused with their numbers. The recipes' models are hub ids; their config.json files (the shapes
 published with them, no weights) are put in a hub cache of the test's own and resolved offline."""
 
@@ -64,15 +64,15 @@ def test_parameters_are_counted_as_the_model_has_them(tmp_path):
 
 
 def test_the_readme_sizing_table_is_the_one_the_plan_prints():
-    """The README's table ("Sizing") is what `benchmarks/sizing.py` makes of the plan today."""
+    """The sizing table of docs/scaling.md is what `benchmarks/sizing.py` makes of the plan today."""
     made = sizing()
     table = made.table()
     assert len(table) == 2 + len(made.ROWS)
-    assert "\n".join(table) in (REPO / "README.md").read_text()
+    assert "\n".join(table) in (REPO / "docs" / "scaling.md").read_text()
 
 
 def sizing():
-    """benchmarks/sizing.py: the README's table and the plan set beside DeepSpeed's estimators."""
+    """benchmarks/sizing.py: the sizing table and the plan set beside DeepSpeed's estimators."""
     spec = importlib.util.spec_from_file_location("sizing", REPO / "benchmarks" / "sizing.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -157,8 +157,8 @@ def test_a_model_the_plan_does_not_know_is_said_so_and_not_refused(tmp_path, cap
 
 
 def test_the_readme_shows_the_plan_dapo_prints(hf_home):
-    """The plan printed in the README ("Sizing") is the one `grpo-dist plan configs/dapo.yaml` prints."""
-    readme = (REPO / "README.md").read_text()
+    """The plan printed in docs/scaling.md ("Sizing") is the one `grpo-dist plan configs/dapo.yaml` prints."""
+    readme = (REPO / "docs" / "scaling.md").read_text()
     start = readme.index("memory plan per GPU (32.76B")
     shown = readme[start : readme.index("```", start)].strip().splitlines()
     printed = grpo_dist_plan(hf_home, REPO / "configs" / "dapo.yaml").stdout.strip().splitlines()

@@ -1,5 +1,6 @@
-"""The README is the user's manual: its config reference must be the one the code defines, and every command, make
-target, config and file it names must be real (parsed by the real command line, loaded by the real config loader)."""
+"""The README and the site's pages (docs/) are the user's manual: the configuration page is written from the code at
+every build, the build is strict, and every command, make target, config and file the manual names must be real
+(parsed by the real command line, loaded by the real config loader)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from grpo_dist.cli import reference_markdown
 from grpo_dist.config import load_config
 
 README = (REPO / "README.md").read_text()
+PAGES = sorted((REPO / "docs").glob("*.md"))
+MANUAL = "\n".join([README, *(page.read_text() for page in PAGES)])  # the front page and the site's pages
 FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
@@ -28,11 +31,11 @@ def commands(lines: list[str]) -> list[str]:
     return [shlex.join(shlex.split(line, comments=True)) for line in lines if line.startswith(("grpo-dist ", "make "))]
 
 
-CODE_COMMANDS = commands([line.strip() for block in FENCED.findall(README) for line in block.splitlines()])
-COMMANDS = list(dict.fromkeys(CODE_COMMANDS + commands(re.findall(r"`([^`\n]+)`", FENCED.sub("", README)))))
+CODE_COMMANDS = commands([line.strip() for block in FENCED.findall(MANUAL) for line in block.splitlines()])
+COMMANDS = list(dict.fromkeys(CODE_COMMANDS + commands(re.findall(r"`([^`\n]+)`", FENCED.sub("", MANUAL)))))
 # Files of the repository the README names: links, images, `benchmarks/learning.py --seeds 5`, `.ci/run`, ...
 REPO_PATH = re.compile(r"(?<![\w./-])((?:\.ci|benchmarks|cluster|configs|docker|docs|grpo_dist|tests)/[\w./-]*\w)")
-NAMED_PATHS = sorted(set(REPO_PATH.findall(README)))
+NAMED_PATHS = sorted(set(REPO_PATH.findall(MANUAL)))
 NAMED_CONFIGS = [path for path in NAMED_PATHS if path.startswith("configs/")]
 
 
@@ -41,8 +44,37 @@ def make_targets() -> set[str]:
     return set(re.findall(r"^([A-Za-z][\w-]*)\s*:(?!=)", makefile, re.MULTILINE))
 
 
-def test_readme_config_reference_matches_the_schema():
-    assert reference_markdown() in README, "README is stale: paste `grpo-dist reference --markdown` into it"
+def test_the_configuration_page_is_the_schema_written_at_every_build(tmp_path):
+    """The site's configuration page is generated from the code when the site is built (`mkdocs_hooks.py`); the
+    build is strict, so a broken link or anchor anywhere in the manual fails it."""
+    page = (REPO / "docs" / "configuration.md").read_text()
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ,
+                           "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    html = (tmp_path / "site" / "configuration" / "index.html").read_text()
+    keys = re.findall(r"^\| `([\w.\[\]]+)` \|", reference_markdown(), re.MULTILINE)
+    assert len(keys) > 100 and all(f"<code>{key}</code>" in html for key in keys)
+    assert "<!-- grpo-dist reference --markdown -->" in page and "| `run.steps` |" not in page  # written, not pasted
+
+
+def test_a_broken_link_fails_the_docs_build(tmp_path):
+    """The strict build is a check that can fail: the same pages with one link to a missing anchor do not build."""
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path)
+    shutil.copy(REPO / "mkdocs_hooks.py", tmp_path)
+    (tmp_path / "docs" / "install.md").write_text((tmp_path / "docs" / "install.md").read_text()
+                                                    + "\n[gone](sandbox.md#no-such-section)\n")  # fmt: skip
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1",
+                           "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert built.returncode != 0 and "no-such-section" in built.stdout + built.stderr
+
+
+def test_the_front_page_is_short_and_links_every_page():
+    assert len(README.splitlines()) <= 250
+    for page in PAGES:
+        assert f"](docs/{page.name})" in README or page.name == "index.md", f"README links no {page.name}"
 
 
 def test_readme_quick_start_is_the_two_make_commands():
@@ -100,7 +132,7 @@ def test_each_config_the_readme_names_loads(path):
 def test_training_your_own_model_runs_as_written(tmp_path):
     """The README's walkthrough, step by step in a directory of its own: the Python that saves the dataset, then each
     command of the block after it, as they are written there."""
-    section = README.split("## Training your own model", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "own-data.md").read_text().split("## Training your own model", 1)[1].split("\n## ", 1)[0]
     python, commands_block = FENCED.findall(section)[:2]
     (tmp_path / "configs").mkdir()
     shutil.copy(REPO / "configs" / "own_data.yaml", tmp_path / "configs")
