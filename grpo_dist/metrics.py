@@ -262,6 +262,9 @@ def start_wandb(cfg: Config, run_dir: Path, run_id: str | None = None) -> Any | 
         return None
     import wandb
 
+    # A W&B service of its own: one inherited from a parent process (WANDB_SERVICE, which wandb sets for a process
+    # that used it: a notebook, a test runner) outlives a run killed here and keeps its run id, refusing the resume.
+    os.environ.pop("WANDB_SERVICE", None)
     run = wandb.init(
         project=settings.project,
         entity=settings.entity,
