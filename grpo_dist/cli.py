@@ -433,7 +433,7 @@ def _refuse_credentials_in_flags(args: argparse.Namespace) -> None:
 
 def _scale_run(run: str, setting: str, address: str | None) -> int:
     from grpo_dist.control import NotRunning, scale
-    from grpo_dist.submit import SubmitError, ask_on_cluster
+    from grpo_dist.submit import SubmitError, scale_on_cluster
 
     key, _, value = setting.partition("=")
     if key != "generators" or not value.isdigit() or int(value) < 1:
@@ -441,7 +441,7 @@ def _scale_run(run: str, setting: str, address: str | None) -> int:
         return 2
     try:
         if address:
-            return ask_on_cluster(run, int(value), address)
+            return scale_on_cluster(run, int(value), address)
         request = scale(run, int(value))
     except (FileNotFoundError, ValueError, NotRunning, SubmitError) as err:
         print(f"grpo-dist scale: {err}", file=sys.stderr)

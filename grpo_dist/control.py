@@ -46,15 +46,24 @@ def scale(run_dir: str | Path, generators: int) -> Path:
     return request
 
 
-def is_running(run_dir: Path) -> bool:
-    """Whether a run holds the lock on `run_dir` (a lock dies with its process, however the process ends)."""
+def _lock(run_dir: Path) -> int | None:
+    """A descriptor holding the lock on `run_dir` (the directory itself: no file of its own), or None when another
+    process holds it. The lock dies with its descriptor, however its process ends."""
     lock = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        os.close(lock)
+        return None
+    return lock
+
+
+def is_running(run_dir: Path) -> bool:
+    """Whether a run holds the lock on `run_dir`."""
+    lock = _lock(run_dir)
+    if lock is None:
         return True
-    finally:
-        os.close(lock)  # and the lock with it
+    os.close(lock)
     return False
 
 
@@ -64,12 +73,10 @@ class Running:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.lock = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)  # the directory itself: no file of its own
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.lock)
-            raise NotRunning(f"{run_dir}: another process runs this run already; one run directory, one run") from None
+        lock = _lock(run_dir)
+        if lock is None:
+            raise NotRunning(f"{run_dir}: another process runs this run already; one run directory, one run")
+        self.lock = lock
         take_request(run_dir, quiet=True)  # a request left before the run started is not this run's
         self.mailbox, self.run_name = None, ""
 

@@ -266,7 +266,7 @@ def list_jobs(server: JobServer) -> int:
     return 0
 
 
-def ask_on_cluster(run_name: str, generators: int, address: str) -> int:
+def scale_on_cluster(run_name: str, generators: int, address: str) -> int:
     """`grpo-dist scale RUN_NAME generators=N --address URL`: a small job on the run's cluster hands the request to
     the run's mailbox (`grpo_dist.control`); 0 when the run took it, else a `SubmitError` saying why not."""
     server = JobServer(address)
