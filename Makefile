@@ -52,7 +52,7 @@ demo-agent: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest --durations=25
 # $(1): a marker expression ending in "and " (or nothing) that both phases add to their own.
-two_phases = $(PYTEST) -n $(TEST_WORKERS) --dist loadfile -m "$(1)not serial"; status=$$?; \
+two_phases = $(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "$(1)not serial"; status=$$?; \
 	$(PYTEST) -m "$(1)serial" || status=1; exit $$status
 
 test: $(STAMP)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-import torch
 from tqdm import tqdm
 
 log = logging.getLogger("grpo_dist")
@@ -260,6 +259,8 @@ def first_line(err: BaseException) -> str:
 
 def split(total: int, parts: int) -> dict[int, tuple[int, int]]:
     """Slot -> [start, end): `total` items cut into `parts` near-equal contiguous shares (empty ones left out)."""
+    import torch  # here: the small actors and tasks that import this module never load torch
+
     bounds = torch.linspace(0, total, parts + 1).round().long().tolist()
     return {
         slot: (start, end) for slot, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if end > start

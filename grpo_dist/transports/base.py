@@ -4,6 +4,8 @@ config picks, and the bounded wait on one call per actor."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import ray
@@ -27,6 +29,25 @@ class WeightTransport(Protocol):
         """Release the transport's resources (the actors themselves stay up)."""
 
 
+@dataclass
+class SyncReport:
+    """What one sync sent (rank 0's; the other ranks only gathered). Defined here, not beside the gloo wire: the
+    driver unpickles it, and the wire's module would load vLLM into the driver."""
+
+    mode: str  # "full" or "delta"
+    elements: int  # elements of every parameter
+    changed: int  # elements sent as changed (every element in a full sync)
+    sent_bytes: int
+    resync: str | None = None  # why the sync must be done again in full (a worker's copy differed), if it must
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sync/delta": float(self.mode == "delta" and self.resync is None),
+            "sync/changed_fraction": self.changed / max(self.elements, 1),
+            "sync/sent_mb": self.sent_bytes / 2**20,
+        }
+
+
 class WeightSyncError(RuntimeError):
     """A weight sync failed or did not finish in `sync.timeout_s`; the message names the transport and the actor."""
 
@@ -35,7 +56,15 @@ def transport_name(cfg: Config) -> str:
     """`sync.transport`, with `auto` resolved: broadcast where the installed vLLM has weight transfer."""
     if cfg.sync.transport != "auto":
         return cfg.sync.transport
-    return "broadcast" if importlib.util.find_spec("vllm.distributed.weight_transfer") else "object_store"
+    return "broadcast" if _has_weight_transfer() else "object_store"
+
+
+def _has_weight_transfer() -> bool:
+    """Whether the installed vLLM has `vllm.distributed.weight_transfer`, found on disk: importing the package to ask
+    would load vLLM (seconds) into the driver, which never uses it."""
+    spec = importlib.util.find_spec("vllm")  # a top-level package is found without being imported
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    return any((Path(folder) / "distributed" / "weight_transfer").is_dir() for folder in folders)
 
 
 def wire_backend(cfg: Config) -> str | None:

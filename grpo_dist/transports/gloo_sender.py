@@ -19,6 +19,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from grpo_dist.transports import delta
+from grpo_dist.transports.base import SyncReport
 from grpo_dist.transports.delta import WHOLE, aligned
 from grpo_dist.transports.gloo_wire import (
     Bucket,
@@ -27,7 +28,6 @@ from grpo_dist.transports.gloo_wire import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
     Slot,
-    SyncReport,
     broadcast,
     layout,
     open_group,

@@ -92,24 +92,6 @@ class Bucket:
     nbytes: int  # a multiple of ALIGN: the bytes after the last slot are zero
 
 
-@dataclass
-class SyncReport:
-    """What one sync sent (rank 0's; the other ranks only gathered)."""
-
-    mode: str  # "full" or "delta"
-    elements: int  # elements of every parameter
-    changed: int  # elements sent as changed (every element in a full sync)
-    sent_bytes: int
-    resync: str | None = None  # why the sync must be done again in full (a worker's copy differed), if it must
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "sync/delta": float(self.mode == "delta" and self.resync is None),
-            "sync/changed_fraction": self.changed / max(self.elements, 1),
-            "sync/sent_mb": self.sent_bytes / 2**20,
-        }
-
-
 def plan_buckets(params: list[ParamMeta], bucket_bytes: int) -> list[Bucket]:
     """Consecutive decoder layers grouped into buckets of at most `bucket_bytes` (a larger layer makes a bucket of
     its own). Both sides compute it from the same metadata."""
