@@ -259,7 +259,7 @@ def first_line(err: BaseException) -> str:
 
 def split(total: int, parts: int) -> dict[int, tuple[int, int]]:
     """Slot -> [start, end): `total` items cut into `parts` near-equal contiguous shares (empty ones left out)."""
-    import torch  # here: the small actors and tasks that import this module never load torch
+    import torch  # here, not at the top: the storage check's task imports this module and needs no torch
 
     bounds = torch.linspace(0, total, parts + 1).round().long().tolist()
     return {
