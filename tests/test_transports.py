@@ -99,6 +99,7 @@ def test_a_rendezvous_port_is_free_and_outside_the_range_the_kernel_hands_out():
             sock.bind(("", port))
 
 
+@pytest.mark.slow
 def test_every_generator_holds_the_learners_weights_after_each_transport(ray_cluster, tmp_path):
     """2 ranks under ZeRO-3 train a step, then sync both generators; each generator's logprobs for a fixed sequence
     then equal the learner's (and differ from the initial model's), for each transport in turn."""
