@@ -87,11 +87,6 @@ class Generator:
         self.weight_version = 0
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
-        if not on_gpu and eager(rollout, on_gpu):
-            # An eager engine on the CPU still compiles vLLM's small sampling helpers (the logprobs' ranks) with
-            # TorchDynamo at its first request: seconds of every engine start (a C++ build the first time on a
-            # machine) for a step of microseconds. Its engine process, started below, inherits this.
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
         self.stats = EngineStats()
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
