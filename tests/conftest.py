@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,6 +46,47 @@ def s3():
         pafs.S3FileSystem(allow_bucket_creation=True, **endpoint).create_dir("bucket")
         yield "s3://bucket/runs"
     server.stop()
+
+
+def train_here(capfd, config, *args: str, cluster=None, resume: bool | str = False) -> tuple[int, str]:
+    """`grpo-dist train CONFIG ARGS` in this process, on the session's Ray cluster (`ray_cluster`): the command's
+    checks and messages, without a Ray cluster of its own or a second import of the stack, for the runs a test
+    neither kills nor signals. Given a `cluster` (`actors_for`), the run uses those actors instead of starting its
+    own, resuming as `resume` says (`--resume`'s values). Returns the exit code and everything printed."""
+    from grpo_dist import cli, driver
+    from grpo_dist.config import load_config
+
+    capfd.readouterr()
+    stdout, sigterm = sys.stdout, signal.getsignal(signal.SIGTERM)
+    try:
+        if cluster is None:
+            code = cli.main(["train", str(config), *args, *(["--resume"] if resume is True else []),
+                             *(["--resume", resume] if isinstance(resume, str) else [])])  # fmt: skip
+        else:
+            driver.train(load_config(config, list(args)), cluster, resume=resume)
+            code = 0
+    finally:
+        sys.stdout = stdout  # the command guards its standard output against a closed reader; this process's is kept
+        signal.signal(signal.SIGTERM, sigterm)
+    out, err = capfd.readouterr()
+    return code, out + err
+
+
+@contextmanager
+def actors_for(config) -> Iterator:
+    """The actors of the run `config` describes (learner group, generators, reward workers), started in this process
+    on the session's Ray cluster and stopped when the block ends: a run and its resumes given them (`train_here`)
+    start no actors of their own. A resume loads its checkpoint into them, as after a lost learner rank."""
+    from grpo_dist.cluster import Cluster
+    from grpo_dist.config import load_config
+    from grpo_dist.inputs import prepare
+
+    cfg = load_config(config)
+    cluster = Cluster.start(cfg, prepare(cfg).model_path)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
 
 
 def small_config(tmp_path: Path, **sections) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from agent_fixtures import NAP_MARK, NAP_S
-from conftest import small_config
+from conftest import small_config, train_here
 
 from grpo_dist.agents.episode import TURN_SEED_STRIDE
 from grpo_dist.agents.parsers import hermes
@@ -510,23 +510,25 @@ def test_trajectories_are_the_engines_tokens_a_slow_tool_holds_back_only_its_own
 
 
 @pytest.mark.slow
-def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversations_logged(warmed_up):
+def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversations_logged(
+    ray_cluster, capfd, warmed_up
+):
     """The bundled task as `make demo-agent` runs it, made short: after the warm-up (the fixture), three GRPO steps
     over multi-turn episodes with the calculator in its sandbox, here with in-flight weight updates (`max_staleness`
     1) and every tool turn also sleeping 3 s in a second tool, so that updates land while trajectories wait on their
     tools: such trajectories span two weight versions and count the older. Checked: the steps' agent metrics, the
     staleness bound, the conversations in the completion table, and the held-out evaluation (with the tool) before,
-    during and after."""
-    from test_resume import training
-
+    during and after. The run is the command's, in this process, on the session's Ray cluster."""
     raw = task_config(warmed_up, run={"steps": 3}, rollout={"max_staleness": 1, "max_model_len": 256},
                       sync={"mode": "in_flight"})  # fmt: skip
     raw["environment"].update(tools=["calculator", "agent_fixtures.sleep"], tool_workers=16,
                               tool_parser="agent_fixtures.hermes_and_sleep", max_total_tokens=256)  # fmt: skip
     raw["reward"]["functions"].append({"name": "tool_use", "weight": 0.2})
     raw["wandb"]["table_every"] = 1  # every step's groups in completions.jsonl
-    with training(warmed_up, raw) as run:
-        assert run.wait(timeout=600) == 0, (warmed_up / "run.log").read_text()[-3000:]
+    config = warmed_up / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    code, out = train_here(capfd, config)
+    assert code == 0, out[-3000:]
     run_dir = warmed_up / "outputs" / "agent"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]

@@ -11,11 +11,12 @@ import os
 import signal
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_config
+from conftest import actors_for, small_config, train_here
 from test_resume import grpo_dist, rows
 
 from grpo_dist import safe_load
@@ -60,7 +61,9 @@ def run_cli(*args: str | Path) -> tuple[int, str]:
 @pytest.mark.parametrize("where", ["path", "object-store"])
 def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tmp_path, request, where):
     """On a path the checkpoint is caught half-written beside the others; in an object store, half-staged on the
-    node's disk with the upload under way. Either way the next submission goes on from the last whole one."""
+    node's disk with the upload under way. Either way the next submission goes on from the last whole one (on a path
+    in this process, on the session's Ray cluster; the object store's needs a cluster of its own, whose nodes reach
+    the store's server)."""
     store_run = where == "object-store"
     staging = tmp_path / "staging"
     run = {"output_dir": request.getfixturevalue("s3"), "staging_dir": str(staging)} if store_run else {}
@@ -91,7 +94,12 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
     assert f".{latest}.tmp" != caught and files.read(f"checkpoints/{latest}/manifest.json")
 
     path.write_text(path.read_text().replace("steps: 100000", f"steps: {last + 2}"))
-    code, out = run_cli(path, "--resume", "auto")
+    if store_run:
+        resume = run_cli
+    else:
+        request.getfixturevalue("ray_cluster")
+        resume = partial(train_here, request.getfixturevalue("capfd"))
+    code, out = resume(path, "--resume", "auto")
     assert code == 0, out[-3000:]
     assert f"resumed from {runs.store.name(f'killed/checkpoints/{latest}')} after step {last}" in out
     steps = [json.loads(line)["step"] for line in files.read("metrics.jsonl").splitlines()]
@@ -127,50 +135,54 @@ class RunFiles:
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resuming_needs(tmp_path):
+def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resuming_needs(ray_cluster, capfd, tmp_path):
+    """Every run here is the command's in this process, on one set of actors: the first starts from the model, each
+    resume loads its checkpoint into them (none is killed)."""
     path = config(tmp_path, "damaged", steps=4, keep=4)
-    run_dir = tmp_path / "outputs" / "damaged"
-    checkpoints = run_dir / "checkpoints"
-    code, out = run_cli(path)
-    assert code == 0, out[-3000:]
-    assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{step:06d}" for step in (1, 2, 3, 4)]
+    with actors_for(path) as actors:
+        run_cli = partial(train_here, capfd, cluster=actors)
+        run_dir = tmp_path / "outputs" / "damaged"
+        checkpoints = run_dir / "checkpoints"
+        code, out = run_cli(path)
+        assert code == 0, out[-3000:]
+        assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{step:06d}" for step in (1, 2, 3, 4)]
 
-    def shard(step: int) -> Path:
-        (model_states,) = (checkpoints / f"step-{step:06d}" / "learner" / "state").glob("*model_states.pt")
-        return model_states
+        def shard(step: int) -> Path:
+            (model_states,) = (checkpoints / f"step-{step:06d}" / "learner" / "state").glob("*model_states.pt")
+            return model_states
 
-    (checkpoints / "step-000004" / "manifest.json").unlink()  # half deleted, as an interrupted prune leaves it
-    shard(4).unlink()
-    damaged = bytearray(shard(3).read_bytes())  # corrupted in place: same size, other bytes
-    damaged[len(damaged) // 2] ^= 0xFF
-    shard(3).write_bytes(bytes(damaged))
-    shard(2).write_bytes(shard(2).read_bytes()[:-100])  # truncated
-    # resumed with keep 1: of what is there, the one written last and the one resumed from (step 1) stay
-    path.write_text(path.read_text().replace("steps: 4", "steps: 5").replace("keep: 4", "keep: 1"))
-    code, out = run_cli(path, "--resume")
-    assert code == 0, out[-3000:]
-    assert "checkpoint step-000004 in" in out and "(no manifest.json (an interrupted write or prune" in out
-    assert "checkpoint step-000003 in" in out and "does not match its checksum); resuming from step-000001" in out
-    assert "checkpoint step-000002 in" in out and "bytes, not" in out
-    assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
-    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5]
-    assert (checkpoints / "latest").read_text().strip() == "step-000005"
-    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000005"]
+        (checkpoints / "step-000004" / "manifest.json").unlink()  # half deleted, as an interrupted prune leaves it
+        shard(4).unlink()
+        damaged = bytearray(shard(3).read_bytes())  # corrupted in place: same size, other bytes
+        damaged[len(damaged) // 2] ^= 0xFF
+        shard(3).write_bytes(bytes(damaged))
+        shard(2).write_bytes(shard(2).read_bytes()[:-100])  # truncated
+        # resumed with keep 1: of what is there, the one written last and the one resumed from (step 1) stay
+        path.write_text(path.read_text().replace("steps: 4", "steps: 5").replace("keep: 4", "keep: 1"))
+        code, out = run_cli(path, resume=True)
+        assert code == 0, out[-3000:]
+        assert "checkpoint step-000004 in" in out and "(no manifest.json (an interrupted write or prune" in out
+        assert "checkpoint step-000003 in" in out and "does not match its checksum); resuming from step-000001" in out
+        assert "checkpoint step-000002 in" in out and "bytes, not" in out
+        assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
+        assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5]
+        assert (checkpoints / "latest").read_text().strip() == "step-000005"
+        assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-000001", "step-000005"]
 
-    # --resume PATH: an older checkpoint than the latest, named
-    path.write_text(path.read_text().replace("steps: 5", "steps: 6"))
-    code, out = run_cli(path, "--resume", str(checkpoints / "step-000001"))
-    assert code == 0, out[-3000:]
-    assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
-    assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
+        # --resume PATH: an older checkpoint than the latest, named
+        path.write_text(path.read_text().replace("steps: 5", "steps: 6"))
+        code, out = run_cli(path, resume=str(checkpoints / "step-000001"))
+        assert code == 0, out[-3000:]
+        assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
+        assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
 
-    # other data under the same checkpoint: refused before anything starts, unless allowed (one more step to go:
-    # a run already at its last step has nothing to train, whatever its data)
-    path.write_text(path.read_text().replace("steps: 6", "steps: 7"))
-    train = tmp_path / "data" / "train.jsonl"
-    first, *rest = train.read_text().splitlines()
-    row = json.loads(first)
-    train.write_text("\n".join([json.dumps({**row, "answer": str((int(row["answer"]) + 1) % 10)}), *rest]) + "\n")
-    code, out = run_cli(path, "--resume")
-    assert code == 2 and "the training data changed since it was written" in out, out[-2000:]
-    assert "Generator" not in out
+        # other data under the same checkpoint: refused before anything starts, unless allowed (one more step to go:
+        # a run already at its last step has nothing to train, whatever its data)
+        path.write_text(path.read_text().replace("steps: 6", "steps: 7"))
+        train = tmp_path / "data" / "train.jsonl"
+        first, *rest = train.read_text().splitlines()
+        row = json.loads(first)
+        train.write_text("\n".join([json.dumps({**row, "answer": str((int(row["answer"]) + 1) % 10)}), *rest]) + "\n")
+        code, out = train_here(capfd, path, resume=True)  # the command's own refusal, before any actor
+        assert code == 2 and "the training data changed since it was written" in out, out[-2000:]
+        assert "Generator" not in out

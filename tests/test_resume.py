@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config
+from conftest import REPO, TESTS_DIR, actors_for, small_config, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -61,12 +61,15 @@ def rows(run_dir) -> list[dict]:
 
 
 @pytest.mark.parametrize("k", [0, 1], ids=["on-policy", "k1"])
-def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
+def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(ray_cluster, capfd, tmp_path, k):
     """At k = 1 the checkpoint holds the batch drawn ahead (sampled by the weights before the checkpoint's), which the
-    resumed run trains on as the uninterrupted one does."""
-    whole = grpo_dist("train", write_config(tmp_path, "whole", k))
-    assert whole.wait(timeout=600) == 0
-    run_dir = killed_at_its_checkpoint_and_resumed(tmp_path, k)
+    resumed run trains on as the uninterrupted one does. The uninterrupted run and the resume run in this process on
+    one set of actors (the resume loads its checkpoint into them); the killed run is a command of its own."""
+    whole = write_config(tmp_path, "whole", k)
+    with actors_for(whole) as actors:
+        code, out = train_here(capfd, whole, cluster=actors)
+        assert code == 0, out[-3000:]
+        run_dir = killed_at_its_checkpoint_and_resumed(tmp_path, k, capfd, actors)
 
     expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
     assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]  # no step duplicated or missing
@@ -79,34 +82,37 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, k):
     assert kept == ["latest", "resumed-from", "step-000003", "step-000006"]
 
 
-def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int) -> Path:
+def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors=None) -> Path:
     """A 6-step run (checkpoint at step 3) whose driver is SIGKILLed once the checkpoint is written, then resumed
-    with `--resume` to its end; its run directory."""
-    interrupted = grpo_dist("train", write_config(tmp_path, "resumed", k), start_new_session=True)
+    with `--resume` to its end (in this process, on `actors` when given); its run directory. The killed run joins the
+    session's Ray cluster, which ends the run's actors when their driver dies."""
+    import ray
+
+    joined = f"ray.address={ray.get_runtime_context().gcs_address}"
+    interrupted = grpo_dist("train", write_config(tmp_path, "resumed", k), joined, start_new_session=True)
     run_dir = tmp_path / "outputs" / "resumed"
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "latest").exists():
         assert interrupted.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
         time.sleep(0.1)
-    os.kill(interrupted.pid, signal.SIGKILL)  # the driver only: its Ray cluster has to notice by itself
+    os.kill(interrupted.pid, signal.SIGKILL)  # the driver only: the cluster has to notice by itself
     interrupted.wait(timeout=60)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000003"
     for name in ("metrics.jsonl", "eval.jsonl", "completions.jsonl"):  # as a kill in the middle of a row leaves them
         with (run_dir / name).open("a") as file:
             file.write('{"step": 4, "reward/mean": 0.')
 
-    resumed = grpo_dist("train", str(tmp_path / "resumed.yaml"), "--resume", stdout=subprocess.PIPE, text=True)
-    out, _ = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, out
+    code, out = train_here(capfd, tmp_path / "resumed.yaml", cluster=actors, resume=True)
+    assert code == 0, out[-3000:]
     assert "after step 3" in out
     assert out.count("dropped its last line, torn by a crash mid-write") == 3, out
     return run_dir
 
 
-def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(tmp_path):
+def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(ray_cluster, capfd, tmp_path):
     """At k = 2 the generators may hold weights older than the checkpoint's when it is written; the resumed run's
     start from the checkpoint's, so its batches may be fresher than the uninterrupted run's, never staler than k."""
-    got = rows(killed_at_its_checkpoint_and_resumed(tmp_path, 2))
+    got = rows(killed_at_its_checkpoint_and_resumed(tmp_path, 2, capfd))
     assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]
     assert all(row["staleness/max"] <= 2 for row in got)
     versions = [row["rollout/weight_version"] for row in got]
