@@ -48,8 +48,8 @@ def s3():
     server.stop()
 
 
-def train_here(capfd, config, *args: str, cluster=None, resume: bool | str = False) -> tuple[int, str]:
-    """`grpo-dist train CONFIG ARGS` in this process, on the session's Ray cluster (`ray_cluster`): the command's
+def train_here(capfd, config, *overrides: str, cluster=None, resume: bool | str = False) -> tuple[int, str]:
+    """`grpo-dist train CONFIG OVERRIDES` in this process, on the session's Ray cluster (`ray_cluster`): the command's
     checks and messages, without a Ray cluster of its own or a second import of the stack, for the runs a test
     neither kills nor signals. Given a `cluster` (`actors_for`), the run uses those actors instead of starting its
     own, resuming as `resume` says (`--resume`'s values). Returns the exit code and everything printed."""
@@ -60,10 +60,10 @@ def train_here(capfd, config, *args: str, cluster=None, resume: bool | str = Fal
     stdout, sigterm = sys.stdout, signal.getsignal(signal.SIGTERM)
     try:
         if cluster is None:
-            code = cli.main(["train", str(config), *args, *(["--resume"] if resume is True else []),
-                             *(["--resume", resume] if isinstance(resume, str) else [])])  # fmt: skip
+            flags = ["--resume", *([resume] if isinstance(resume, str) else [])] if resume else []
+            code = cli.main(["train", str(config), *overrides, *flags])
         else:
-            driver.train(load_config(config, list(args)), cluster, resume=resume)
+            driver.train(load_config(config, list(overrides)), cluster, resume=resume)
             code = 0
     finally:
         sys.stdout = stdout  # the command guards its standard output against a closed reader; this process's is kept

@@ -95,11 +95,10 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
 
     path.write_text(path.read_text().replace("steps: 100000", f"steps: {last + 2}"))
     if store_run:
-        resume = run_cli
+        code, out = run_cli(path, "--resume", "auto")
     else:
         request.getfixturevalue("ray_cluster")
-        resume = partial(train_here, request.getfixturevalue("capfd"))
-    code, out = resume(path, "--resume", "auto")
+        code, out = train_here(request.getfixturevalue("capfd"), path, resume="auto")
     assert code == 0, out[-3000:]
     assert f"resumed from {runs.store.name(f'killed/checkpoints/{latest}')} after step {last}" in out
     steps = [json.loads(line)["step"] for line in files.read("metrics.jsonl").splitlines()]
@@ -140,10 +139,10 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
     resume loads its checkpoint into them (none is killed)."""
     path = config(tmp_path, "damaged", steps=4, keep=4)
     with actors_for(path) as actors:
-        run_cli = partial(train_here, capfd, cluster=actors)
+        run = partial(train_here, capfd, cluster=actors)
         run_dir = tmp_path / "outputs" / "damaged"
         checkpoints = run_dir / "checkpoints"
-        code, out = run_cli(path)
+        code, out = run(path)
         assert code == 0, out[-3000:]
         assert sorted(p.name for p in checkpoints.glob("step-*")) == [f"step-{step:06d}" for step in (1, 2, 3, 4)]
 
@@ -159,7 +158,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
         shard(2).write_bytes(shard(2).read_bytes()[:-100])  # truncated
         # resumed with keep 1: of what is there, the one written last and the one resumed from (step 1) stay
         path.write_text(path.read_text().replace("steps: 4", "steps: 5").replace("keep: 4", "keep: 1"))
-        code, out = run_cli(path, resume=True)
+        code, out = run(path, resume=True)
         assert code == 0, out[-3000:]
         assert "checkpoint step-000004 in" in out and "(no manifest.json (an interrupted write or prune" in out
         assert "checkpoint step-000003 in" in out and "does not match its checksum); resuming from step-000001" in out
@@ -171,7 +170,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resum
 
         # --resume PATH: an older checkpoint than the latest, named
         path.write_text(path.read_text().replace("steps: 5", "steps: 6"))
-        code, out = run_cli(path, resume=str(checkpoints / "step-000001"))
+        code, out = run(path, resume=str(checkpoints / "step-000001"))
         assert code == 0, out[-3000:]
         assert f"resumed from {checkpoints / 'step-000001'} after step 1" in out
         assert [row["step"] for row in rows(run_dir)] == [1, 2, 3, 4, 5, 6]
