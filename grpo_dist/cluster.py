@@ -20,12 +20,12 @@ from grpo_dist.config import Config
 from grpo_dist.console import Console, bar, section
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
-from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost
-from grpo_dist.placement import Placement, place
+from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost, budgeted
+from grpo_dist.placement import Placement, place, plan
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.run_dir import Probe, check_visible, write_probe
 from grpo_dist.storage import RunStore
-from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport
+from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport, wire_backend
 
 
 def actor_cpus(cfg: Config) -> float:
@@ -102,6 +102,7 @@ class Cluster:
     faults: FaultLog
     sync_reports: list = field(default_factory=list)  # what the syncs since the last `sync_metrics` sent
     owns_ray: bool = False  # Ray was started (or joined) for this cluster: `shutdown` ends the connection too
+    runs: int = 0  # the runs handed these actors (`begin_run`)
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, probe: Probe | None = None) -> Cluster:
@@ -136,6 +137,47 @@ class Cluster:
         finally:
             shown.close()
         return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
+
+    def begin_run(self, cfg: Config, model_path: str, fresh: bool) -> None:
+        """Hand these actors to a run of `cfg` (the first, or one after another run on them): the same model,
+        placement and engines (`ActorsDiffer` names what differs), the run's other settings applied in every role.
+        After an earlier run a `fresh` one (no checkpoint to load) starts from the initial model: the learner
+        group rebuilt in its processes (started afresh when its ZeRO stage, offload or backend changed), the
+        generators loaded with its weights as version 0. The reward workers are new; faults are counted afresh."""
+        self.check_serves(cfg, model_path)
+        earlier, self.runs = self.runs, self.runs + 1
+        if not earlier:
+            return
+        start = "from the initial model" if fresh else "resuming"
+        section(f"the actors of {earlier} earlier run(s) take this one, {start}")
+        old, self.cfg = self.cfg, cfg
+        self.faults.clear()
+        self.sync_reports = []
+        self.rewards.shutdown()
+        self.rewards = RewardPool(cfg, self.placement, self.faults)
+        self.rewards.pool.wait_ready()
+        self.generators.begin_run(cfg, self.faults)
+        if fresh or learner_settings(cfg) != learner_settings(old):
+            if any(getattr(cfg.learner, key) != getattr(old.learner, key) for key in LEARNER_PROCESS):
+                self.learner.shutdown()
+                self.learner = LearnerGroup.start(cfg, model_path, self.placement.learner_strategies())
+            else:
+                self.learner.reset(cfg)
+        self.transport.close()
+        self.transport = make_transport(cfg, self.learner, self.generators.actors)
+        self.transport.connect()
+        if fresh:
+            self._sent(self.transport.sync(0, full=True))
+            self.generators.loaded(0)
+            self.sync_reports = []
+
+    def check_serves(self, cfg: Config, model_path: str) -> None:
+        """Raise `ActorsDiffer`, naming the settings, when a run of `cfg` needs other actors than these."""
+        differ = differences(self.cfg, self.model_path, cfg, model_path)
+        if len(self.generators.actors) != cfg.rollout.num_generators:
+            differ.append(f"rollout.num_generators (they run {len(self.generators.actors)})")
+        if differ:
+            raise ActorsDiffer(f"these actors cannot run this config: {'; '.join(differ)} differ from theirs")
 
     def sync_weights(self) -> None:
         """Load the learner's current weights (its `version`) into every generator, by the configured transport.
@@ -254,6 +296,42 @@ class Cluster:
         self.placement.remove()
         if self.owns_ray:
             ray.shutdown()
+
+
+class ActorsDiffer(ValueError):
+    """A run's config asks for other actors than the ones it was given (another model, placement or engine)."""
+
+
+# The learner settings its processes are set up with (`Learner.setup`): a change starts the group afresh.
+LEARNER_PROCESS = ("zero_stage", "offload", "dist_backend", "threads")
+# The rollout settings each engine is started with (`Generator.__init__`).
+ENGINE_SETTINGS = ("max_model_len", "dtype", "gpu_memory_utilization", "enforce_eager", "cpu_kv_cache_gib",
+                   "tensor_parallel_size")  # fmt: skip
+
+
+def learner_settings(cfg: Config) -> tuple:
+    """What a learner rank is built from (`Learner.__init__`), beside the model."""
+    return cfg.learner, cfg.algorithm, budgeted(cfg), cfg.run.seed
+
+
+def differences(cfg: Config, model_path: str, other: Config, other_path: str) -> list[str]:
+    """The settings, by name, in which `other` (with its model at `other_path`) asks for other actors than `cfg`:
+    another model, placement (`plan`: roles, counts, resources), engine, sampling seed, weight-transfer backend or
+    agent environment."""
+    found = ["model.path"] if model_path != other_path else []
+    if plan(cfg) != plan(other):
+        found.append("the placement (learner ranks, generators, reward workers and their resources)")
+    found += [f"rollout.{key}" for key in ENGINE_SETTINGS if getattr(cfg.rollout, key) != getattr(other.rollout, key)]
+    if cfg.run.seed != other.run.seed:
+        found.append("run.seed")
+    if wire_backend(cfg) != wire_backend(other):
+        found.append("the weight-transfer backend (sync.transport, sync.delta)")
+    agents = (cfg.environment, cfg.reward.isolation, cfg.reward.sandbox_env)
+    if agents != (other.environment, other.reward.isolation, other.reward.sandbox_env):
+        found.append("environment, reward.isolation or reward.sandbox_env")
+    elif cfg.environment is not None and cfg.rollout.max_new_tokens != other.rollout.max_new_tokens:
+        found.append("rollout.max_new_tokens (an environment's turns)")
+    return found
 
 
 def start_cluster(cfg: Config, model_path: str, console: Console | None = None, run: RunStore | None = None) -> Cluster:

@@ -65,6 +65,8 @@ def run_training(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint
     """The run `train` set up (where it lives, `run`): its inputs, its cluster, its steps."""
     try:
         inputs = prepare(cfg)
+        if cluster is not None:  # actors given: refused before any run file is kept when they cannot run it
+            cluster.check_serves(cfg, inputs.model_path)
     except BaseException:
         if checkpoint is None:
             discard_run_dir(run, earlier)
@@ -83,6 +85,7 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
     """The run's cluster and its steps, from `checkpoint` (or the start), until run.steps or a stop."""
     own_cluster = cluster is None
     cluster = cluster or start_cluster(cfg, inputs.model_path, console, run)
+    cluster.begin_run(cfg, inputs.model_path, fresh=checkpoint is None)
     running.open_mailbox(cfg.run.name)
     console.take_actor_output()
     rollouts = RolloutQueue(cfg, cluster, sampler)

@@ -275,6 +275,12 @@ class FaultLog:
         self.lock = threading.Lock()  # the generator pool and the scoring thread both count
         self.seen: set[tuple] = set()
 
+    def clear(self) -> None:
+        """Forget every count and failure seen (a new run on the same actors)."""
+        with self.lock:
+            self.counts.clear()
+            self.seen.clear()
+
     def again(self, failure: tuple) -> bool:
         """Whether `failure` (what failed, and where) was seen before in this run; remembers it."""
         with self.lock:
@@ -321,6 +327,10 @@ class ActorPool:
 
     def name(self, slot: int) -> str:
         return f"{self.role} {slot}"
+
+    def begin_run(self, faults: FaultLog, max_restarts: int, start_bound: Bound) -> None:
+        """A new run's fault log and limits; its restarts counted afresh."""
+        self.faults, self.max_restarts, self.start_bound, self.restarts = faults, max_restarts, start_bound, 0
 
     def wait_ready(self, slots: list[int] | None = None) -> None:
         """Wait for the actors to be up (engines loading their models); fail naming the first that failed or hung."""

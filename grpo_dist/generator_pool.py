@@ -136,6 +136,19 @@ class GeneratorPool:
         """The current generator actors (a list the weight transport shares: replacements appear in it)."""
         return self.pool.actors
 
+    def begin_run(self, cfg: Config, faults: FaultLog) -> None:
+        """A new run on these generators (their engines started as `cfg` would start them): its rollout settings in
+        each, its fault log and bounds, the counts since the last run's step read and dropped."""
+        self.cfg, self.faults, self.bounds = cfg, faults, Bounds.of(cfg)
+        self.pool.begin_run(faults, cfg.faults.max_generator_restarts, self.bounds.start)
+        slots = range(len(self.actors))
+        outcomes = self.pool.call("configure", {slot: (cfg.rollout,) for slot in slots}, self.bounds.probe)
+        for slot, outcome in outcomes.items():
+            if outcome.fault is not None:  # a new one starts with `cfg`'s settings
+                self.pool.replace(slot, outcome.fault, counter=restart_counter(outcome.kind))
+        self.answered = {}
+        self.step_metrics()
+
     def loaded(self, weight_version: int) -> None:
         """Record that every generator now holds the weights of `weight_version` (after a weight sync)."""
         self.weight_version = weight_version

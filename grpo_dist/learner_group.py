@@ -103,6 +103,15 @@ class LearnerGroup:
         ]
         self.threads = self._wait(calls, "setup", bound=start)
 
+    def reset(self, cfg: Config) -> None:
+        """Begin a new run on these ranks (the same number, ZeRO stage, offload and backend): `cfg`'s settings, the
+        initial model's weights (version 0), a fresh optimizer."""
+        self.cfg, self.bounds = cfg, Bounds.of(cfg)
+        if cfg.object_store:
+            self.on_each_node("make_staging_dir", cfg.run.staging_dir, cfg.run.name)
+        self._call("reset", cfg.learner, cfg.algorithm, budgeted(cfg), cfg.run.seed, bound=self.bounds.start)
+        self.version, self.training, self.trained = 0, None, None
+
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One training step on a rollout batch, split across the ranks; metrics of the whole batch."""
         self.start_train(batch)

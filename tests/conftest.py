@@ -22,7 +22,7 @@ def ray_cluster():
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("WANDB_MODE", "offline")
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    ray.init(num_cpus=16, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
 
@@ -51,7 +51,7 @@ def s3():
 def train_here(capfd, config, *overrides: str, cluster=None, resume: bool | str = False) -> tuple[int, str]:
     """`grpo-dist train CONFIG OVERRIDES` in this process, on the session's Ray cluster (`ray_cluster`): the command's
     checks and messages, without a Ray cluster of its own or a second import of the stack, for the runs a test
-    neither kills nor signals. Given a `cluster` (`actors_for`), the run uses those actors instead of starting its
+    neither kills nor signals. Given a `cluster` (`SharedActors.use`), the run uses those actors instead of starting its
     own, resuming as `resume` says (`--resume`'s values). Returns the exit code and everything printed."""
     from grpo_dist import cli, driver
     from grpo_dist.config import load_config
@@ -72,21 +72,48 @@ def train_here(capfd, config, *overrides: str, cluster=None, resume: bool | str 
     return code, out + err
 
 
-@contextmanager
-def actors_for(config) -> Iterator:
-    """The actors of the run `config` describes (learner group, generators, reward workers), started in this process
-    on the session's Ray cluster and stopped when the block ends: a run and its resumes given them (`train_here`)
-    start no actors of their own. A resume loads its checkpoint into them, as after a lost learner rank."""
-    from grpo_dist.cluster import Cluster
-    from grpo_dist.config import load_config
-    from grpo_dist.inputs import prepare
+class SharedActors:
+    """One set of actors at a time, kept between the runs of this pytest process that can use it (`use`): the
+    runs of a module, one after another, start actors only when a run asks for others (another model, placement or
+    engine: `cluster.differences`) or the last run on them failed. `model_path` is a tiny model they all share."""
 
-    cfg = load_config(config)
-    cluster = Cluster.start(cfg, prepare(cfg).model_path)
-    try:
-        yield cluster
-    finally:
-        cluster.shutdown()
+    def __init__(self, model_path: Path) -> None:
+        self.model_path, self.cluster = model_path, None
+
+    def config(self, raw: dict) -> dict:
+        """`raw` (a `small_config`) reading the shared tiny model, so that its actors can be shared."""
+        return {**raw, "model": {"path": str(self.model_path), "tiny": {}}}
+
+    @contextmanager
+    def use(self, cfg) -> Iterator:
+        """Actors for a run of `cfg`: the kept ones when they can run it, else new ones (the kept ones stopped); a
+        failure in the block stops them, so that no run takes over actors a failure left behind."""
+        from grpo_dist.cluster import Cluster, differences
+        from grpo_dist.inputs import prepare
+
+        model_path = prepare(cfg).model_path
+        kept = self.cluster
+        if kept is None or differences(kept.cfg, kept.model_path, cfg, model_path):
+            self.close()
+            self.cluster = Cluster.start(cfg, model_path)
+        try:
+            yield self.cluster
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_actors(ray_cluster, tmp_path_factory) -> Iterator[SharedActors]:
+    """The actors this pytest process's runs share (`SharedActors`), on the session's Ray cluster."""
+    shared = SharedActors(tmp_path_factory.mktemp("shared") / "model")
+    yield shared
+    shared.close()
 
 
 def small_config(tmp_path: Path, **sections) -> dict:

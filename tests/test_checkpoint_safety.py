@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import actors_for, small_config, train_here
+from conftest import small_config, train_here
 from test_resume import grpo_dist, rows
 
 from grpo_dist import safe_load
@@ -35,16 +35,17 @@ def test_pruning_keeps_the_newest_written_and_the_resumed_from_whatever_their_st
     assert prunable(["step-000001", "step-000002", "step-000003"], 2, "step-000003", None) == ["step-000001"]
 
 
-def config(tmp_path: Path, name: str, steps: int, keep: int = 3, wandb: bool = False, run=None, **checkpoint) -> Path:
+def config(tmp_path: Path, name: str, steps: int, keep: int = 3, wandb: bool = False, run=None, model=None,
+           **checkpoint) -> Path:  # fmt: skip
     """A run on a data file of its own (so that the data can change), a checkpoint every step; `wandb`: logging
-    to W&B offline, into the run directory."""
+    to W&B offline, into the run directory; `model`: the tiny model's directory (default: in tmp_path)."""
     data = tmp_path / "data"
     if not (data / "train.jsonl").exists():
         split_task("last_digit", data, num_train=64, num_eval=8, seed=0)
     raw = small_config(tmp_path, run={"name": name, "steps": steps, **(run or {})},
                        checkpoint={"every_steps": 1, "keep": keep, **checkpoint})  # fmt: skip
     raw["data"] = {"path": str(data / "train.jsonl"), "max_prompt_tokens": 16, "prompts_per_step": 4}
-    raw["model"]["path"] = str(tmp_path / "model")
+    raw["model"]["path"] = str(model or tmp_path / "model")
     raw["wandb"] = {"enabled": wandb, "mode": "offline"}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -62,12 +63,14 @@ def run_cli(*args: str | Path) -> tuple[int, str]:
 def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tmp_path, request, where):
     """On a path the checkpoint is caught half-written beside the others; in an object store, half-staged on the
     node's disk with the upload under way. Either way the next submission goes on from the last whole one (on a path
-    in this process, on the session's Ray cluster; the object store's needs a cluster of its own, whose nodes reach
-    the store's server)."""
+    in this process, on the shared actors; the object store's needs a cluster of its own, whose nodes reach the
+    store's server)."""
     store_run = where == "object-store"
     staging = tmp_path / "staging"
     run = {"output_dir": request.getfixturevalue("s3"), "staging_dir": str(staging)} if store_run else {}
-    path = config(tmp_path, "killed", steps=100_000, keep=2, wandb=True, run=run)
+    shared = None if store_run else request.getfixturevalue("shared_actors")
+    model = shared.model_path if shared else None
+    path = config(tmp_path, "killed", steps=100_000, keep=2, wandb=True, run=run, model=model)
     runs = open_run(load_config(path))[1]
     files = RunFiles(runs.store, "killed")
     writing_in = staging / "killed" / "checkpoints" if store_run else tmp_path / "outputs" / "killed" / "checkpoints"
@@ -97,8 +100,8 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
     if store_run:
         code, out = run_cli(path, "--resume", "auto")
     else:
-        request.getfixturevalue("ray_cluster")
-        code, out = train_here(request.getfixturevalue("capfd"), path, resume="auto")
+        with shared.use(load_config(path)) as actors:
+            code, out = train_here(request.getfixturevalue("capfd"), path, cluster=actors, resume="auto")
     assert code == 0, out[-3000:]
     assert f"resumed from {runs.store.name(f'killed/checkpoints/{latest}')} after step {last}" in out
     steps = [json.loads(line)["step"] for line in files.read("metrics.jsonl").splitlines()]
@@ -134,11 +137,14 @@ class RunFiles:
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resuming_needs(ray_cluster, capfd, tmp_path):
-    """Every run here is the command's in this process, on one set of actors: the first starts from the model, each
+def test_a_damaged_latest_checkpoint_is_passed_over_and_pruning_keeps_what_resuming_needs(shared_actors, capfd,
+                                                                                           tmp_path):  # fmt: skip
+    """Every run here is the command's in this process, on the shared actors: the first starts from the model, each
     resume loads its checkpoint into them (none is killed)."""
-    path = config(tmp_path, "damaged", steps=4, keep=4)
-    with actors_for(path) as actors:
+    from grpo_dist.config import load_config
+
+    path = config(tmp_path, "damaged", steps=4, keep=4, model=shared_actors.model_path)
+    with shared_actors.use(load_config(path)) as actors:
         run = partial(train_here, capfd, cluster=actors)
         run_dir = tmp_path / "outputs" / "damaged"
         checkpoints = run_dir / "checkpoints"

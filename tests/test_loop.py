@@ -37,7 +37,7 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 
 def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path, monkeypatch):
     from grpo_dist import driver
-    from grpo_dist.cluster import Cluster
+    from grpo_dist.cluster import ActorsDiffer, Cluster
     from grpo_dist.driver import train
     from grpo_dist.inputs import prepare
 
@@ -57,6 +57,19 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
     try:
         run_dir = train(cfg, cluster)
         check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir)
+        # A second run on the same actors starts from the initial model: every rank rebuilt in its process, the
+        # generators loaded with version 0. It trains exactly as the first did (which moved the weights, above).
+        again = train(validate_config({**raw, "run": {**raw["run"], "name": "again"}}), cluster)
+        first, second = metric_rows(run_dir), metric_rows(again)
+        for key in ("reward/mean", "loss", "kl", "grad_norm", "response_length/mean", "rollout/weight_version"):
+            assert [row[key] for row in second] == pytest.approx([row[key] for row in first], rel=1e-5), key
+        assert {row["faults/generator_restarts"] for row in second} == {0.0}
+        # A config whose engines differ from these actors' is refused before its run keeps any file.
+        other = validate_config({**raw, "run": {**raw["run"], "name": "other"}, "rollout": {**raw["rollout"],
+                                 "max_model_len": 64}})  # fmt: skip
+        with pytest.raises(ActorsDiffer, match=r"rollout.max_model_len differ"):
+            train(other, cluster)
+        assert not (run_dir.parent / "other").exists()
         # A run stopped by an error (here: Ctrl-C during a step) keeps the policy it had, and the earlier run.
         monkeypatch.setattr(driver, "train_step", interrupted_step)
         with pytest.raises(KeyboardInterrupt):
@@ -67,6 +80,10 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
         assert len(list(run_dir.parent.glob(f"{run_dir.name}-*/final"))) == 1
     finally:
         cluster.shutdown()
+
+
+def metric_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def interrupted_step(*args, **kwargs):

@@ -133,23 +133,22 @@ def first_mismatch(name: str, rows: list[Row]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def tiny_inputs(tmp_path_factory):
+def train_path(tmp_path_factory) -> str:
     from grpo_dist.data import split_task
-    from grpo_dist.models import build_tiny_model
 
     root = tmp_path_factory.mktemp("recipes")
-    train_path, _ = split_task("last_digit", root / "data", num_train=32, num_eval=4, seed=0)
-    return str(build_tiny_model(root / "model")), str(train_path)
+    return str(split_task("last_digit", root / "data", num_train=32, num_eval=4, seed=0)[0])
 
 
 @pytest.fixture(scope="module")
-def recipe_rows(ray_cluster, tiny_inputs, tmp_path_factory) -> Callable[[str], list[Row]]:
-    """`recipe_rows(name)`: the metrics.jsonl rows of configs/<name>.yaml, shrunk; each recipe runs once per module."""
-    from grpo_dist.cluster import Cluster
+def recipe_rows(shared_actors, train_path, tmp_path_factory) -> Callable[[str], list[Row]]:
+    """`recipe_rows(name)`: the metrics.jsonl rows of configs/<name>.yaml, shrunk; each recipe runs once per module,
+    all on the shared actors (the recipes differ in their algorithm, not in their actors, once shrunk)."""
     from grpo_dist.config import load_config
     from grpo_dist.driver import train
+    from grpo_dist.models import build_tiny_model
 
-    model_path, train_path = tiny_inputs
+    model_path = str(build_tiny_model(shared_actors.model_path))
     done: dict[str, list[Row]] = {}
 
     def run(name: str) -> list[Row]:
@@ -158,11 +157,8 @@ def recipe_rows(ray_cluster, tiny_inputs, tmp_path_factory) -> Callable[[str], l
             paths = [f"model.path={model_path}", f"data.path={train_path}", f"run.output_dir={output_dir}"]
             overrides = [*SHRINK, *EXTRA.get(name, []), *paths]
             cfg = load_config(REPO / "configs" / f"{name}.yaml", overrides)
-            cluster = Cluster.start(cfg, model_path)
-            try:
+            with shared_actors.use(cfg) as cluster:
                 run_dir = train(cfg, cluster)
-            finally:
-                cluster.shutdown()
             done[name] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return done[name]
 

@@ -15,21 +15,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, actors_for, small_config, train_here
+from conftest import REPO, TESTS_DIR, small_config, train_here
 
 pytestmark = pytest.mark.slow
 
 COMPARED = ("reward/mean", "reward/std", "loss", "kl", "grad_norm", "response_length/mean")
 
 
-def write_config(tmp_path, name: str, k: int = 0) -> str:
+def write_config(tmp_path, name: str, k: int = 0, model: Path | None = None) -> str:
     raw = small_config(tmp_path, run={"name": name, "steps": 6}, checkpoint={"every_steps": 3, "keep": 1},
                        rollout={"max_staleness": k})  # fmt: skip
     # A step of at least 0.4 s (16 completions, 2 workers), the rewards unchanged: the test sees the step-3
     # checkpoint before the run writes the next.
     slow = {"name": "reward_fixtures.slow_reward", "weight": 0.0, "kwargs": {"delay_s": 0.05}}
     raw["reward"]["functions"].append(slow)
-    raw["model"]["path"] = str(tmp_path / "model")  # shared: built once by the first run
+    raw["model"]["path"] = str(model or tmp_path / "model")  # shared: built once by the first run
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)
@@ -61,12 +61,15 @@ def rows(run_dir) -> list[dict]:
 
 
 @pytest.mark.parametrize("k", [0, 1], ids=["on-policy", "k1"])
-def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(ray_cluster, capfd, tmp_path, k):
+def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(shared_actors, capfd, tmp_path, k):
     """At k = 1 the checkpoint holds the batch drawn ahead (sampled by the weights before the checkpoint's), which the
     resumed run trains on as the uninterrupted one does. The uninterrupted run and the resume run in this process on
-    one set of actors (the resume loads its checkpoint into them); the killed run is a command of its own."""
-    whole = write_config(tmp_path, "whole", k)
-    with actors_for(whole) as actors:
+    the module's shared actors (used by earlier runs: the uninterrupted run starts them from the initial model, the
+    resume loads its checkpoint into them); the killed run is a command of its own, on actors of its own."""
+    from grpo_dist.config import load_config
+
+    whole = write_config(tmp_path, "whole", k, shared_actors.model_path)
+    with shared_actors.use(load_config(whole)) as actors:
         code, out = train_here(capfd, whole, cluster=actors)
         assert code == 0, out[-3000:]
         run_dir = killed_at_its_checkpoint_and_resumed(tmp_path, k, capfd, actors)
@@ -82,14 +85,15 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(ray_cluster, cap
     assert kept == ["latest", "resumed-from", "step-000003", "step-000006"]
 
 
-def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors=None) -> Path:
+def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors) -> Path:
     """A 6-step run (checkpoint at step 3) whose driver is SIGKILLed once the checkpoint is written, then resumed
-    with `--resume` to its end (in this process, on `actors` when given); its run directory. The killed run joins the
+    with `--resume` to its end (in this process, on `actors`); its run directory. The killed run joins the
     session's Ray cluster, which ends the run's actors when their driver dies."""
     import ray
 
     joined = f"ray.address={ray.get_runtime_context().gcs_address}"
-    interrupted = grpo_dist("train", write_config(tmp_path, "resumed", k), joined, start_new_session=True)
+    config = write_config(tmp_path, "resumed", k, actors.model_path)
+    interrupted = grpo_dist("train", config, joined, start_new_session=True)
     run_dir = tmp_path / "outputs" / "resumed"
     deadline = time.monotonic() + 600
     while not (run_dir / "checkpoints" / "latest").exists():
@@ -109,10 +113,14 @@ def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors=N
     return run_dir
 
 
-def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(ray_cluster, capfd, tmp_path):
+def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(shared_actors, capfd, tmp_path):
     """At k = 2 the generators may hold weights older than the checkpoint's when it is written; the resumed run's
     start from the checkpoint's, so its batches may be fresher than the uninterrupted run's, never staler than k."""
-    got = rows(killed_at_its_checkpoint_and_resumed(tmp_path, 2, capfd))
+    from grpo_dist.config import load_config
+
+    config = write_config(tmp_path, "resumed", 2, shared_actors.model_path)
+    with shared_actors.use(load_config(config)) as actors:
+        got = rows(killed_at_its_checkpoint_and_resumed(tmp_path, 2, capfd, actors))
     assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]
     assert all(row["staleness/max"] <= 2 for row in got)
     versions = [row["rollout/weight_version"] for row in got]

@@ -122,6 +122,10 @@ class Generator:
         if self.agent is not None:
             await self.agent.start()
 
+    async def configure(self, rollout: RolloutConfig) -> None:
+        """A new run's rollout settings; the engine's own (`ENGINE_SETTINGS`) are the ones it was started with."""
+        self.rollout = rollout
+
     async def close(self) -> None:
         """End the engine's process and the tools' sandboxes, and wait until they are gone (the pool calls it before
         killing the generator)."""

@@ -14,6 +14,7 @@ ranks. The reference model is a full copy on each rank under ZeRO 0-2 and sharde
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import socket
@@ -98,11 +99,27 @@ class Learner:
         """Join the ranks' process group and build the policy and reference engines (collective: every rank
         calls it at once); a collective that waits past `collective_timeout_s` on a peer fails. Returns the torch
         threads this rank uses."""
-        from transformers import AutoModelForCausalLM
-
         self.rank = rank
         torch.set_num_threads(self._threads(local_world_size))
         self._init_distributed(rank, world_size, local_rank, master, collective_timeout_s)
+        self._build()
+        return torch.get_num_threads()
+
+    def reset(self, learner: LearnerConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, seed: int) -> None:
+        """Begin a new run in this process, in the same process group: the settings given (the same ZeRO stage,
+        offload and backend: the group restarts otherwise) and the initial model's weights, a fresh optimizer and
+        reference (collective: every rank calls it at once)."""
+        self.cfg, self.algo, self.seed = learner, algorithm, seed
+        self.temperature, self.max_new_tokens = rollout.temperature, rollout.max_new_tokens
+        self.weight_version = 0
+        self.engine = self.reference = self.weight_sender = None
+        gc.collect()
+        self._build()
+
+    def _build(self) -> None:
+        """The policy's DeepSpeed engine from the initial model, and the reference when the KL needs one."""
+        from transformers import AutoModelForCausalLM
+
         torch.manual_seed(self.seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if self.cfg.packing:
@@ -116,7 +133,6 @@ class Learner:
         self.shape = (flop_params(self.engine.module), shape.num_hidden_layers, shape.hidden_size)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_flops = peak_flops(device_name, self.bf16)
-        return torch.get_num_threads()
 
     def _threads(self, local_world_size: int) -> int:
         """`learner.threads`, else with a GPU the CPUs reserved, else the node's cores shared by its ranks."""
