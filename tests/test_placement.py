@@ -284,3 +284,28 @@ def test_check_against_an_unreachable_cluster_says_so(tmp_path):
     # the bounded TCP probe answered, naming its bound, not Ray's own connection retries (timeout=60 bounds a hang)
     assert re.search(r"nothing answers at 127\.0\.0\.1:1 within \d+(\.\d+)? s", result.stderr), result.stderr
     assert "RAY_AUTH_MODE=token" in result.stderr
+
+
+def test_actors_serve_a_run_that_differs_only_in_what_they_are_not_started_with(tmp_path):
+    """`differences`: a run's algorithm, learning rate, sampling, staleness, sync mode and rewards need no other
+    actors; another model, placement, engine window, seed or weight-transfer backend does, and is named."""
+    from grpo_dist.cluster import differences
+
+    base = validate_config(small_config(tmp_path))
+    model = str(tmp_path / "model")
+
+    def other(**sections) -> list[str]:
+        return differences(base, model, validate_config(small_config(tmp_path, **sections)), model)
+
+    assert other() == []
+    assert other(algorithm={"kl_coef": 0.0, "ratio_level": "sequence"}, learner={"lr": 1e-3, "zero_stage": 3}) == []
+    sampling = {"max_staleness": 2, "temperature": 0.7, "max_new_tokens": 8}
+    assert other(rollout=sampling, sync={"mode": "in_flight"}) == []
+    assert other(reward={"functions": [{"name": "math_answer"}]}) == []
+    assert other(rollout={"max_model_len": 64}) == ["rollout.max_model_len"]
+    assert other(run={"seed": 1}) == ["run.seed"]
+    assert other(rollout={"num_generators": 2}) == [
+        "the placement (learner ranks, generators, reward workers and their resources)"
+    ]
+    assert other(sync={"transport": "object_store"}) == ["the weight-transfer backend (sync.transport, sync.delta)"]
+    assert differences(base, model, base, str(tmp_path / "elsewhere")) == ["model.path"]
