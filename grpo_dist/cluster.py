@@ -20,7 +20,14 @@ from grpo_dist.config import Config
 from grpo_dist.console import Console, bar, section
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
-from grpo_dist.learner_group import LearnerGroup, LearnerGroupError, LearnerHung, LearnerLost, budgeted
+from grpo_dist.learner_group import (
+    LearnerGroup,
+    LearnerGroupError,
+    LearnerHung,
+    LearnerLost,
+    budgeted,
+    collective_timeout_s,
+)
 from grpo_dist.placement import Placement, place, plan
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.run_dir import Probe, check_visible, write_probe
@@ -103,6 +110,7 @@ class Cluster:
     sync_reports: list = field(default_factory=list)  # what the syncs since the last `sync_metrics` sent
     owns_ray: bool = False  # Ray was started (or joined) for this cluster: `shutdown` ends the connection too
     runs: int = 0  # the runs handed these actors (`begin_run`)
+    unusable: str | None = None  # why these actors take no other run (handing them to one failed part-way)
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, probe: Probe | None = None) -> Cluster:
@@ -139,40 +147,57 @@ class Cluster:
         return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
 
     def begin_run(self, cfg: Config, model_path: str, fresh: bool) -> None:
-        """Hand these actors to a run of `cfg` (the first, or one after another run on them): the same model,
-        placement and engines (`ActorsDiffer` names what differs), the run's other settings applied in every role.
-        After an earlier run a `fresh` one (no checkpoint to load) starts from the initial model: the learner
-        group rebuilt in its processes (started afresh when its ZeRO stage, offload or backend changed), the
-        generators loaded with its weights as version 0. The reward workers are new; faults are counted afresh."""
+        """Hand these actors to a run of `cfg`: the same model, placement and engines (`ActorsDiffer` names what
+        differs), the run's own settings applied in every role, what they are built from rebuilt where it changed.
+        After an earlier run on them a `fresh` run (no checkpoint to load) starts from the initial model: each learner
+        rank's engine rebuilt in its process (the group started afresh when its process settings changed), the
+        generators loaded with the initial weights as version 0, new reward workers, faults counted afresh. If this
+        fails part-way the actors take no other run."""
         self.check_serves(cfg, model_path)
         earlier, self.runs = self.runs, self.runs + 1
-        if not earlier:
-            return
-        start = "from the initial model" if fresh else "resuming"
-        section(f"the actors of {earlier} earlier run(s) take this one, {start}")
+        if not earlier and cfg == self.cfg:
+            return  # their first run, of the config they were started with
+        try:
+            self._apply(cfg, model_path, fresh and earlier > 0, earlier)
+        except BaseException as err:
+            self.unusable = f"{type(err).__name__}: {err}"
+            raise
+
+    def _apply(self, cfg: Config, model_path: str, from_start: bool, earlier: int) -> None:
         old, self.cfg = self.cfg, cfg
-        self.faults.clear()
-        self.sync_reports = []
-        self.rewards.shutdown()
-        self.rewards = RewardPool(cfg, self.placement, self.faults)
-        self.rewards.pool.wait_ready()
-        self.generators.begin_run(cfg, self.faults)
-        if fresh or learner_settings(cfg) != learner_settings(old):
-            if any(getattr(cfg.learner, key) != getattr(old.learner, key) for key in LEARNER_PROCESS):
-                self.learner.shutdown()
-                self.learner = LearnerGroup.start(cfg, model_path, self.placement.learner_strategies())
-            else:
-                self.learner.reset(cfg)
-        self.transport.close()
-        self.transport = make_transport(cfg, self.learner, self.generators.actors)
-        self.transport.connect()
-        if fresh:
-            self._sent(self.transport.sync(0, full=True))
-            self.generators.loaded(0)
+        if earlier:
+            start = "from the initial model" if from_start else "resuming"
+            section(f"the actors of {earlier} earlier run(s) take this one, {start}")
+            self.faults.clear()
             self.sync_reports = []
+        if earlier or reward_settings(cfg) != reward_settings(old):
+            self.rewards.shutdown()
+            self.rewards = RewardPool(cfg, self.placement, self.faults)
+            self.rewards.pool.wait_ready()
+        self.generators.begin_run(cfg, self.faults)
+        process = [key for key in LEARNER_PROCESS if getattr(cfg.learner, key) != getattr(old.learner, key)]
+        rebuilt = bool(process) or collective_timeout_s(cfg) != collective_timeout_s(old)
+        if rebuilt:
+            self.learner.shutdown()
+            self.learner = LearnerGroup.start(cfg, model_path, self.placement.learner_strategies())
+        elif from_start or learner_settings(cfg) != learner_settings(old):
+            self.learner.reset(cfg)
+            rebuilt = True
+        else:
+            self.learner.begin_run(cfg)
+        if earlier or rebuilt or cfg.sync != old.sync:
+            self.transport.close()
+            self.transport = make_transport(cfg, self.learner, self.generators.actors)
+            self.transport.connect()
+        if from_start:
+            self.transport.sync(0, full=True)
+            self.generators.loaded(0)
 
     def check_serves(self, cfg: Config, model_path: str) -> None:
-        """Raise `ActorsDiffer`, naming the settings, when a run of `cfg` needs other actors than these."""
+        """Raise `ActorsDiffer`, naming the settings, when a run of `cfg` needs other actors than these (or when
+        handing them to an earlier run failed part-way)."""
+        if self.unusable:
+            raise ActorsDiffer(f"these actors take no other run: handing them to the last one failed ({self.unusable})")
         differ = differences(self.cfg, self.model_path, cfg, model_path)
         if len(self.generators.actors) != cfg.rollout.num_generators:
             differ.append(f"rollout.num_generators (they run {len(self.generators.actors)})")
@@ -302,7 +327,8 @@ class ActorsDiffer(ValueError):
     """A run's config asks for other actors than the ones it was given (another model, placement or engine)."""
 
 
-# The learner settings its processes are set up with (`Learner.setup`): a change starts the group afresh.
+# The learner settings its processes are set up with (`Learner.setup`; the collectives' timeout too): a change starts
+# the group afresh.
 LEARNER_PROCESS = ("zero_stage", "offload", "dist_backend", "threads")
 # The rollout settings each engine is started with (`Generator.__init__`).
 ENGINE_SETTINGS = ("max_model_len", "dtype", "gpu_memory_utilization", "enforce_eager", "cpu_kv_cache_gib",
@@ -312,6 +338,11 @@ ENGINE_SETTINGS = ("max_model_len", "dtype", "gpu_memory_utilization", "enforce_
 def learner_settings(cfg: Config) -> tuple:
     """What a learner rank is built from (`Learner.__init__`), beside the model."""
     return cfg.learner, cfg.algorithm, budgeted(cfg), cfg.run.seed
+
+
+def reward_settings(cfg: Config) -> tuple:
+    """What the reward pool is built from."""
+    return cfg.reward, cfg.judges, cfg.faults
 
 
 def differences(cfg: Config, model_path: str, other: Config, other_path: str) -> list[str]:

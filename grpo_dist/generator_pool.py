@@ -140,6 +140,9 @@ class GeneratorPool:
         """A new run on these generators (their engines started as `cfg` would start them): its rollout settings in
         each, its fault log and bounds, the counts since the last run's step read and dropped."""
         self.cfg, self.faults, self.bounds = cfg, faults, Bounds.of(cfg)
+        for joining in self.joining:  # asked for by an earlier run
+            self._drop(joining)
+        self.joining = []
         self.pool.begin_run(faults, cfg.faults.max_generator_restarts, self.bounds.start)
         slots = range(len(self.actors))
         outcomes = self.pool.call("configure", {slot: (cfg.rollout,) for slot in slots}, self.bounds.probe)

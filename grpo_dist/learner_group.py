@@ -88,8 +88,7 @@ class LearnerGroup:
         node_ids = self.node_ids = [node_id for node_id, _ in nodes]
         if self.cfg.object_store:  # each node's shards are staged on its own disk: its directory made safely first
             self.on_each_node("make_staging_dir", self.cfg.run.staging_dir, self.cfg.run.name)
-        # No collective outlasts the longest call it belongs to: a step's, a sync's or a checkpoint's.
-        collective_s = max(bound.seconds for bound in (self.bounds.train, self.bounds.sync, self.bounds.checkpoint))
+        collective_s = collective_timeout_s(self.cfg)
         calls = [
             rank.setup.remote(
                 index,
@@ -103,12 +102,17 @@ class LearnerGroup:
         ]
         self.threads = self._wait(calls, "setup", bound=start)
 
-    def reset(self, cfg: Config) -> None:
-        """Begin a new run on these ranks (the same number, ZeRO stage, offload and backend): `cfg`'s settings, the
-        initial model's weights (version 0), a fresh optimizer."""
+    def begin_run(self, cfg: Config) -> None:
+        """A new run's config on these ranks, built as it would build them (its bounds; its staging directory on each
+        node for an object-store run)."""
         self.cfg, self.bounds = cfg, Bounds.of(cfg)
         if cfg.object_store:
             self.on_each_node("make_staging_dir", cfg.run.staging_dir, cfg.run.name)
+
+    def reset(self, cfg: Config) -> None:
+        """Begin a new run on these ranks (the same number and process settings): `cfg`'s settings, the initial
+        model's weights (version 0), a fresh optimizer."""
+        self.begin_run(cfg)
         self._call("reset", cfg.learner, cfg.algorithm, budgeted(cfg), cfg.run.seed, bound=self.bounds.start)
         self.version, self.training, self.trained = 0, None, None
 
@@ -233,6 +237,13 @@ class LearnerGroup:
             why = outcomes[ranks.index(hung[0])].fault
             raise LearnerHung(f"learner rank(s) {hung}: {method} {why}", None, self.version)
         return [outcome.value for outcome in outcomes]
+
+
+def collective_timeout_s(cfg: Config) -> float:
+    """How long a rank's collective waits on a peer: no collective outlasts the longest call it belongs to (a
+    step's, a sync's or a checkpoint's)."""
+    bounds = Bounds.of(cfg)
+    return max(bound.seconds for bound in (bounds.train, bounds.sync, bounds.checkpoint))
 
 
 def budgeted(cfg: Config) -> RolloutConfig:

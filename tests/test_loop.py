@@ -59,7 +59,9 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
         check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir)
         # A second run on the same actors starts from the initial model: every rank rebuilt in its process, the
         # generators loaded with version 0. It trains exactly as the first did (which moved the weights, above).
+        held = module_stacks(ray_cluster, cluster)
         again = train(validate_config({**raw, "run": {**raw["run"], "name": "again"}}), cluster)
+        assert module_stacks(ray_cluster, cluster) == held  # the first run's policy and reference were let go
         first, second = metric_rows(run_dir), metric_rows(again)
         for key in ("reward/mean", "loss", "kl", "grad_norm", "response_length/mean", "rollout/weight_version"):
             assert [row[key] for row in second] == pytest.approx([row[key] for row in first], rel=1e-5), key
@@ -80,6 +82,17 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
         assert len(list(run_dir.parent.glob(f"{run_dir.name}-*/final"))) == 1
     finally:
         cluster.shutdown()
+
+
+def module_stacks(ray_cluster, cluster) -> list[int]:
+    """How many modules each learner rank's process has on DeepSpeed's ZeRO-3 module stack (which holds them)."""
+
+    def depth(rank) -> int:
+        from deepspeed.runtime.zero.parameter_offload import FWD_MODULE_STACK
+
+        return len(FWD_MODULE_STACK)
+
+    return ray_cluster.get([rank.__ray_call__.remote(depth) for rank in cluster.learner.ranks])
 
 
 def metric_rows(run_dir) -> list[dict]:

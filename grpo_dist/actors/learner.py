@@ -112,9 +112,22 @@ class Learner:
         self.cfg, self.algo, self.seed = learner, algorithm, seed
         self.temperature, self.max_new_tokens = rollout.temperature, rollout.max_new_tokens
         self.weight_version = 0
-        self.engine = self.reference = self.weight_sender = None
-        gc.collect()
+        self._release()
         self._build()
+
+    def _release(self) -> None:
+        """Let the policy, optimizer and reference go: DeepSpeed's engines destroyed (their hooks and buffers) and,
+        under ZeRO-3, taken off the module stack DeepSpeed keeps for the process, which would hold them forever."""
+        from deepspeed.runtime.zero import parameter_offload
+
+        modules = [self.engine.module, self.reference]
+        for engine in (self.engine, self.reference_engine):
+            if engine is not None:
+                engine.destroy()
+        stack = parameter_offload.FWD_MODULE_STACK
+        stack[:] = [module for module in stack if not any(module is gone for gone in modules)]
+        self.engine = self.reference = self.reference_engine = self.weight_sender = None
+        gc.collect()
 
     def _build(self) -> None:
         """The policy's DeepSpeed engine from the initial model, and the reference when the KL needs one."""
@@ -128,6 +141,7 @@ class Learner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine = self._deepspeed_engine(model)
         self.device = self.engine.device
+        self.reference_engine = None  # the reference's DeepSpeed engine, under ZeRO-3
         self.reference = self._reference() if self.algo.kl_coef > 0 else None
         shape = model.config
         self.shape = (flop_params(self.engine.module), shape.num_hidden_layers, shape.hidden_size)
@@ -208,8 +222,8 @@ class Learner:
             return reference.to(self.device)
         config = {**self._ds_config(3), "gradient_clipping": 0.0}
         config["zero_optimization"].pop("offload_optimizer", None)
-        engine, *_ = deepspeed.initialize(model=reference, config=config)
-        return engine.module
+        self.reference_engine, *_ = deepspeed.initialize(model=reference, config=config)
+        return self.reference_engine.module
 
     def _deepspeed_engine(self, model):
         import deepspeed
