@@ -175,8 +175,9 @@ class Cluster:
             self.rewards = RewardPool(cfg, self.placement, self.faults)
             self.rewards.pool.wait_ready()
         self.generators.begin_run(cfg, self.faults)
-        process = [key for key in LEARNER_PROCESS if getattr(cfg.learner, key) != getattr(old.learner, key)]
-        rebuilt = bool(process) or collective_timeout_s(cfg) != collective_timeout_s(old)
+        rebuilt = collective_timeout_s(cfg) != collective_timeout_s(old) or any(
+            getattr(cfg.learner, key) != getattr(old.learner, key) for key in LEARNER_PROCESS
+        )
         if rebuilt:
             self.learner.shutdown()
             self.learner = LearnerGroup.start(cfg, model_path, self.placement.learner_strategies())
