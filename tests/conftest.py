@@ -73,9 +73,9 @@ def train_here(capfd, config, *overrides: str, cluster=None, resume: bool | str 
 
 
 class SharedActors:
-    """One set of actors at a time, kept between the runs of this pytest process that can use it (`use`): the
-    runs of a module, one after another, start actors only when a run asks for others (another model, placement or
-    engine: `cluster.differences`) or the last run on them failed. `model_path` is a tiny model they all share."""
+    """One set of actors at a time, kept between the runs of a module that can use it (`use`): its runs, one after
+    another, start actors only when a run asks for others (another model, placement or engine:
+    `cluster.differences`) or the last run on them failed. `model_path` is a tiny model they all share."""
 
     def __init__(self, model_path: Path) -> None:
         self.model_path, self.cluster = model_path, None
@@ -108,9 +108,10 @@ class SharedActors:
             cluster.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_actors(ray_cluster, tmp_path_factory) -> Iterator[SharedActors]:
-    """The actors this pytest process's runs share (`SharedActors`), on the session's Ray cluster."""
+    """The actors a module's runs share (`SharedActors`), on the session's Ray cluster; stopped when the module's
+    tests are done, so that no idle set holds memory and cores while the other modules run."""
     shared = SharedActors(tmp_path_factory.mktemp("shared") / "model")
     yield shared
     shared.close()

@@ -233,7 +233,7 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
 def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path, monkeypatch):
     """One run, two learner faults.
     - Once step 1 is logged, the learner rank's process is slowed (stopped 0.45 s of every 0.5 s, as a machine shared
-      with other work would) for steps 2 and 3: a step of 260 micro-batches then lasts several times its usual
+      with other work would) for steps 2 and 3: a step of 130 micro-batches then lasts several times its usual
       length and longer than `faults.train_timeout_s`, and goes on to the end without a restart, because its
       micro-batches keep finishing. (Stopped longer, with another test's runs on the same cores, one micro-batch
       and the answer to the progress question can outlast the bound.)
@@ -245,7 +245,7 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
     raw = small_config(
         tmp_path,
         run={"steps": 6},
-        data={"prompts_per_step": 32},  # 128 completions: a step of about 260 passes of one completion each
+        data={"prompts_per_step": 16},  # 64 completions: a step of about 130 passes of one completion each
         learner={"lr": 1e-2, "micro_batch_size": 1, "zero_stage": 2},
         checkpoint={"every_steps": 1, "keep": 2},
         faults={"train_timeout_s": bound_s},
