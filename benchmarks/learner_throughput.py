@@ -201,10 +201,11 @@ def run_selection(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def child(arguments: list[str]) -> dict:
-    done = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True, check=False)
+def child(arguments: list[str], script: str = __file__) -> dict:
+    """The JSON line `script` run with `arguments` in a process of its own prints last."""
+    done = subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"learner_throughput: {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{Path(script).stem}: {' '.join(arguments)} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

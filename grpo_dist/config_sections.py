@@ -330,6 +330,22 @@ class AlgorithmConfig(_Section):
         return self
 
 
+class LoraConfig(_Section):
+    rank: int = Field(16, ge=1)
+    """The adapter's rank r: each adapted weight W [out, in] trains B [out, r] and A [r, in] instead."""
+    alpha: float = Field(32.0, gt=0)
+    """The adapter's scale is alpha / rank."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input while training. Above 0 a resumed run is no longer bit for bit the
+    uninterrupted one (the dropout masks are not in the checkpoint)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+    """The linear layers that get an adapter, by the last part of their name (the defaults: attention and MLP of
+    Llama, Qwen and kin)."""
+
+
 class LearnerConfig(_Section):
     num_ranks: int = Field(1, ge=1)
     """Data-parallel learner ranks (one Ray actor each, one GPU or one CPU slot each) forming one DeepSpeed
@@ -375,6 +391,10 @@ class LearnerConfig(_Section):
     threads: int | None = Field(None, ge=1)
     """torch threads per learner rank. null: with a GPU, `num_cpus`; without, the node's cores shared among the
     learner ranks on it (training and generation take turns, so training may use the whole machine)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of every weight (`grpo_dist.lora`): the base model frozen, the optimizer
+    holding the adapter alone, the KL's reference the base with the adapter off (no second copy). The engines get
+    the merged policy. null: full fine-tuning."""
 
     @model_validator(mode="after")
     def _offload_fits_the_stage(self) -> LearnerConfig:

@@ -57,6 +57,8 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
             check_plan(cfg, model_path)
         tokenizer = load_tokenizer(model_path)
         check_lengths(cfg, model_path)
+        if cfg.learner.lora is not None:
+            check_lora_targets(cfg, model_path)
         train_path, eval_path = prepare_data(cfg, scratch)
         train, skipped = read_prompts(cfg, train_path, tokenizer)
         if len(train) < cfg.data.prompts_per_step:
@@ -230,6 +232,21 @@ def check_lengths(cfg: Config, model_path: str) -> None:
             f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) + rollout.max_new_tokens "
             f"({cfg.rollout.max_new_tokens}) exceeds rollout.max_model_len ({cfg.rollout.max_model_len})"
         )
+
+
+def check_lora_targets(cfg: Config, model_path: str) -> None:
+    """`learner.lora.target_modules` name linear layers of the model (built without weights, on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_dist import lora  # torch and PEFT: only for a LoRA run
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    try:
+        lora.check_targets(model, cfg.learner.lora.target_modules)
+    except ValueError as error:
+        raise ConfigError(f"{error}; the model is {model_path}") from None
 
 
 def load_tokenizer(model_path: str) -> Any:

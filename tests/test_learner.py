@@ -138,3 +138,54 @@ def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_s
     # show as ~1e-2.
     for name in weights_one:
         torch.testing.assert_close(weights_two[name], weights_one[name], atol=1e-3, rtol=1e-4)
+
+
+def test_a_lora_policy_trains_its_adapter_alone_against_the_base_and_saves_it_merged_and_as_an_adapter(
+    ray_cluster, tmp_path, model_dir
+):
+    """`learner.lora` on 2 ranks under ZeRO-3 (every weight sharded): only the adapter's weights take gradients;
+    step 1 starts at the base (B is zero) so its KL to the reference is exactly 0, and step 2's is not: the
+    reference is the base with the adapter off, not the policy. What leaves the learner is the policy merged under
+    the base's names: the adapted weights moved, every other weight is the initial model's bit for bit. A step
+    after loading a checkpoint equals the step after saving it. `final/`'s adapter, loaded by PEFT onto the
+    initial model and merged, gives the same weights."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    learner = {"num_ranks": 2, "zero_stage": 3, "micro_batch_size": 3, "lr": 5e-2, "lora": {"rank": 4, "alpha": 8}}
+    group = start_group(ray_cluster, tmp_path, model_dir, learner, {"kl_coef": 0.04})
+    (trained, _) = group.call("__ray_call__", trainable_names)
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained), trained
+    first, second = group.train(sample_batch()), group.train(sample_batch())
+    assert first["kl"] == 0.0 and second["kl"] > 0
+    merged = ray_cluster.get(group.state_dict())
+    # The checkpoint (the adapter and its optimizer state): step 3 from it is step 3 without it, to the bit.
+    group.save_checkpoint(str(tmp_path / "checkpoint"))
+    third = group.train(sample_batch())
+    group.load_checkpoint(str(tmp_path / "checkpoint"), 2)
+    loaded = ray_cluster.get(group.state_dict())
+    assert loaded.keys() == merged.keys() and all(torch.equal(loaded[name], merged[name]) for name in merged)
+    again = group.train(sample_batch())
+    assert (again["loss"], again["kl"], again["grad_norm"]) == (third["loss"], third["kl"], third["grad_norm"])
+    merged = ray_cluster.get(group.state_dict())
+    out = group.save(str(tmp_path / "final"))
+    group.shutdown()
+
+    initial = load_file(f"{model_dir}/model.safetensors")
+    assert merged.keys() >= initial.keys()  # and the output embedding, tied to the input's
+    moved = {name for name in initial if not torch.equal(merged[name], initial[name])}
+    adapted = {name for name in initial if name.endswith("_proj.weight")}
+    assert moved == adapted, (sorted(moved), sorted(adapted))
+    saved = load_file(f"{out}/model.safetensors")
+    assert all(torch.equal(saved[name], merged[name]) for name in initial)
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    by_peft = PeftModel.from_pretrained(base, f"{out}/adapter").merge_and_unload().state_dict()
+    for name in initial:
+        torch.testing.assert_close(by_peft[name], merged[name], rtol=1e-6, atol=1e-6)
+
+
+def trainable_names(learner) -> list[str]:
+    """The names of a learner rank's parameters that take gradients."""
+    return [name for name, param in learner.engine.module.named_parameters() if param.requires_grad]

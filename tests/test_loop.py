@@ -66,6 +66,7 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
         for key in ("reward/mean", "loss", "kl", "grad_norm", "response_length/mean", "rollout/weight_version"):
             assert [row[key] for row in second] == pytest.approx([row[key] for row in first], rel=1e-5), key
         assert {row["faults/generator_restarts"] for row in second} == {0.0}
+        check_lora_run(ray_cluster, cluster, raw, inputs, initial)
         # A config whose engines differ from these actors' is refused before its run keeps any file.
         other = validate_config({**raw, "run": {**raw["run"], "name": "other"}, "rollout": {**raw["rollout"],
                                  "max_model_len": 64}})  # fmt: skip
@@ -140,3 +141,29 @@ def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
     )
     ray_cluster.kill(served)
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B should have logged offline into the run directory"
+
+
+def check_lora_run(ray_cluster, cluster, raw, inputs, initial) -> None:
+    """A LoRA run on the same actors (`learner.lora`: each rank rebuilds its engine with an adapter): step 1 starts
+    at the base, so its KL is exactly 0; the generators hold the merged policy after each sync (their logprobs
+    are the learner's, which moved off the base's); every weight the adapter does not touch is the initial one;
+    `final/` holds the merged policy, which transformers reads, and the adapter in PEFT's layout."""
+    from grpo_dist.driver import train
+
+    lora = {**raw["learner"], "lora": {"rank": 4, "alpha": 16}, "lr": 5e-2}
+    run_dir = train(validate_config({**raw, "run": {**raw["run"], "name": "lora"}, "learner": lora}), cluster)
+    rows = metric_rows(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0
+    merged = ray_cluster.get(cluster.learner.state_dict())
+    moved = {name for name, tensor in initial.items() if not torch.equal(merged[name], tensor)}
+    assert moved and all(name.endswith("_proj.weight") for name in moved), sorted(moved)
+
+    sequence = inputs.train[0].token_ids + [7, 8, 9, 2]
+    learner = torch.tensor(cluster.learner.sequence_logprobs(sequence))
+    assert not torch.allclose(learner, hf_logprobs(inputs.model_path, sequence), atol=1e-3)
+    for generator in cluster.generators.actors:
+        engine = torch.tensor(ray_cluster.get(generator.sequence_logprobs.remote(sequence)))
+        torch.testing.assert_close(engine, learner, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hf_logprobs(str(run_dir / "final"), sequence), learner, atol=1e-5, rtol=1e-5)
+    adapter = {path.name for path in (run_dir / "final" / "adapter").iterdir()}
+    assert adapter == {"adapter_config.json", "adapter_model.safetensors"}

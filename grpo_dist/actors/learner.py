@@ -25,7 +25,7 @@ import psutil
 import ray
 import torch
 
-from grpo_dist import safe_load
+from grpo_dist import lora, safe_load
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
@@ -139,6 +139,8 @@ class Learner:
             use_packed_attention(model)
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.lora is not None:
+            model = lora.wrap(model, self.cfg.lora)
         self.engine = self._deepspeed_engine(model)
         self.device = self.engine.device
         self.reference_engine = None  # the reference's DeepSpeed engine, under ZeRO-3
@@ -209,10 +211,13 @@ class Learner:
         }
 
     def _reference(self):
-        """The frozen reference: sharded over the ranks by a ZeRO-3 inference engine under ZeRO-3, else a full copy
-        on this rank."""
+        """The frozen reference: with LoRA the policy with its adapter off (the same weights), else sharded over the
+        ranks by a ZeRO-3 inference engine under ZeRO-3, else a full copy on this rank."""
         import deepspeed
         from transformers import AutoModelForCausalLM
+
+        if self.cfg.lora is not None:
+            return lora.AdapterOff(self.engine.module)
 
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval().requires_grad_(False)
@@ -229,12 +234,13 @@ class Learner:
         import deepspeed
 
         options = {"lr": self.cfg.lr, "betas": self.cfg.betas, "weight_decay": self.cfg.weight_decay}
+        trained = [param for param in model.parameters() if param.requires_grad]  # with LoRA: the adapter's
         if self.cfg.offload == "none":
-            optimizer = torch.optim.AdamW(model.parameters(), **options)
+            optimizer = torch.optim.AdamW(trained, **options)
         else:  # the optimizer step runs on the CPU: DeepSpeed's vectorised Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **options)
+            optimizer = DeepSpeedCPUAdam(trained, adamw_mode=True, **options)
         warmup = self.cfg.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         engine, *_ = deepspeed.initialize(
@@ -367,24 +373,44 @@ class Learner:
         return token_logprobs(logits, input_ids, 1.0)[0, 1:].tolist()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights on the CPU in Hugging Face names, on rank 0 (empty on the others). Collective:
-        under ZeRO-3 every rank takes part in gathering them."""
+        """Full, unsharded weights on the CPU in Hugging Face names (with LoRA the policy merged:
+        `grpo_dist.lora`), on rank 0 (empty on the others). Collective: under ZeRO-3 every rank takes part in
+        gathering them."""
+        return self._on_rank0(self._weights) or {}
+
+    def _weights(self, module) -> dict[str, torch.Tensor]:
+        if lora.is_adapted(module):
+            return lora.merged_state_dict(module)
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
+
+    def _final(self, module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """The policy's weights to save, and with LoRA the adapter's own."""
+        if lora.is_adapted(module):
+            return lora.merged_state_dict(module), lora.adapter_state_dict(module)
+        return self._weights(module), None
+
+    def _on_rank0(self, read):
+        """`read(policy module)` on rank 0 with every parameter whole (gathered under ZeRO-3: collective), None on
+        the other ranks."""
         import deepspeed
 
         module = self.engine.module
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero_stage == 3):
-            if self.rank != 0:
-                return {}
-            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=self.cfg.zero_stage == 3):
+            return read(module) if self.rank == 0 else None
 
     def save_checkpoint(self, path: str) -> None:
-        """Write this rank's DeepSpeed state (model, optimizer, scheduler) under `path` (collective)."""
-        self.engine.save_checkpoint(path, tag="state", client_state={"weight_version": self.weight_version})
+        """Write this rank's DeepSpeed state (model, optimizer, scheduler) under `path` (collective); with LoRA the
+        adapter's weights alone (the base is the initial model's)."""
+        self.engine.save_checkpoint(
+            path,
+            tag="state",
+            client_state={"weight_version": self.weight_version},
+            exclude_frozen_parameters=self.cfg.lora is not None,
+        )
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint` wrote, on the same number of ranks (collective)."""
-        _, client_state = self.engine.load_checkpoint(path, tag="state")
+        _, client_state = self.engine.load_checkpoint(path, tag="state", load_module_strict=self.cfg.lora is None)
         if client_state is None:
             raise RuntimeError(f"learner rank {self.rank}: no DeepSpeed checkpoint in {path}")
         self.weight_version = client_state["weight_version"]
@@ -426,12 +452,18 @@ class Learner:
 
     def save(self, out_dir: str) -> str:
         """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and
-        vLLM); collective, rank 0 writes."""
+        vLLM); with LoRA the policy merged, and the adapter alone in PEFT's format under `adapter/` (loadable by
+        `PeftModel.from_pretrained` and as a vLLM LoRA adapter). Collective, rank 0 writes."""
         from transformers import AutoTokenizer
 
-        state_dict = self.state_dict()
-        if self.rank == 0:
+        written = self._on_rank0(self._final)
+        if written is not None:
+            state_dict, adapter = written
             Path(out_dir).mkdir(parents=True, exist_ok=True)
-            self.engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+            module = self.engine.module
+            model = module.get_base_model() if adapter is not None else module
+            model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+            if adapter is not None:
+                lora.save_adapter(module, adapter, Path(out_dir) / "adapter")
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from grpo_dist import lora
 from grpo_dist.config import Config
 from grpo_dist.faults import Bound, Bounds
 from grpo_dist.transports.base import wait_all, wire_backend
@@ -183,11 +184,16 @@ def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
     (`Partitions`) to copy straight into a bucket; the other ranks get None. With `wire_dtype` the metadata
     declares floating-point weights at that dtype (the sender casts them as it packs). Tied weights are sent under
     each of their names (as in the module's state dict): vLLM's layerwise reload waits for `lm_head.weight` even
-    when it is the embedding."""
+    when it is the embedding. A LoRA policy (`grpo_dist.lora`) is sent merged, under the base model's names, each
+    layer gathered on every rank."""
     import deepspeed
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
 
+    adapted = lora.adapted_layers(module) if lora.is_adapted(module) else {}
     named = dict(module.named_parameters(remove_duplicate=False))
+    if adapted:  # the base model's names; the adapter's own weights are merged into those they adapt
+        named = {lora.merged_name(name): param for name, param in named.items() if lora.merged_name(name)}
+    to_rank0 = to_rank0 and not adapted  # a merge needs the whole weight and adapter on one rank
 
     def _travels_as(dtype):
         return wire_dtype if wire_dtype is not None and dtype.is_floating_point else dtype
@@ -207,10 +213,11 @@ def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
                 yield from gathered_to_rank0(groups, params)
                 return
             for names in groups:
-                layer = list({id(params[name]): params[name] for name in names}.values())
+                adapters = [param for name in names if name in adapted for param in adapted[name].parameters()]
+                layer = list({id(param): param for param in [params[name] for name in names] + adapters}.values())
                 with deepspeed.zero.GatheredParameters(layer, enabled=zero3):
                     for name in names:
-                        yield name, params[name].data
+                        yield name, lora.merged_weight(adapted[name]) if name in adapted else params[name].data
 
     return ModelSource()
 

@@ -1,0 +1,95 @@
+"""LoRA's pieces on a tiny model, without Ray or DeepSpeed: the merge the engines get, the reference with the adapter
+off, and the pre-flight check of `learner.lora.target_modules`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import small_config
+
+from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.config_sections import LoraConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from grpo_dist.models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("model")))
+
+
+def wrapped(model_dir: str, **lora):
+    """The tiny model with an adapter whose B is random (a freshly made adapter is zero, a no-op)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_dist import lora as lora_module
+
+    policy = lora_module.wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraConfig(**lora))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(std=0.1)
+    return policy
+
+
+def test_the_merged_state_is_the_one_peft_merges_under_the_base_models_names_and_leaves_the_base_as_it_was(
+    model_dir, tmp_path
+):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from grpo_dist.lora import adapter_state_dict, merged_name, merged_state_dict, save_adapter
+
+    policy = wrapped(model_dir, rank=4, alpha=8, target_modules=["q_proj", "down_proj"])
+    merged = merged_state_dict(policy)
+    initial = load_file(f"{model_dir}/model.safetensors")
+    assert merged.keys() >= initial.keys() and not any("lora" in name for name in merged)
+    moved = sorted(name for name in initial if not torch.equal(merged[name], initial[name]))
+    assert moved == sorted(name for name in initial if name.endswith(("q_proj.weight", "down_proj.weight")))
+    base = {merged_name(name): param for name, param in policy.named_parameters() if merged_name(name)}
+    assert all(torch.equal(base[name], initial[name]) for name in initial)  # the merge wrote no base weight
+
+    # W + B A * alpha / rank, as PEFT's own merge computes it, for q_proj of layer 0:
+    layer = policy.base_model.model.model.layers[0].self_attn.q_proj
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * (8 / 4)  # [out, in]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(merged[name], initial[name] + delta, rtol=1e-6, atol=1e-7)
+
+    save_adapter(policy, adapter_state_dict(policy), out := tmp_path / "adapter")
+    fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    by_peft = PeftModel.from_pretrained(fresh, str(out)).merge_and_unload().state_dict()
+    for name in initial:
+        torch.testing.assert_close(by_peft[name], merged[name], rtol=1e-6, atol=1e-7)
+
+
+def test_the_reference_is_the_base_model_and_the_policy_is_not(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_dist.lora import AdapterOff
+
+    policy = wrapped(model_dir, rank=4, alpha=8)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    input_ids = torch.tensor([[3, 7, 11, 5, 9]])
+    with torch.no_grad():
+        expected = base(input_ids=input_ids).logits
+        off = AdapterOff(policy)(input_ids=input_ids).logits
+        on = policy(input_ids=input_ids).logits
+    torch.testing.assert_close(off, expected, rtol=0, atol=0)
+    assert not torch.allclose(on, expected, atol=1e-3)
+
+
+def test_target_modules_that_name_no_linear_layer_are_refused_before_the_run_naming_those_that_would(
+    model_dir, tmp_path
+):
+    from grpo_dist.inputs import check_lora_targets
+
+    def config(targets: list[str]):
+        return validate_config(small_config(tmp_path, learner={"lora": {"target_modules": targets}}))
+
+    check_lora_targets(config(["q_proj", "up_proj"]), model_dir)
+    with pytest.raises(ConfigError) as refused:
+        check_lora_targets(config(["q_proj", "qkv_proj"]), model_dir)
+    message = str(refused.value)
+    assert "learner.lora.target_modules: ['qkv_proj']" in message and "'v_proj'" in message, message
