@@ -49,6 +49,9 @@ FIXED_KEYS = (
     "rollout.max_new_tokens",
     "learner.num_ranks",
     "learner.zero_stage",
+    "learner.lora.rank",  # and learner.lora set or not: either way one of these keys changes
+    "learner.lora.alpha",
+    "learner.lora.target_modules",
     "run.seed",
     "algorithm.aggregation",
 )

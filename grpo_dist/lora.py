@@ -36,13 +36,24 @@ def wrap(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
 
 
 def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    """Raise ValueError naming the `targets` that match no linear layer of `model`, and those that would."""
+    """Raise ValueError naming the `targets` that match no linear layer of `model` (and those that would), or a
+    layer whose weight is tied to the input embedding (its merge could not be served: engines and transformers
+    read the tied weight once, as the embedding)."""
     linear = linear_names(model)
     missing = [name for name in targets if name not in linear]
     if missing:
         raise ValueError(
             f"learner.lora.target_modules: {missing} name no linear layer of {type(model).__name__} "
             f"(its linear layers: {sorted(linear)})"
+        )
+    embedding = model.get_input_embeddings().weight
+    named = [(name, module) for name, module in model.named_modules() if hasattr(module, "weight")]
+    sharing = {name.rsplit(".", 1)[-1] for name, module in named if module.weight is embedding}
+    tied = sorted(sharing & set(targets))
+    if tied:
+        raise ValueError(
+            f"learner.lora.target_modules: {tied} is tied to the input embedding (tie_word_embeddings); an adapter "
+            "on it could not be served: leave it out"
         )
 
 
@@ -76,10 +87,13 @@ def adapted_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """An adapted layer's weight with its adapter merged in, as a new tensor (the base weight is left as it is).
-    Under ZeRO-3 the layer's parameters must be gathered."""
+    """An adapted layer's weight with its adapter merged in, as a new tensor (the base weight is left as it is):
+    computed in float32 and rounded once to the weight's dtype. Under ZeRO-3 the layer's parameters must be
+    gathered."""
     base = layer.get_base_layer().weight.data  # [out, in]
-    return base + layer.get_delta_weight(ADAPTER).to(base.dtype)  # [out, in]
+    a, b = layer.lora_A[ADAPTER].weight.data.float(), layer.lora_B[ADAPTER].weight.data.float()  # [r, in], [out, r]
+    delta = (b @ a) * layer.scaling[ADAPTER]  # [out, in]
+    return (base.float() + (delta.T if layer.fan_in_fan_out else delta)).to(base.dtype)
 
 
 def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@ off, and the pre-flight check of `learner.lora.target_modules`."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import small_config
@@ -93,3 +95,56 @@ def test_target_modules_that_name_no_linear_layer_are_refused_before_the_run_nam
         check_lora_targets(config(["q_proj", "qkv_proj"]), model_dir)
     message = str(refused.value)
     assert "learner.lora.target_modules: ['qkv_proj']" in message and "'v_proj'" in message, message
+
+
+def test_an_adapter_on_the_output_layer_tied_to_the_embedding_is_refused(model_dir, tmp_path):
+    """The tiny model ties `lm_head` to the input embedding: engines and transformers read that weight once, as the
+    embedding, so a merged adapter on it would never be served."""
+    from grpo_dist.inputs import check_lora_targets
+
+    cfg = validate_config(small_config(tmp_path, learner={"lora": {"target_modules": ["lm_head"]}}))
+    with pytest.raises(ConfigError, match=r"\['lm_head'\] is tied to the input embedding"):
+        check_lora_targets(cfg, model_dir)
+
+
+def test_in_bfloat16_the_merge_is_rounded_once_from_float32(model_dir):
+    """A bf16 weight plus an adapter's small product: computed in float32 and rounded once, so an update is not
+    lost to a bf16 product rounded before the sum. (Updates under half a bf16 step of a weight still round away:
+    the engines get the merged weights in their dtype.)"""
+    from grpo_dist.lora import merged_weight
+
+    policy = wrapped(model_dir, rank=4, alpha=8).to(torch.bfloat16)
+    layer = policy.base_model.model.model.layers[0].mlp.up_proj
+    a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+    expected = (layer.base_layer.weight.float() + (b @ a) * 2.0).to(torch.bfloat16)
+    merged = merged_weight(layer)
+    assert merged.dtype == torch.bfloat16 and torch.equal(merged, expected)
+    assert not torch.equal(merged, layer.base_layer.weight)
+
+
+def test_a_resume_with_other_lora_settings_is_refused_and_one_with_another_dropout_is_not(tmp_path):
+    """The adapter's rank, scale and modules decide what the checkpoint's adapter means; its dropout does not."""
+    import yaml
+
+    from grpo_dist import checkpoints, manifest
+    from grpo_dist.run_dir import open_run
+
+    raw = small_config(tmp_path, learner={"lora": {"rank": 4}})
+    checkpoint = tmp_path / "step-000003"
+    (checkpoint / "learner" / "state").mkdir(parents=True)
+    (checkpoint / "learner" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (checkpoint / "learner" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (checkpoint / "run_state.pt").write_bytes(b"")
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
+    manifest.write(checkpoint)
+
+    def resumed(learner: dict) -> list[str]:
+        cfg = validate_config({**raw, "learner": {**raw["learner"], **learner}})
+        return checkpoints.check_config(cfg, checkpoints.find(open_run(cfg)[1], str(checkpoint)))
+
+    assert resumed({"lora": {"rank": 4, "dropout": 0.1}}) == ["learner.lora.dropout: 0.0 -> 0.1"]
+    for learner, change in [({"lora": {"rank": 8}}, "learner.lora.rank: 4 -> 8"),
+                            ({"lora": {"rank": 4, "alpha": 8}}, "learner.lora.alpha: 32.0 -> 8.0"),
+                            ({"lora": None}, "learner.lora.rank: 4 -> None")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(change)):
+            resumed(learner)
