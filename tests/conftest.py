@@ -117,6 +117,23 @@ def shared_actors(ray_cluster, tmp_path_factory) -> Iterator[SharedActors]:
     shared.close()
 
 
+def written_checkpoint(path: Path, raw: dict) -> Path:
+    """A checkpoint directory at `path` as one learner rank writes it (empty shards, a run state, the config of
+    `raw`, a manifest): enough for `grpo_dist.checkpoints.find` and `check_config`."""
+    import yaml
+
+    from grpo_dist import manifest
+    from grpo_dist.config import validate_config
+
+    (path / "learner" / "state").mkdir(parents=True)
+    (path / "learner" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (path / "learner" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (path / "run_state.pt").write_bytes(b"")
+    (path / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
+    manifest.write(path)
+    return path
+
+
 def small_config(tmp_path: Path, **sections) -> dict:
     """A raw config for a few fast steps of the real loop on a tiny model (sections override whole keys)."""
     raw = {

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import small_config
+from conftest import small_config, written_checkpoint
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.config_sections import LoraConfig
@@ -124,19 +124,11 @@ def test_in_bfloat16_the_merge_is_rounded_once_from_float32(model_dir):
 
 def test_a_resume_with_other_lora_settings_is_refused_and_one_with_another_dropout_is_not(tmp_path):
     """The adapter's rank, scale and modules decide what the checkpoint's adapter means; its dropout does not."""
-    import yaml
-
-    from grpo_dist import checkpoints, manifest
+    from grpo_dist import checkpoints
     from grpo_dist.run_dir import open_run
 
     raw = small_config(tmp_path, learner={"lora": {"rank": 4}})
-    checkpoint = tmp_path / "step-000003"
-    (checkpoint / "learner" / "state").mkdir(parents=True)
-    (checkpoint / "learner" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    (checkpoint / "learner" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    (checkpoint / "run_state.pt").write_bytes(b"")
-    (checkpoint / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
-    manifest.write(checkpoint)
+    checkpoint = written_checkpoint(tmp_path / "step-000003", raw)
 
     def resumed(learner: dict) -> list[str]:
         cfg = validate_config({**raw, "learner": {**raw["learner"], **learner}})

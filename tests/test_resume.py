@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config, train_here
+from conftest import REPO, TESTS_DIR, small_config, train_here, written_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -129,18 +129,12 @@ def test_a_run_resumed_at_k2_takes_every_step_once_and_keeps_the_bound(shared_ac
 
 
 def test_resume_refuses_a_changed_group_size(tmp_path):
-    from grpo_dist import checkpoints, manifest
+    from grpo_dist import checkpoints
     from grpo_dist.config import ConfigError, validate_config
     from grpo_dist.run_dir import open_run
 
     raw = small_config(tmp_path)
-    checkpoint = tmp_path / "step-000003"
-    (checkpoint / "learner" / "state").mkdir(parents=True)
-    (checkpoint / "learner" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    (checkpoint / "learner" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    (checkpoint / "run_state.pt").write_bytes(b"")
-    (checkpoint / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
-    manifest.write(checkpoint)
+    checkpoint = written_checkpoint(tmp_path / "step-000003", raw)
     raw["rollout"]["group_size"] = 8
     raw["learner"]["lr"] = 5e-3
     cfg = validate_config(raw)
