@@ -6,6 +6,10 @@ the machine waits on it forever. Here loads are serialised by an advisory lock t
 dies; whoever holds it knows no other grpo-dist process is inside a build, so a lock file it finds is stale and
 removed. `make install` runs this module once so that no run pays for the compile (minutes on two cores).
 
+The ops are kept in the Python environment (`build_root`), not in the user's cache that every environment shares:
+torch rebuilds an op whenever its build flags change, and two environments' flags differ (their include paths), so
+two checkouts with a venv each rebuilt each other's ops turn about, minutes each time, mid-run.
+
 Every load runs the ninja installed with DeepSpeed (pip's `ninja`), never whichever comes first on PATH: a machine
 often has another (Debian's ninja-build 1.11 beside pip's 1.13), and the two keep build logs in formats each
 discards from the other, so a process with the other one first on PATH recompiled the op from scratch, and the
@@ -32,8 +36,11 @@ def needed(offload: str, on_gpu: bool) -> list[str]:
 
 
 def build_root() -> Path:
-    """Where torch keeps compiled extensions (`TORCH_EXTENSIONS_DIR` or its per-Python, per-accelerator default)."""
+    """Where torch keeps compiled extensions: `TORCH_EXTENSIONS_DIR`, set here to `torch_extensions` in this Python
+    environment (the venv) where it is not set, for this process and what it starts."""
     from torch.utils.cpp_extension import _get_build_directory
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
     return Path(_get_build_directory("grpo_dist", verbose=False)).parent
 
