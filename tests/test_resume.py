@@ -29,6 +29,9 @@ def write_config(tmp_path, name: str, k: int = 0, model: Path | None = None) -> 
     # checkpoint before the run writes the next.
     slow = {"name": "reward_fixtures.slow_reward", "weight": 0.0, "kwargs": {"delay_s": 0.05}}
     raw["reward"]["functions"].append(slow)
+    # Runs compared to the last digit: a reward call that outlasted its bound (on a loaded machine a new reward
+    # worker's first calls once took over 5 s) would leave its completion unscored in one run and not the other.
+    raw["reward"]["timeout_s"] = 30  # under faults.score_timeout_s (60)
     raw["model"]["path"] = str(model or tmp_path / "model")  # shared: built once by the first run
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
