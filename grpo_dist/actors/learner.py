@@ -385,9 +385,7 @@ class Learner:
 
     def _final(self, module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         """The policy's weights to save, and with LoRA the adapter's own."""
-        if lora.is_adapted(module):
-            return lora.merged_state_dict(module), lora.adapter_state_dict(module)
-        return self._weights(module), None
+        return self._weights(module), lora.adapter_state_dict(module) if lora.is_adapted(module) else None
 
     def _on_rank0(self, read):
         """`read(policy module)` on rank 0 with every parameter whole (gathered under ZeRO-3: collective), None on

@@ -192,7 +192,7 @@ def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
     adapted = lora.adapted_layers(module) if lora.is_adapted(module) else {}
     named = dict(module.named_parameters(remove_duplicate=False))
     if adapted:  # the base model's names; the adapter's own weights are merged into those they adapt
-        named = {lora.merged_name(name): param for name, param in named.items() if lora.merged_name(name)}
+        named = {base: param for name, param in named.items() if (base := lora.merged_name(name))}
     to_rank0 = to_rank0 and not adapted  # a merge needs the whole weight and adapter on one rank
 
     def _travels_as(dtype):
