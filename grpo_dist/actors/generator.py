@@ -12,6 +12,7 @@ the weight version, so no new request reuses a prompt's cache from older weights
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import tempfile
@@ -54,8 +55,7 @@ def fork_engine_core() -> bool:
     always spawns, and a spawned engine core imports vLLM and torch again: about 12 CPU-seconds of every engine start
     (on 2 cores a quarter of a small run's start-up). Forking is safe here: the generator has touched no CUDA, runs no
     OpenMP work before the engine exists, and its engine core uses none of the Ray connection it inherits (only for
-    one engine process: the "uni" executor). The child dies with its parent as a spawned one does (the plugin that
-    sees to it in a spawned process is not loaded again in a forked one)."""
+    one engine process: the "uni" executor). The child is set up as a spawned one is (`engine_core_child`)."""
     try:
         import multiprocessing
 
@@ -65,8 +65,19 @@ def fork_engine_core() -> bool:
     if not hasattr(launcher, "get_mp_context"):  # another vLLM release: it spawns, as before
         return False
     launcher.get_mp_context = lambda: multiprocessing.get_context("fork")
-    os.register_at_fork(after_in_child=die_with_parent)
+    os.register_at_fork(after_in_child=engine_core_child)
     return True
+
+
+def engine_core_child() -> None:
+    """In the forked engine core: die with the generator, and be titled `VLLM::EngineCore` as a spawned one is (by the
+    plugin and by vLLM, neither of which can do it in a fork: the plugin is not loaded again, and vLLM's retitling
+    fails in a copy of a process Ray has retitled, so it is done with Ray's)."""
+    die_with_parent()
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._raylet import setproctitle
+
+        setproctitle("VLLM::EngineCore")
 
 
 class Generator:
