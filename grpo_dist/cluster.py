@@ -65,10 +65,42 @@ def start_ray(cfg: Config) -> bool:
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return True
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
-    ray.init(
-        address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": quiet}, log_to_driver=True
-    )
+    start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)
     return True
+
+
+LOCAL_START_ATTEMPTS = 2
+
+
+def start_local_ray(**settings) -> None:
+    """`ray.init` of a local cluster of this process's own, started again once where Ray gave up on it: Ray gives a
+    new node's raylet a fixed 30 s to register, which a machine busy with another run's start-up can exceed. What the
+    failed start left running (its GCS, raylet and agents, children of this process) is stopped first."""
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", include_dashboard=False, **settings)
+            return
+        except Exception as err:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(err) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            log.warning("the local Ray cluster did not start (%s); starting it again", err)
+            stop_ray_children()
+
+
+def stop_ray_children() -> None:
+    """Kill this process's child processes that run Ray's programs, and wait for them (at most 10 s)."""
+    import psutil
+
+    package = os.path.dirname(ray.__file__)
+    left = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(package in part or part.startswith("ray::") for part in child.cmdline()):
+                child.kill()
+                left.append(child)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=10)
 
 
 CONNECT_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection

@@ -20,9 +20,11 @@ def ray_cluster():
     """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py."""
     import ray
 
+    from grpo_dist.cluster import start_local_ray
+
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("WANDB_MODE", "offline")
-    ray.init(num_cpus=16, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    start_local_ray(num_cpus=16, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
 

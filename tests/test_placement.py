@@ -309,3 +309,36 @@ def test_actors_serve_a_run_that_differs_only_in_what_they_are_not_started_with(
     ]
     assert other(sync={"transport": "object_store"}) == ["the weight-transfer backend (sync.transport, sync.delta)"]
     assert differences(base, model, base, str(tmp_path / "elsewhere")) == ["model.path"]
+
+
+STARTED_LATE = textwrap.dedent("""
+    import os, time
+    import psutil, ray
+    import ray._private.services as services
+    from grpo_dist.cluster import start_local_ray
+
+    registered, asked = services.get_node, []
+    def late(gcs_address, node_id):  # the first node's raylet never registers: Ray gives up on it after 30 s
+        asked.append(node_id)
+        if node_id == asked[0]:
+            time.sleep(1)
+            raise RuntimeError("not registered yet")
+        return registered(gcs_address, node_id)
+    services.get_node = late
+    start_local_ray(num_cpus=1)
+    package = os.path.dirname(ray.__file__)
+    servers = [p for p in psutil.Process().children(recursive=True) if any(
+        "gcs_server" in part and package in part for part in p.cmdline())]
+    print(ray.is_initialized(), len(set(asked)), len(servers))
+    ray.shutdown()
+""")
+
+
+@pytest.mark.slow
+def test_a_local_cluster_whose_first_start_times_out_is_started_again_with_nothing_left_of_the_first():
+    """Ray gives a new raylet 30 s to register (a busy machine can exceed it): the second start runs, and the first
+    one's GCS (and the rest of its processes) are gone."""
+    done = subprocess.run([sys.executable, "-c", STARTED_LATE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "2", "1"], done.stdout + done.stderr[-3000:]
+    assert "did not start (The current node timed out during startup" in done.stderr
