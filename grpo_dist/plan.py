@@ -1,6 +1,7 @@
 """The memory plan of a config on GPUs (`grpo-dist plan CONFIG`, and part of `check` and `train`'s pre-flight): per
-GPU, what a learner rank holds (its model states by ZeRO stage and offload, as DeepSpeed's own estimators count them;
-the reference; the activations of one micro-batch) and what an engine holds (its share of the weights and the KV cache
+GPU, what a learner rank holds (its model states by ZeRO stage and offload, as DeepSpeed's own estimators count them,
+with `learner.lora` those of the adapter and the frozen base's weights; the reference, which LoRA does without; the
+activations of one micro-batch) and what an engine holds (its share of the weights and the KV cache
 of one whole sequence, at the engine's dtype), against `cluster.gpu_memory_gb`. The model's shape comes from its
 config.json alone, so a plan needs no weights.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_dist.config import Config, ConfigError
+from grpo_dist.config_sections import LoraConfig
 
 GB = 1e9
 LOGITS_BYTES = 10  # per vocabulary entry and token: bf16 logits, their fp32 log-softmax and its gradient
@@ -34,6 +36,16 @@ class Shape:
     vocab: int
     largest_layer: int  # parameters of the largest module (ZeRO-3 gathers one whole): the embedding, mostly
     kv_values_per_token: int  # keys and values of one token over all layers
+    linear: dict[str, tuple[int, int]]  # (in, out) features of each linear layer of a block, by name; lm_head's
+
+    def adapter_params(self, lora: LoraConfig) -> int:
+        """Parameters of `lora`'s adapter on this model: `rank x (in + out)` for every adapted linear layer. A
+        target this arithmetic does not know (the pre-flight has checked that it names a linear layer) is counted
+        as the block's widest one: an overestimate."""
+        widest = max(self.linear.values(), key=sum)
+        per_block = sum(sum(self.linear.get(name, widest)) for name in lora.target_modules if name != "lm_head")
+        head = sum(self.linear["lm_head"]) if "lm_head" in lora.target_modules else 0
+        return lora.rank * (per_block * self.layers + head)
 
     @classmethod
     def of(cls, model_dir: str | Path) -> Shape:
@@ -54,6 +66,9 @@ class Shape:
             attention += 2 * head_dim  # q and k norms
         layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size  # gated MLP, two norms
         embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+        h, q, kv, mlp = c.hidden_size, heads * head_dim, kv_heads * head_dim, c.intermediate_size
+        linear = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        linear |= {"gate_proj": (h, mlp), "up_proj": (h, mlp), "down_proj": (mlp, h), "lm_head": (h, c.vocab_size)}
         return cls(
             params=c.num_hidden_layers * layer + embeddings + c.hidden_size,
             hidden=c.hidden_size,
@@ -62,6 +77,7 @@ class Shape:
             vocab=c.vocab_size,
             largest_layer=max(c.vocab_size, c.intermediate_size, (heads + kv_heads) * head_dim) * c.hidden_size,
             kv_values_per_token=2 * c.num_hidden_layers * kv_heads * head_dim,
+            linear=linear,
         )
 
 
@@ -77,6 +93,7 @@ class Plan:
     engine_budget_gb: float
     kv_room_tokens: int
     params: int
+    trained: int  # the parameters the optimizer holds: all of them, or a LoRA adapter's
 
     @property
     def learner_gb(self) -> float:
@@ -106,7 +123,8 @@ class Plan:
         return found
 
     def lines(self) -> list[str]:
-        out = [f"memory plan per GPU ({self.params / 1e9:.2f}B parameters, {self.gpu_gb:g} GB GPUs):"]
+        trained = "" if self.trained == self.params else f", {self.trained / 1e6:.1f}M trained by LoRA"
+        out = [f"memory plan per GPU ({self.params / 1e9:.2f}B parameters{trained}, {self.gpu_gb:g} GB GPUs):"]
         if self.learner:
             parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.learner.items())
             out.append(f"  learner rank: {self.learner_gb:.1f} GB ({parts})")
@@ -171,7 +189,10 @@ def plan(cfg: Config, shape: Shape) -> Plan:
     """The per-GPU memory of `cfg`'s learner ranks and engines for a model of `shape`."""
     learner, rollout, p = cfg.learner, cfg.rollout, shape.params
     ranks, stage = learner.num_ranks, learner.zero_stage
-    states, host_bytes = model_states(p, shape.largest_layer, ranks, stage, learner.offload)
+    trained = shape.adapter_params(learner.lora) if learner.lora else p
+    states, host_bytes = model_states(trained, shape.largest_layer, ranks, stage, learner.offload)
+    if learner.lora:  # the frozen base: its weights alone, in the training dtype (partitioned under ZeRO-3)
+        states += 2 * p / (ranks if stage == 3 else 1)
     tokens = learner.max_tokens_per_micro_batch or learner.micro_batch_size * cfg.sequence_budget
     full_layer = (6 * shape.hidden + 4 * shape.intermediate) * 2  # bytes per token of one layer's intermediates
     if learner.gradient_checkpointing:
@@ -179,7 +200,7 @@ def plan(cfg: Config, shape: Shape) -> Plan:
     else:
         layers = tokens * full_layer * shape.layers
     parts = {"model states": states}
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and not learner.lora:  # LoRA's reference is the base with the adapter off
         parts["reference"] = 2 * p / (ranks if stage >= 3 else 1)
     parts["activations"] = layers + tokens * shape.vocab * (PACKED_LOGITS_BYTES if learner.packing else LOGITS_BYTES)
     gpu_gb = cfg.cluster.gpu_memory_gb
@@ -200,6 +221,7 @@ def plan(cfg: Config, shape: Shape) -> Plan:
         engine_budget_gb=budget,
         kv_room_tokens=room,
         params=p,
+        trained=trained,
     )
 
 

@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, small_config
 from test_hub_models import cache_model
 
-from grpo_dist.config import load_config, validate_config
+from grpo_dist.config import ConfigError, load_config, validate_config
 from grpo_dist.plan import Shape
 
 SHAPES = {  # config.json of each recipe's model: the fields a plan reads, as published
@@ -181,3 +181,42 @@ def test_an_engine_is_planned_at_the_dtype_it_runs_in(hf_home):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "engine at the model's dtype: 71.4 of 72.0 GB (weights 65.5" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "down_proj"]], ids=["default-modules", "two-modules"])
+def test_a_lora_adapter_is_counted_as_peft_builds_it(tmp_path, targets):
+    """The plan's count of an adapter's parameters is the number PEFT trains on a model of that config.json."""
+    import torch  # noqa: F401  (transformers needs it to build the model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo_dist import lora
+    from grpo_dist.config_sections import LoraConfig
+
+    shape = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    adapter = LoraConfig(rank=4, **({"target_modules": targets} if targets else {}))
+    policy = lora.wrap(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)), adapter)
+    trained = sum(param.numel() for param in policy.parameters() if param.requires_grad)
+    assert Shape.of(tmp_path).adapter_params(adapter) == trained > 0
+
+
+def test_lora_plans_the_frozen_base_and_no_reference(tmp_path, capsys):
+    """A 7B policy on one 80 GB GPU: refused for full training (weights, gradients and Adam states: 16 B and more a
+    parameter), planned with LoRA at its frozen bf16 weights, the adapter's states and no reference copy."""
+    from grpo_dist.plan import check_plan
+
+    (tmp_path / "config.json").write_text(json.dumps(SHAPES["Qwen/Qwen2.5-Math-7B"]))
+    full = load_config(REPO / "configs" / "grpo.yaml", ["learner.num_ranks=1"])
+    with pytest.raises(ConfigError, match="a learner rank needs"):
+        check_plan(full, str(tmp_path))
+    adapted = load_config(REPO / "configs" / "grpo.yaml", ["learner.num_ranks=1", "learner.lora={}"])
+    capsys.readouterr()
+    result = check_plan(adapted, str(tmp_path))
+    out = capsys.readouterr().out
+    assert result is not None and not result.problems(), out
+    assert "40.4M trained by LoRA" in out and "reference" not in out, out
+    # the base's bf16 weights, the adapter's states (0.7 GB) and ZeRO-3's buffer for the largest layer it gathers
+    # (the embedding, 2.2 GB); full training's were over 100 GB
+    base_gb = 2 * result.params / 1e9
+    assert base_gb + 2.9 < result.learner["model states"] < base_gb + 3
