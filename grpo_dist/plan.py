@@ -36,7 +36,7 @@ class Shape:
     vocab: int
     largest_layer: int  # parameters of the largest module (ZeRO-3 gathers one whole): the embedding, mostly
     kv_values_per_token: int  # keys and values of one token over all layers
-    linear: dict[str, tuple[int, int]]  # (in, out) features of each linear layer of a block, by name; lm_head's
+    linear: dict[str, tuple[int, int]]  # (in, out) features of each linear layer of a block by name, and lm_head's
 
     def adapter_params(self, lora: LoraConfig) -> int:
         """Parameters of `lora`'s adapter on this model: `rank x (in + out)` for every adapted linear layer. A
@@ -59,16 +59,15 @@ class Shape:
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        attention = c.hidden_size * head_dim * 2 * (heads + kv_heads)  # q and o, k and v
-        if c.model_type == "qwen2" or getattr(c, "attention_bias", False):
-            attention += (heads + 2 * kv_heads) * head_dim  # q, k and v biases
-        if c.model_type == "qwen3":
-            attention += 2 * head_dim  # q and k norms
-        layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size  # gated MLP, two norms
-        embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
         h, q, kv, mlp = c.hidden_size, heads * head_dim, kv_heads * head_dim, c.intermediate_size
         linear = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         linear |= {"gate_proj": (h, mlp), "up_proj": (h, mlp), "down_proj": (mlp, h), "lm_head": (h, c.vocab_size)}
+        layer = sum(inputs * outputs for name, (inputs, outputs) in linear.items() if name != "lm_head") + 2 * h
+        if c.model_type == "qwen2" or getattr(c, "attention_bias", False):
+            layer += (heads + 2 * kv_heads) * head_dim  # q, k and v biases
+        if c.model_type == "qwen3":
+            layer += 2 * head_dim  # q and k norms
+        embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
         return cls(
             params=c.num_hidden_layers * layer + embeddings + c.hidden_size,
             hidden=c.hidden_size,

@@ -50,23 +50,19 @@ def engine_environment() -> dict[str, str]:
     }
 
 
-def fork_engine_core() -> bool:
-    """Have vLLM start this process's engine core by forking it, not spawning it; whether it will. vLLM's CPU backend
-    always spawns, and a spawned engine core imports vLLM and torch again: about 12 CPU-seconds of every engine start
-    (on 2 cores a quarter of a small run's start-up). Forking is safe here: the generator has touched no CUDA, runs no
+def fork_engine_core() -> None:
+    """Have vLLM start this process's engine core by forking it, not spawning it (a vLLM release without the hook
+    spawns as before). vLLM's CPU backend always spawns, and a spawned engine core imports vLLM and torch again, most
+    of its start-up's CPU time on a small model. Forking is safe here: the generator has touched no CUDA, runs no
     OpenMP work before the engine exists, and its engine core uses none of the Ray connection it inherits (only for
     one engine process: the "uni" executor). The child is set up as a spawned one is (`engine_core_child`)."""
-    try:
-        import multiprocessing
+    import multiprocessing
 
-        import vllm.v1.engine.utils as launcher
-    except ImportError:
-        return False
-    if not hasattr(launcher, "get_mp_context"):  # another vLLM release: it spawns, as before
-        return False
-    launcher.get_mp_context = lambda: multiprocessing.get_context("fork")
-    os.register_at_fork(after_in_child=engine_core_child)
-    return True
+    import vllm.v1.engine.utils as launcher
+
+    if hasattr(launcher, "get_mp_context"):
+        launcher.get_mp_context = lambda: multiprocessing.get_context("fork")
+        os.register_at_fork(after_in_child=engine_core_child)
 
 
 def engine_core_child() -> None:
