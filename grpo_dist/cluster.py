@@ -33,6 +33,7 @@ from grpo_dist.reward_pool import RewardPool
 from grpo_dist.run_dir import Probe, check_visible, write_probe
 from grpo_dist.storage import RunStore
 from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport, wire_backend
+from grpo_dist.weight_check import ServedWeightsDiffer, WeightCheck
 
 
 def actor_cpus(cfg: Config) -> float:
@@ -143,6 +144,8 @@ class Cluster:
     owns_ray: bool = False  # Ray was started (or joined) for this cluster: `shutdown` ends the connection too
     runs: int = 0  # the runs handed these actors (`begin_run`)
     unusable: str | None = None  # why these actors take no other run (handing them to one failed part-way)
+    weight_check: WeightCheck | None = None  # the run's check of what the engines serve after a sync (`check_syncs`)
+    probe_gaps: list[float] = field(default_factory=list)  # each checked sync's largest gap, since `sync_metrics`
 
     @classmethod
     def start(cls, cfg: Config, model_path: str, probe: Probe | None = None) -> Cluster:
@@ -178,6 +181,11 @@ class Cluster:
             shown.close()
         return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
 
+    def check_syncs(self, cfg: Config, prompts: list[list[int]]) -> None:
+        """From now on, check after every sync that the engines serve the learner's policy, on a probe made of
+        `prompts` (token ids; `grpo_dist.weight_check`), when `sync.probe` is on."""
+        self.weight_check = WeightCheck.of(cfg, prompts) if cfg.sync.probe else None
+
     def begin_run(self, cfg: Config, model_path: str, fresh: bool) -> None:
         """Hand these actors to a run of `cfg`: the same model, placement and engines (`ActorsDiffer` names what
         differs), the run's own settings applied in every role, what they are built from rebuilt where it changed.
@@ -201,7 +209,7 @@ class Cluster:
             start = "from the initial model" if from_start else "resuming"
             section(f"the actors of {earlier} earlier run(s) take this one, {start}")
             self.faults.clear()
-            self.sync_reports = []
+            self.sync_reports, self.probe_gaps = [], []
         if earlier or reward_settings(cfg) != reward_settings(old):
             self.rewards.shutdown()
             self.rewards = RewardPool(cfg, self.placement, self.faults)
@@ -243,6 +251,7 @@ class Cluster:
         error is raised (a lost learner rank: `LearnerLost`)."""
         try:
             self._sent(self.transport.sync(self.learner.version))
+            self._check_served()
         except (WeightSyncError, LearnerGroupError) as err:
             # A rank that is alive but stuck may be waiting on a generator that hung mid-sync: check them first.
             rank_died = isinstance(err, LearnerLost) and not isinstance(err, LearnerHung)
@@ -251,6 +260,35 @@ class Cluster:
             self.reconnect()
         self.generators.loaded(self.learner.version)
 
+    def _check_served(self) -> None:
+        """Compare what every engine serves with the learner's policy (`grpo_dist.weight_check`). A gap over the
+        bound is a fault: every weight is sent again and checked once more; a gap that stays raises
+        `ServedWeightsDiffer`, naming the generator."""
+        check, version = self.weight_check, self.learner.version
+        if check is None:
+            return
+        gaps = check.gaps(self.learner, self.generators.actors)
+        slot = max(range(len(gaps)), key=gaps.__getitem__)
+        if gaps[slot] > check.max_gap:
+            self.faults.record(
+                "sync_mismatches",
+                f"generator {slot} serves other weights than the learner's after the sync of version {version}: its"
+                f" log-probabilities of the probe differ from the learner's by {gaps[slot]:.3g} per token"
+                f" (sync.probe_max_gap {check.max_gap:g}); sending every weight again",
+            )
+            self._sent(self.transport.sync(version, full=True))
+            gaps = check.gaps(self.learner, self.generators.actors)
+            slot = max(range(len(gaps)), key=gaps.__getitem__)
+            if gaps[slot] > check.max_gap:
+                raise ServedWeightsDiffer(
+                    f"generator {slot} serves other weights than the learner's after the sync of version {version}"
+                    f" and after every weight was sent again: its log-probabilities of the probe differ from the"
+                    f" learner's by {gaps[slot]:.3g} per token, over sync.probe_max_gap {check.max_gap:g}. Its engine"
+                    " does not apply what it is sent; training on would learn from another policy's samples. If the"
+                    " learner and the engines compute in different precisions, raise sync.probe_max_gap"
+                )
+        self.probe_gaps.append(gaps[slot])
+
     def _sent(self, report) -> None:
         if report is not None:
             self.sync_reports.append(report)
@@ -258,12 +296,16 @@ class Cluster:
     def sync_metrics(self) -> dict[str, float]:
         """What the syncs since the last call sent, where the transport reports it (gloo): `sync/sent_mb` in all,
         `sync/resyncs` (delta syncs done again in full because an engine's copy did not match), and the last one's
-        `sync/delta` (1 for a delta) and `sync/changed_fraction` (of every weight's elements)."""
+        `sync/delta` (1 for a delta) and `sync/changed_fraction` (of every weight's elements); and where syncs were
+        checked, `sync/probe_gap`, the largest gap between an engine's log-probabilities and the learner's."""
         reports, self.sync_reports = self.sync_reports, []
+        gaps, self.probe_gaps = self.probe_gaps, []
+        found = {"sync/probe_gap": max(gaps)} if gaps else {}
         if not reports:
-            return {}
+            return found
         return {
             **reports[-1].metrics(),
+            **found,
             "sync/sent_mb": sum(report.sent_bytes for report in reports) / 2**20,
             "sync/resyncs": float(sum(report.resync is not None for report in reports)),
         }
@@ -279,6 +321,7 @@ class Cluster:
                 self.transport.connect()
                 if self.learner.version:
                     self._sent(self.transport.sync(self.learner.version))
+                    self._check_served()
                 self.generators.loaded(self.learner.version)
                 return
             except LearnerLost:

@@ -429,6 +429,14 @@ class SyncConfig(_Section):
     """When the generators take new weights, with `rollout.max_staleness` >= 1: `between_batches` once the batch
     being generated is done; `in_flight` as soon as the learner's step ends, mid-batch (each engine pauses with its
     requests kept, loads the weights and resumes; a completion may then span versions, and its oldest counts)."""
+    probe: bool = True
+    """After every sync, check that each engine serves what was sent: its log-probabilities of a fixed probe
+    sequence (the first training prompts' tokens, up to 64) against the learner's, the mean absolute difference
+    per token logged as `sync/probe_gap` (the largest over engines). A gap above `probe_max_gap` is a fault: every
+    weight is sent again, and if the gap stays the run stops, naming the engine."""
+    probe_max_gap: float | None = Field(None, gt=0)
+    """The largest gap a sync may leave. None: 1e-3 where the learner and the engines both compute in float32 (a
+    healthy sync leaves about 1e-5 there), 0.1 where either uses bf16 or fp16 (about 0.01-0.03)."""
 
 
 class FaultsConfig(_Section):

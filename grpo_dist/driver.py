@@ -86,6 +86,7 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
     own_cluster = cluster is None
     cluster = cluster or start_cluster(cfg, inputs.model_path, console, run)
     cluster.begin_run(cfg, inputs.model_path, fresh=checkpoint is None)
+    cluster.check_syncs(cfg, [prompt.token_ids for prompt in inputs.train])
     running.open_mailbox(cfg.run.name)
     console.take_actor_output()
     rollouts = RolloutQueue(cfg, cluster, sampler)

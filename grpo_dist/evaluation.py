@@ -227,6 +227,7 @@ def _evaluate_checkpoint(cfg: Config, path: str, out: str | None, console) -> di
         if not inputs.eval_sets:
             raise ConfigError("nothing to evaluate: set eval.sets, or data.eval_path (or data.task) for a held-out set")
         cluster = start_cluster(cfg, inputs.model_path, console, run=None)  # nothing written on the learner nodes
+        cluster.check_syncs(cfg, [prompt.token_ids for prompt in inputs.train])
         console.take_actor_output()
         try:
             if checkpoint is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ COUNTERS = (
     "regenerated",
     "rescored",
     "unscored",
+    "sync_mismatches",
 )
 """Every `faults/*` metric, logged from step 1 so that each has a curve."""
 
@@ -65,6 +67,23 @@ class ActorFault(RuntimeError):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
+
+
+DROP_WEIGHTS = "GRPO_DIST_DROP_WEIGHTS"
+"""For tests: in the environment of a run, the generators put the initial model's weights back right after loading
+each weight version it lists (comma-separated; `N:once` only the first time version N arrives), still labelled with
+the new version: an engine that silently serves other weights than it was sent, as one that dropped an adapter."""
+
+
+def drops_weights(version: int, dropped: set[int]) -> bool:
+    """Whether a generator that has dropped the versions in `dropped` drops `version` (`DROP_WEIGHTS`); if so, it
+    is added to `dropped`."""
+    for listed in filter(None, os.environ.get(DROP_WEIGHTS, "").split(",")):
+        number, _, once = listed.partition(":")
+        if int(number) == version and not (once == "once" and version in dropped):
+            dropped.add(version)
+            return True
+    return False
 
 
 FAIL_ALLOCATION_AT_STEP = "GRPO_DIST_FAIL_ALLOCATION_AT_STEP"

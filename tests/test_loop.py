@@ -154,6 +154,7 @@ def check_lora_run(ray_cluster, cluster, raw, inputs, initial) -> None:
     run_dir = train(validate_config({**raw, "run": {**raw["run"], "name": "lora"}, "learner": lora}), cluster)
     rows = metric_rows(run_dir)
     assert [row["step"] for row in rows] == [1, 2, 3] and rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0
+    assert all(row["sync/probe_gap"] < 1e-4 and row["faults/sync_mismatches"] == 0 for row in rows)  # each sync checked
     merged = ray_cluster.get(cluster.learner.state_dict())
     moved = {name for name, tensor in initial.items() if not torch.equal(merged[name], tensor)}
     assert moved and all(name.endswith("_proj.weight") for name in moved), sorted(moved)

@@ -1,16 +1,20 @@
 """LoRA's pieces on a tiny model, without Ray or DeepSpeed: the merge the engines get, the reference with the adapter
-off, and the pre-flight check of `learner.lora.target_modules`."""
+off, and the pre-flight check of `learner.lora.target_modules`; and, with the real stack, the check after each weight
+sync catching an engine that dropped the adapter."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 from conftest import small_config, written_checkpoint
+from test_resume import training
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.config_sections import LoraConfig
+from grpo_dist.faults import DROP_WEIGHTS
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +144,34 @@ def test_a_resume_with_other_lora_settings_is_refused_and_one_with_another_dropo
                             ({"lora": None}, "learner.lora.rank: 4 -> None")]:  # fmt: skip
         with pytest.raises(ConfigError, match=re.escape(change)):
             resumed(learner)
+
+
+@pytest.mark.slow
+def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and_if_it_persists_stops_the_run(
+    tmp_path, monkeypatch
+):
+    """A LoRA run (`grpo-dist train`, its own Ray cluster) whose generator, right after loading weight version 2 the
+    first time and version 4 every time, puts the initial model's weights back (the base: the adapter dropped) while
+    labelling what it serves with the new version (`faults.DROP_WEIGHTS`). The check after each sync catches both in
+    the step that synced: version 2 is sent again in full and taken, and the run goes on with one mismatch counted;
+    version 4 is dropped again after the full resync, and the run stops, naming the generator and the bound."""
+    monkeypatch.setenv(DROP_WEIGHTS, "2:once,4")
+    raw = small_config(tmp_path, run={"steps": 6}, learner={"lr": 5e-2, "lora": {"rank": 4, "alpha": 16}})
+    run_dir = tmp_path / "outputs" / "test"
+    with training(tmp_path, raw) as run:
+        assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
+    output = (tmp_path / "run.log").read_text()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3], output[-3000:]
+    assert [row["faults/sync_mismatches"] for row in rows] == [0, 1, 1]
+    assert max(row["sync/probe_gap"] for row in rows) < 1e-4  # each sync, once taken, serves the learner's policy
+
+    caught = [line for line in output.splitlines() if line.startswith("fault: ")]
+    assert len(caught) == 2, output[-3000:]  # versions 2 and 4, each once before it is sent again
+    for line, version in zip(caught, (2, 4), strict=True):
+        found = re.search(rf"generator 0 serves other weights .* version {version}: .* by ([0-9.e-]+) per token", line)
+        assert found and float(found[1]) > 1e-3, line  # the base's gap to the policy: far over the bound
+        assert line.endswith("(sync.probe_max_gap 0.001); sending every weight again"), line
+    stop = next(line for line in output.splitlines() if line.startswith("grpo-dist: the run stopped: "))
+    assert "generator 0 serves other weights than the learner's after the sync of version 4 and after every" in stop
+    assert "Traceback" not in output

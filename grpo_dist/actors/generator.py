@@ -18,6 +18,7 @@ import os
 import tempfile
 
 from grpo_dist.config import EnvironmentConfig, RolloutConfig
+from grpo_dist.faults import drops_weights
 from grpo_dist.jail import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
@@ -112,6 +113,7 @@ class Generator:
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.agent = AgentLoop(environment, tokenizer, rollout.max_new_tokens, *isolation)
         self.weight_version = 0
+        self.dropped: set[int] = set()  # weight versions dropped for a test (`grpo_dist.faults.DROP_WEIGHTS`)
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
         self.stats = EngineStats()
@@ -295,6 +297,8 @@ class Generator:
     async def _resume(self, weight_version: int) -> None:
         """After new weights are in: tokens sampled from now on are labelled `weight_version`, new requests use
         its prefix cache, and scheduling goes on (the older prefix cache is freed where no request holds it)."""
+        if drops_weights(weight_version, self.dropped):  # a test's engine that serves other weights than it was sent
+            await self.engine.collective_rpc("reload_initial_weights")
         await asyncio.gather(self.engine.reset_prefix_cache(), self.engine.update_weight_version(str(weight_version)))
         self.weight_version = weight_version
         await self.engine.resume_generation()

@@ -366,10 +366,17 @@ class Learner:
         return scored
 
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Logprob of each token after the first under the current policy, at temperature 1 (for checks)."""
+        """Logprob of each token after the first under the current policy, at temperature 1, without dropout (as
+        the engines sample): the check of a weight sync (`grpo_dist.weight_check`), and the tests'."""
         input_ids = torch.tensor([token_ids], device=self.device)
-        with torch.no_grad():
-            logits = self.engine.module(input_ids=input_ids).logits
+        module = self.engine.module
+        training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                logits = module(input_ids=input_ids).logits
+        finally:
+            module.train(training)
         return token_logprobs(logits, input_ids, 1.0)[0, 1:].tolist()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

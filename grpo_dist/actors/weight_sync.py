@@ -33,6 +33,11 @@ class WeightReceiver:
             self.model_runner.reload_weights(weights_iterator=iter(state_dict.items()))
         return time.perf_counter() - started
 
+    def reload_initial_weights(self) -> None:
+        """Load the initial model's weights from disk again (tests only: `grpo_dist.faults.DROP_WEIGHTS`)."""
+        with reload_warnings_quiet():
+            self.model_runner.reload_weights()
+
     def apply_weight_update(self, update_info: dict) -> dict:
         """One whole broadcast update (gloo): close one a failed sync left open, start, receive and load, finish.
         Returns the transfer engine's report (with delta sync, the checksum of its copy)."""

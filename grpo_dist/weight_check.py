@@ -1,0 +1,75 @@
+"""Proof that the engines serve what the learner sent.
+
+After every weight sync each engine scores a fixed probe sequence (the first training prompts' tokens, joined, up to
+`PROBE_TOKENS`) and the learner scores it too: the mean absolute difference of their per-token log-probabilities is
+the engine's gap. An engine that kept its old weights, or dropped an adapter, shows a gap as large as a step's change
+of the policy; one that took the sync shows the engines' and the learner's numerical difference (about 1e-5 in
+float32, about 1e-2 in bf16). The largest gap is logged as `sync/probe_gap`; one above `sync.probe_max_gap` is a
+fault, handled by the cluster (every weight sent again, then the run stopped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+from grpo_dist.config import Config
+from grpo_dist.faults import Bound, RunFailed, gather
+from grpo_dist.transports import WeightSyncError
+
+PROBE_TOKENS = 64
+FLOAT32_GAP = 1e-3
+"""The default bound where the learner and the engines both compute in float32."""
+HALF_GAP = 0.1
+"""The default bound where either computes in bf16 or fp16 (a healthy sync's gap is about 0.01-0.03 there)."""
+
+
+class ServedWeightsDiffer(RunFailed):
+    """An engine's log-probabilities on the probe stayed apart from the learner's after a sync sent again in full."""
+
+
+def probe_tokens(prompts: list[list[int]], limit: int) -> list[int]:
+    """The first prompts' token ids joined, cut at `limit` (at least two: the first token has no log-probability)."""
+    tokens = [token for prompt in prompts[:limit] for token in prompt][:limit]
+    if len(tokens) < 2:
+        raise ValueError("the probe needs at least two tokens: the training prompts have fewer")
+    return tokens
+
+
+def max_gap(cfg: Config) -> float:
+    """`sync.probe_max_gap`, or its default for the run's dtypes: float32 only on the CPU (`rollout.dtype` and
+    `learner.dtype` auto or float32 without GPUs), else bf16/fp16 on one side at least."""
+    if cfg.sync.probe_max_gap is not None:
+        return cfg.sync.probe_max_gap
+    engines_fp32 = cfg.rollout.dtype == "float32" or (cfg.rollout.dtype == "auto" and cfg.rollout.num_gpus == 0)
+    learner_fp32 = cfg.learner.dtype == "float32" or (cfg.learner.dtype == "auto" and cfg.learner.num_gpus == 0)
+    return FLOAT32_GAP if engines_fp32 and learner_fp32 else HALF_GAP
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """The probe of one run: its tokens, its bound on the gap and on the calls."""
+
+    tokens: list[int]
+    max_gap: float
+    bound: Bound  # the sync's: an engine that does not answer the probe in it counts as a failed sync
+
+    @classmethod
+    def of(cls, cfg: Config, prompts: list[list[int]]) -> WeightCheck:
+        limit = min(PROBE_TOKENS, cfg.rollout.max_model_len - 1)
+        return cls(probe_tokens(prompts, limit), max_gap(cfg), Bound(cfg.sync.timeout_s, "sync.timeout_s"))
+
+    def gaps(self, learner, generators: list[ray.actor.ActorHandle]) -> list[float]:
+        """Each generator's mean absolute log-probability gap to the learner on the probe. A generator that fails
+        or does not answer within the bound raises `WeightSyncError` (the sync's own handling replaces it)."""
+        calls = [generator.sequence_logprobs.remote(self.tokens) for generator in generators]
+        expected = learner.sequence_logprobs(self.tokens)
+        gaps = []
+        for slot, outcome in enumerate(gather(calls, self.bound)):
+            if not outcome.ok:
+                why = outcome.fault or f"{type(outcome.error).__name__}: {outcome.error}"
+                raise WeightSyncError(f"generator {slot} did not answer the probe after a sync: {why}")
+            pairs = zip(outcome.value, expected, strict=True)
+            gaps.append(sum(abs(got - want) for got, want in pairs) / len(expected))
+        return gaps

@@ -1,0 +1,45 @@
+"""The check after a weight sync, without Ray: its probe sequence, its default bound by the run's dtypes, and the
+test hook that makes an engine drop what it was sent (`test_lora.py` runs the check with the real stack)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import small_config
+
+from grpo_dist.config import validate_config
+from grpo_dist.faults import DROP_WEIGHTS, drops_weights
+from grpo_dist.weight_check import WeightCheck, max_gap, probe_tokens
+
+
+def test_the_probe_is_the_first_prompts_joined_and_cut_to_the_engines_length(tmp_path):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    assert probe_tokens(prompts, 64) == [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert probe_tokens(prompts, 4) == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="at least two tokens"):
+        probe_tokens([[5]], 64)
+    cfg = validate_config(small_config(tmp_path, rollout={"max_model_len": 8}))
+    assert WeightCheck.of(cfg, [list(range(100))]).tokens == list(range(7))  # room for the one token it samples
+
+
+@pytest.mark.parametrize(
+    ("rollout", "learner", "sync", "expected"),
+    [
+        ({}, {}, {}, 1e-3),  # a CPU run: float32 on both sides
+        ({"dtype": "bfloat16"}, {}, {}, 0.1),
+        ({}, {"dtype": "bfloat16"}, {}, 0.1),
+        ({"num_gpus": 1}, {}, {}, 0.1),  # auto on a GPU: the model's dtype, bf16 for most
+        ({"num_gpus": 1, "dtype": "float32"}, {"num_gpus": 1, "dtype": "float32"}, {}, 1e-3),
+        ({"dtype": "bfloat16"}, {}, {"probe_max_gap": 0.02}, 0.02),
+    ],
+)
+def test_the_default_bound_follows_the_dtypes_and_a_set_one_wins(tmp_path, rollout, learner, sync, expected):
+    cfg = validate_config(small_config(tmp_path, rollout=rollout, learner=learner, sync=sync))
+    assert max_gap(cfg) == expected
+
+
+def test_the_hook_drops_the_listed_versions_once_or_every_time(monkeypatch):
+    monkeypatch.setenv(DROP_WEIGHTS, "2:once,4")
+    dropped: set[int] = set()
+    assert [drops_weights(version, dropped) for version in (1, 2, 2, 3, 4, 4)] == [0, 1, 0, 0, 1, 1]
+    monkeypatch.delenv(DROP_WEIGHTS)
+    assert not drops_weights(4, set())
