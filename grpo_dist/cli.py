@@ -1,4 +1,5 @@
-"""`grpo-dist` command line: train, warm a model up, check a config, build a tiny model, plot a reward curve.
+"""`grpo-dist` command line: train, warm a model up, check a config, build a tiny model, plot a reward curve, merge
+an adapter.
 
 Each subcommand is one entry of `COMMANDS`: its help, its arguments and the function that runs it. Only the config
 module is imported up front, so `--help` and config errors are instant.
@@ -329,6 +330,23 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("adapter", help="a LoRA adapter directory in PEFT's layout (a run's final/adapter)")
+    parser.add_argument("out", help="the directory to write the merged model to (new, or empty)")
+    parser.add_argument(
+        "--merge", action="store_true", required=True, help="merge the adapter into its base model (the one form)"
+    )
+    parser.add_argument("--base", help="the base model directory (default: the one the adapter's config names)")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from grpo_dist.export import merge_adapter
+
+    adapted = merge_adapter(Path(args.adapter), Path(args.out), args.base)
+    print(f"{adapted} adapted weights merged; the model in {args.out} loads in transformers and vLLM")
+    return 0
+
+
 def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
     from grpo_dist.data.prepare import LAYOUTS
 
@@ -401,6 +419,11 @@ COMMANDS: dict[str, Command] = {
     "plot": Command("draw a run's reward, eval curves, time per phase and staleness as a PNG", _plot_arguments, _plot),
     "plan": Command(
         "per-GPU memory of the learner ranks and engines: grpo-dist plan CONFIG", _config_and_overrides, _plan
+    ),
+    "export": Command(
+        "a LoRA adapter merged into its base model: grpo-dist export ADAPTER_DIR OUT_DIR --merge [--base MODEL_DIR]",
+        _export_arguments,
+        _export,
     ),
     "prepare": Command(
         "a recipe's dataset as the rows a run reads: grpo-dist prepare gsm8k|math|dapo-math|aime|mbpp SOURCE OUT.jsonl",

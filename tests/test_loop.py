@@ -168,3 +168,25 @@ def check_lora_run(ray_cluster, cluster, raw, inputs, initial) -> None:
     torch.testing.assert_close(hf_logprobs(str(run_dir / "final"), sequence), learner, atol=1e-5, rtol=1e-5)
     adapter = {path.name for path in (run_dir / "final" / "adapter").iterdir()}
     assert adapter == {"adapter_config.json", "adapter_model.safetensors"}
+
+    # `grpo-dist export --merge` of that adapter: a model vLLM serves, whose greedy completions are the adapter's.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_dist import cli
+    from grpo_dist.actors.generator import Generator
+
+    exported = run_dir / "exported"
+    assert cli.main(["export", str(run_dir / "final" / "adapter"), str(exported), "--merge"]) == 0
+    prompts = [prompt.token_ids for prompt in inputs.train[:4]]
+    served = ray_cluster.remote(Generator).options(num_cpus=1).remote(str(exported), validate_config(raw).rollout, 0)
+    texts = ray_cluster.get(served.judge.remote(prompts, 6))
+    ray_cluster.kill(served)
+    base = AutoModelForCausalLM.from_pretrained(inputs.model_path, dtype=torch.float32)
+    policy = PeftModel.from_pretrained(base, str(run_dir / "final" / "adapter")).eval()
+    tokenizer, expected = AutoTokenizer.from_pretrained(inputs.model_path), []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = policy.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+        expected.append(tokenizer.decode(ids, skip_special_tokens=True))
+    assert texts == expected and any(texts), (texts, expected)

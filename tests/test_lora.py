@@ -146,6 +146,46 @@ def test_a_resume_with_other_lora_settings_is_refused_and_one_with_another_dropo
             resumed(learner)
 
 
+def test_export_merges_the_saved_adapter_into_a_model_transformers_loads_with_the_adapters_outputs(
+    model_dir, tmp_path, capsys
+):
+    """`grpo-dist export ADAPTER OUT --merge` on an adapter saved as a run saves it: the merged model's logits are
+    the adapted policy's (which differ from the base's) and its greedy completions the same; bad input is refused
+    with one line naming what to pass, and OUT is never left half-written."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_dist import cli
+    from grpo_dist import lora as lora_module
+
+    policy = wrapped(model_dir, rank=4, alpha=8).eval()
+    adapter = tmp_path / "final" / "adapter"
+    lora_module.save_adapter(policy, lora_module.adapter_state_dict(policy), adapter)
+    out = tmp_path / "merged"
+    assert cli.main(["export", str(adapter), str(out), "--merge"]) == 0
+    assert "adapted weights merged" in capsys.readouterr().out
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 12, 7, 30, 3, 8, 11]])
+    with torch.no_grad():
+        adapted, got = policy(input_ids=ids).logits, merged(input_ids=ids).logits
+        assert not torch.allclose(adapted, base(input_ids=ids).logits, atol=1e-3)  # the adapter changes the outputs
+        torch.testing.assert_close(got, adapted, atol=1e-5, rtol=1e-5)
+        greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(merged.generate(ids, **greedy), policy.generate(input_ids=ids, **greedy))
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {path.name for path in out.iterdir()}
+
+    def refused(*args: str) -> str:
+        assert cli.main(["export", *args, "--merge"]) == 2
+        return capsys.readouterr().err
+
+    assert "exists and is not an empty directory" in refused(str(adapter), str(out))
+    assert "not a LoRA adapter (no adapter_config.json)" in refused(str(tmp_path), str(tmp_path / "other"))
+    assert "name the initial model of the run with --base" in refused(
+        str(adapter), str(tmp_path / "other"), "--base", str(tmp_path / "nowhere")
+    )
+    assert not (tmp_path / "other").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 @pytest.mark.slow
 def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and_if_it_persists_stops_the_run(
     tmp_path, monkeypatch
