@@ -32,7 +32,7 @@ from grpo_dist.placement import Placement, place, plan
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.run_dir import Probe, check_visible, write_probe
 from grpo_dist.storage import RunStore
-from grpo_dist.transports import WeightSyncError, WeightTransport, make_transport, wire_backend
+from grpo_dist.transports import WeightSyncError, WeightTransport, adapter_slots, make_transport, wire_backend
 from grpo_dist.weight_check import ServedWeightsDiffer, WeightCheck
 
 
@@ -433,6 +433,8 @@ def differences(cfg: Config, model_path: str, other: Config, other_path: str) ->
         found.append("run.seed")
     if wire_backend(cfg) != wire_backend(other):
         found.append("the weight-transfer backend (sync.transport, sync.delta)")
+    if adapter_slots(cfg) != adapter_slots(other):
+        found.append("the engines' LoRA slots (learner.lora.serve and rank, rollout.max_staleness)")
     agents = (cfg.environment, cfg.reward.isolation, cfg.reward.sandbox_env)
     if agents != (other.environment, other.reward.isolation, other.reward.sandbox_env):
         found.append("environment, reward.isolation or reward.sandbox_env")

@@ -138,6 +138,15 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _adapters_go_whole(self) -> Config:
+        if self.sync.delta and self.learner.lora is not None and self.learner.lora.serve == "adapter":
+            raise ValueError(
+                "sync.delta sends the changed elements of a model's weights; with learner.lora.serve=adapter a sync "
+                "sends the adapter alone, whole (megabytes): set sync.delta to false, or learner.lora.serve=merged"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _in_flight_needs_staleness(self) -> Config:
         if self.sync.mode == "in_flight" and self.rollout.max_staleness == 0:
             raise ValueError(

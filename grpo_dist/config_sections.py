@@ -330,6 +330,10 @@ class AlgorithmConfig(_Section):
         return self
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be built for (`max_lora_rank`)."""
+
+
 class LoraConfig(_Section):
     rank: int = Field(16, ge=1)
     """The adapter's rank r: each adapted weight W [out, in] trains B [out, r] and A [r, in] instead."""
@@ -344,6 +348,26 @@ class LoraConfig(_Section):
     )
     """The linear layers that get an adapter, by the last part of their name (the defaults: attention and MLP of
     Llama, Qwen and kin)."""
+    serve: Literal["adapter", "merged"] = "adapter"
+    """How the engines serve the policy. `adapter`: the base loaded once, the adapter itself served through vLLM's
+    LoRA support; a sync sends only the adapter's weights, and each engine keeps the `rollout.max_staleness` + 1
+    newest versions loaded, so a request finishes under the version it started with. `merged`: each sync sends
+    `W + B A * alpha / rank` under the base's names, which the engines serve at the base's speed, through
+    `sync.transport`."""
+
+    @property
+    def slot_rank(self) -> int:
+        """The rank of the engines' LoRA slots that serve this adapter: the smallest vLLM builds that holds it."""
+        return next(size for size in VLLM_LORA_RANKS if size >= self.rank)
+
+    @model_validator(mode="after")
+    def _servable(self) -> LoraConfig:
+        if self.serve == "adapter" and self.rank > 512:
+            raise ValueError(
+                f"learner.lora.rank={self.rank}: vLLM serves adapters of rank 512 at most; lower it or set "
+                "learner.lora.serve=merged"
+            )
+        return self
 
 
 class LearnerConfig(_Section):

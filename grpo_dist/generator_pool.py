@@ -27,7 +27,7 @@ from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
 from grpo_dist.faults import POLL, ActorPool, Bound, Bounds, FaultLog, first_line, gather
 from grpo_dist.placement import Placement, generator_resources
-from grpo_dist.transports import wire_backend
+from grpo_dist.transports import adapter_slots, wire_backend
 from grpo_dist.types import Completion, Sampling
 
 POLL_S = 0.05  # the longest `advance` waits when the caller polls
@@ -128,6 +128,7 @@ class GeneratorPool:
                 wire_backend(cfg),
                 cfg.environment,
                 (cfg.reward.isolation, cfg.reward.sandbox_env),
+                adapter_slots(cfg),
             )
         )
 

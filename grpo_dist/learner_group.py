@@ -171,6 +171,12 @@ class LearnerGroup:
         self._wait(refs[1:], "state_dict", ranks=range(1, len(refs)))
         return self._wait(refs[:1], "state_dict", fetch=False)[0]
 
+    def adapter(self) -> ray.ObjectRef:
+        """A reference to the LoRA adapter's weights and config (rank 0 returns them; the others only gather)."""
+        refs = [rank.adapter.remote() for rank in self.ranks]
+        self._wait(refs[1:], "adapter", ranks=range(1, len(refs)))
+        return self._wait(refs[:1], "adapter", fetch=False)[0]
+
     def save(self, out_dir: str, store: Store | None = None, key: str = "") -> str:
         """The policy in Hugging Face format, written by rank 0 to `out_dir` on its node; with a `store`, published
         from there to `key` (`Store.publish`). Returns where it is."""

@@ -117,6 +117,27 @@ def adapter_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_peft_model_state_dict(module).items()}
 
 
+def adapter_config(module: torch.nn.Module) -> dict:
+    """The fields of a wrapped policy's `adapter_config.json` (JSON types only)."""
+    import json
+
+    fields = module.peft_config[ADAPTER].to_dict()
+    return json.loads(json.dumps(fields, default=sorted))  # sets (target_modules) as sorted lists
+
+
+def write_adapter(adapter: dict[str, torch.Tensor], config: dict, out_dir: Path) -> int:
+    """Write an adapter (`adapter_state_dict`, `adapter_config`) in PEFT's layout; returns its bytes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    tensors = {name: tensor.contiguous() for name, tensor in adapter.items()}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return sum(tensor.numel() * tensor.element_size() for tensor in adapter.values())
+
+
 def save_adapter(module: torch.nn.Module, adapter: dict[str, torch.Tensor], out_dir: Path) -> None:
     """Write `adapter` (`adapter_state_dict`) with its config in PEFT's layout: `adapter_config.json` and
     `adapter_model.safetensors` (what `PeftModel.from_pretrained` and vLLM's LoRA loader read)."""

@@ -210,7 +210,11 @@ def plan(cfg: Config, shape: Shape) -> Plan:
         "weights": width * p / tp / GB,
         "KV of one sequence": rollout.max_model_len * kv_bytes_per_token / tp / GB,
     }
-    room = max(0, int((budget - engine["weights"]) * GB * tp / kv_bytes_per_token))
+    if learner.lora and learner.lora.serve == "adapter":  # max_staleness + 2 slots of every block's linear layers
+        slot = LoraConfig(rank=learner.lora.slot_rank, target_modules=[n for n in shape.linear if n != "lm_head"])
+        engine["LoRA slots"] = (rollout.max_staleness + 2) * shape.adapter_params(slot) * width / tp / GB
+    held = engine["weights"] + engine.get("LoRA slots", 0.0)
+    room = max(0, int((budget - held) * GB * tp / kv_bytes_per_token))
     return Plan(
         learner={name: value / GB for name, value in parts.items()} if learner.num_gpus > 0 else {},
         engine=engine if rollout.num_gpus > 0 else {},

@@ -144,13 +144,15 @@ def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
 
 
 def check_lora_run(ray_cluster, cluster, raw, inputs, initial) -> None:
-    """A LoRA run on the same actors (`learner.lora`: each rank rebuilds its engine with an adapter): step 1 starts
-    at the base, so its KL is exactly 0; the generators hold the merged policy after each sync (their logprobs
-    are the learner's, which moved off the base's); every weight the adapter does not touch is the initial one;
-    `final/` holds the merged policy, which transformers reads, and the adapter in PEFT's layout."""
+    """A LoRA run served merged (`learner.lora.serve: merged`) on the same actors (each rank rebuilds its engine with
+    an adapter; the engines stay as they are): step 1 starts at the base, so its KL is exactly 0; the generators
+    hold the merged policy after each sync (their logprobs are the learner's, which moved off the base's); every
+    weight the adapter does not touch is the initial one; `final/` holds the merged policy, which transformers reads,
+    and the adapter in PEFT's layout, which `grpo-dist export --merge` makes a model vLLM serves. (Engines serving
+    the adapter itself: `test_lora.py`.)"""
     from grpo_dist.driver import train
 
-    lora = {**raw["learner"], "lora": {"rank": 4, "alpha": 16}, "lr": 5e-2}
+    lora = {**raw["learner"], "lora": {"rank": 4, "alpha": 16, "serve": "merged"}, "lr": 5e-2}
     run_dir = train(validate_config({**raw, "run": {**raw["run"], "name": "lora"}, "learner": lora}), cluster)
     rows = metric_rows(run_dir)
     assert [row["step"] for row in rows] == [1, 2, 3] and rows[0]["kl"] == 0.0 and rows[-1]["kl"] > 0

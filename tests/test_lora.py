@@ -24,14 +24,14 @@ def model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("model")))
 
 
-def wrapped(model_dir: str, **lora):
-    """The tiny model with an adapter whose B is random (a freshly made adapter is zero, a no-op)."""
+def wrapped(model_dir: str, seed: int = 1, **lora):
+    """The tiny model with an adapter whose B is random (a freshly made adapter is zero, a no-op), drawn at `seed`."""
     from transformers import AutoModelForCausalLM
 
     from grpo_dist import lora as lora_module
 
     policy = lora_module.wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraConfig(**lora))
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in policy.named_parameters():
             if ".lora_B." in name:
@@ -146,6 +146,20 @@ def test_a_resume_with_other_lora_settings_is_refused_and_one_with_another_dropo
             resumed(learner)
 
 
+def test_what_engines_cannot_serve_as_an_adapter_is_refused_naming_the_way_out(tmp_path):
+    """vLLM builds LoRA slots up to rank 512, and an adapter goes whole (no delta sync): both refused when the
+    engines serve the adapter, both fine when they serve it merged."""
+    from grpo_dist.transports.base import adapter_slots
+
+    with pytest.raises(ConfigError, match="rank 512 at most; lower it or set learner.lora.serve=merged"):
+        validate_config(small_config(tmp_path, learner={"lora": {"rank": 1024}}))
+    with pytest.raises(ConfigError, match="sync.delta .* set sync.delta to false, or learner.lora.serve=merged"):
+        validate_config(small_config(tmp_path, learner={"lora": {}}, sync={"delta": True}))
+    merged = small_config(tmp_path, learner={"lora": {"rank": 1024, "serve": "merged"}}, sync={"delta": True})
+    assert adapter_slots(validate_config(merged)) is None
+    assert adapter_slots(validate_config(small_config(tmp_path, learner={"lora": {"rank": 20}}))) == (32, 2)
+
+
 def test_export_merges_the_saved_adapter_into_a_model_transformers_loads_with_the_adapters_outputs(
     model_dir, tmp_path, capsys
 ):
@@ -190,11 +204,13 @@ def test_export_merges_the_saved_adapter_into_a_model_transformers_loads_with_th
 def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and_if_it_persists_stops_the_run(
     tmp_path, monkeypatch
 ):
-    """A LoRA run (`grpo-dist train`, its own Ray cluster) whose generator, right after loading weight version 2 the
-    first time and version 4 every time, puts the initial model's weights back (the base: the adapter dropped) while
-    labelling what it serves with the new version (`faults.DROP_WEIGHTS`). The check after each sync catches both in
-    the step that synced: version 2 is sent again in full and taken, and the run goes on with one mismatch counted;
-    version 4 is dropped again after the full resync, and the run stops, naming the generator and the bound."""
+    """A LoRA run (`grpo-dist train`, its own Ray cluster) whose engine serves the adapter itself: each sync sends the
+    adapter alone (a small fraction of the model's bytes), and the check after it finds the engine's log-probabilities
+    the learner's. Its generator, right after loading adapter version 2 the first time and version 4 every time,
+    serves the base instead (the adapter dropped) while labelling what it serves with the new version
+    (`faults.DROP_WEIGHTS`). The check catches both in the step that synced: version 2 is sent again and taken, and
+    the run goes on with one mismatch counted; version 4 is dropped again after it is sent again, and the run stops,
+    naming the generator and the bound."""
     monkeypatch.setenv(DROP_WEIGHTS, "2:once,4")
     raw = small_config(tmp_path, run={"steps": 6}, learner={"lr": 5e-2, "lora": {"rank": 4, "alpha": 16}})
     run_dir = tmp_path / "outputs" / "test"
@@ -205,6 +221,9 @@ def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and
     assert [row["step"] for row in rows] == [1, 2, 3], output[-3000:]
     assert [row["faults/sync_mismatches"] for row in rows] == [0, 1, 1]
     assert max(row["sync/probe_gap"] for row in rows) < 1e-4  # each sync, once taken, serves the learner's policy
+    model_bytes = (tmp_path / "model" / "model.safetensors").stat().st_size
+    sent = [row["sync/sent_mb"] * 2**20 for row in rows]
+    assert sent[0] < model_bytes / 10 and sent[1] == 2 * sent[0] == 2 * sent[2]  # the adapter alone; twice at step 2
 
     caught = [line for line in output.splitlines() if line.startswith("fault: ")]
     assert len(caught) == 2, output[-3000:]  # versions 2 and 4, each once before it is sent again
@@ -215,3 +234,60 @@ def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and
     stop = next(line for line in output.splitlines() if line.startswith("grpo-dist: the run stopped: "))
     assert "generator 0 serves other weights than the learner's after the sync of version 4 and after every" in stop
     assert "Traceback" not in output
+
+
+def peft_logprobs(policy, token_ids: list[int]) -> torch.Tensor:
+    """[T-1] log-probability of each token after the first under `policy` (eval mode, float32)."""
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        logits = policy.eval()(input_ids=ids).logits.float().log_softmax(-1)
+    return logits[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+
+
+@pytest.mark.slow
+def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_keeps_its_own(
+    ray_cluster, model_dir, tmp_path
+):
+    """A generator built to serve adapters (rank 4 in a slot of rank 8; `rollout.max_staleness` 1: two versions held,
+    a third while one comes in) is sent three adapters as versions 1-3 (each with its own random B: three policies).
+    After each its log-probabilities are the ones PEFT computes with that adapter (and not the last one's); a group
+    sampled while version 3 comes in finishes under version 2, its tokens' log-probabilities version 2's, and is
+    labelled 2; only versions 2 and 3 stay loaded in the engine."""
+    from grpo_dist import lora as lora_module
+    from grpo_dist.actors.generator import Generator
+    from grpo_dist.transports.base import adapter_slots
+    from grpo_dist.types import Sampling
+
+    lora = {"rank": 4, "alpha": 8}
+    cfg = validate_config(
+        small_config(tmp_path, rollout={"max_staleness": 1, "max_model_len": 160}, learner={"lora": lora})
+    )
+    assert adapter_slots(cfg) == (8, 3)
+    generator = ray_cluster.remote(Generator).options(num_cpus=1)
+    generator = generator.remote(model_dir, cfg.rollout, 0, None, None, ("best_effort", []), adapter_slots(cfg))
+    ray_cluster.get(generator.start.remote())
+    sequence = [5, 9, 12, 7, 30, 3, 8, 11, 14, 2, 6, 13]
+    policies, previous = {}, None
+    for version in (1, 2, 3):
+        policies[version] = policy = wrapped(model_dir, seed=version, **lora)
+        if version == 3:  # a group of long completions under way as version 3 comes in
+            sampling = Sampling(temperature=1.0, top_p=1.0, max_tokens=128)
+            under_way = generator.generate.remote(sequence[:4], 8, sampling, 0, 0)
+        adapter = (lora_module.adapter_state_dict(policy), lora_module.adapter_config(policy))
+        elements, sent = ray_cluster.get(generator.load_adapter.remote(adapter, version))
+        assert elements == sum(t.numel() for t in adapter[0].values()) and sent == 4 * elements  # float32
+        got = torch.tensor(ray_cluster.get(generator.sequence_logprobs.remote(sequence)))
+        torch.testing.assert_close(got, peft_logprobs(policy, sequence), atol=1e-4, rtol=1e-4)
+        if previous is not None:
+            assert not torch.allclose(got, previous, atol=1e-2)
+        previous = got
+    group = ray_cluster.get(under_way)
+    assert {completion.weight_version for completion in group} == {2}
+    assert {completion.newest_weight_version for completion in group} == {None}
+    for completion in group:
+        tokens = completion.prompt_token_ids + completion.token_ids
+        want = peft_logprobs(policies[2], tokens)[len(completion.prompt_token_ids) - 1 :]
+        torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=1e-4, rtol=1e-4)
+    assert ray_cluster.get(generator.adapters_loaded.remote()) == [2, 3]
+    ray_cluster.get(generator.close.remote())
+    ray_cluster.kill(generator)

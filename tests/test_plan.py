@@ -210,9 +210,10 @@ def test_lora_plans_the_frozen_base_and_no_reference(tmp_path, capsys):
     full = load_config(REPO / "configs" / "grpo.yaml", ["learner.num_ranks=1"])
     with pytest.raises(ConfigError, match="a learner rank needs"):
         check_plan(full, str(tmp_path))
-    adapted = load_config(REPO / "configs" / "grpo.yaml", ["learner.num_ranks=1", "learner.lora={}"])
+    overrides, model = ["learner.num_ranks=1", "learner.lora={}"], str(tmp_path)
+    adapted = load_config(REPO / "configs" / "grpo.yaml", overrides)
     capsys.readouterr()
-    result = check_plan(adapted, str(tmp_path))
+    result = check_plan(adapted, model)
     out = capsys.readouterr().out
     assert result is not None and not result.problems(), out
     assert "40.4M trained by LoRA" in out and "reference" not in out, out
@@ -220,3 +221,10 @@ def test_lora_plans_the_frozen_base_and_no_reference(tmp_path, capsys):
     # (the embedding, 2.2 GB); full training's were over 100 GB
     base_gb = 2 * result.params / 1e9
     assert base_gb + 2.9 < result.learner["model states"] < base_gb + 3
+    # Engines serving the adapter hold max_staleness + 2 slots of rank 16 on every linear layer of each block, in
+    # bf16: 2 x 40.4M x 2 B at k = 0, 3 x at k = 1; served merged, none.
+    assert result.engine["LoRA slots"] == pytest.approx(2 * 40.4e6 * 2 / 1e9, rel=1e-3)
+    stale = check_plan(load_config(REPO / "configs" / "grpo.yaml", [*overrides, "rollout.max_staleness=1"]), model)
+    assert stale.engine["LoRA slots"] == pytest.approx(3 * 40.4e6 * 2 / 1e9, rel=1e-3)
+    merged = check_plan(load_config(REPO / "configs" / "grpo.yaml", [*overrides, "learner.lora.serve=merged"]), model)
+    assert "LoRA slots" not in merged.engine and merged.kv_room_tokens > result.kv_room_tokens

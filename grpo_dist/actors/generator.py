@@ -15,7 +15,9 @@ import asyncio
 import contextlib
 import itertools
 import os
+import shutil
 import tempfile
+from pathlib import Path
 
 from grpo_dist.config import EnvironmentConfig, RolloutConfig
 from grpo_dist.faults import drops_weights
@@ -66,6 +68,11 @@ def fork_engine_core() -> None:
         os.register_at_fork(after_in_child=engine_core_child)
 
 
+def shm_dir() -> str | None:
+    """Shared memory for files handed to the engine (weights, adapters), where the machine has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
 def engine_core_child() -> None:
     """In the forked engine core: die with the generator, and be titled `VLLM::EngineCore` as a spawned one is (by the
     plugin and by vLLM, neither of which can do it in a fork: the plugin is not loaded again, and vLLM's retitling
@@ -89,10 +96,12 @@ class Generator:
         weight_transfer: str | None = None,
         environment: EnvironmentConfig | None = None,
         isolation: tuple[str, list[str]] = ("best_effort", []),
+        adapters: tuple[int, int] | None = None,
     ) -> None:
         """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
         None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
-        in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools."""
+        in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools.
+        `adapters`: (largest rank, versions held) when the engine serves LoRA adapters (`load_adapter`)."""
         die_with_parent()
         os.environ.update(engine_environment())
         import torch
@@ -114,6 +123,10 @@ class Generator:
             self.agent = AgentLoop(environment, tokenizer, rollout.max_new_tokens, *isolation)
         self.weight_version = 0
         self.dropped: set[int] = set()  # weight versions dropped for a test (`grpo_dist.faults.DROP_WEIGHTS`)
+        self.adapters = adapters
+        self.lora = None  # the adapter new requests are served with (a `LoRARequest`), when serving adapters
+        self.held: dict[int, object] = {}  # weight version -> its adapter's `LoRARequest`, oldest first
+        self.adapter_dir = tempfile.mkdtemp(prefix="grpo-dist-adapters-", dir=shm_dir()) if adapters else None
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
         self.stats = EngineStats()
@@ -137,6 +150,8 @@ class Generator:
                 tensor_parallel_size=rollout.tensor_parallel_size,
                 distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else "uni",
                 disable_log_stats=True,
+                enable_lora=adapters is not None,
+                **({"max_lora_rank": adapters[0], "max_loras": adapters[1]} if adapters else {}),
             ),
             usage_context=UsageContext.LLM_CLASS,  # batch sizes for offline batches, as `vllm.LLM` has
             stat_loggers=[self.stats.logger_factory()],  # vLLM's own schedulers' statistics, and no console log
@@ -163,6 +178,8 @@ class Generator:
         if self.agent is not None:
             self.agent.close()
         self.engine.shutdown(timeout=10)
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
 
     async def generate(
         self,
@@ -244,7 +261,9 @@ class Generator:
         ]
 
     def _versions(self, sample) -> list[int]:
-        """The weight versions that sampled any of a sample's tokens."""
+        """The weight versions that sampled any of a sample's tokens (serving adapters: the one its request had)."""
+        if self.adapters is not None:
+            return [sample.adapter_version]
         return [int(span.version) for span in sample.weight_versions or [] if span.end > span.start]
 
     def _version_fields(self, versions: list[int]) -> dict[str, int | None]:
@@ -260,9 +279,12 @@ class Generator:
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=str(self.weight_version))
-        async for output in self.engine.generate(prompt, params, str(next(self.request_ids))):
+        version, lora = self.weight_version, self.lora  # a request keeps the adapter it started with
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=str(version))
+        async for output in self.engine.generate(prompt, params, str(next(self.request_ids)), lora_request=lora):
             final = output
+        for sample in final.outputs:
+            sample.adapter_version = version
         return final
 
     def _completion(self, prompt_index: int, prompt_token_ids: list[int], sample) -> Completion:
@@ -282,13 +304,41 @@ class Generator:
         engine took to load them."""
         from safetensors.torch import save_file
 
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=directory) as weights:
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm_dir()) as weights:
             save_file({name: tensor.contiguous() for name, tensor in state_dict.items()}, weights.name)
             await self._pause()
             (seconds, *_) = await self.engine.collective_rpc("receive_weights_file", args=(weights.name,))
         await self._resume(weight_version)
         return seconds
+
+    async def load_adapter(self, adapter: tuple[dict, dict], weight_version: int) -> tuple[int, int]:
+        """Serve the learner's LoRA adapter (its weights by PEFT name and its config's fields, from the object
+        store) as `weight_version` to every request from now on; requests under way keep theirs. The newest
+        `rollout.max_staleness` + 1 versions stay loaded (pinned), older ones are removed. No pause: the base is not
+        touched. Returns the adapter's elements and bytes."""
+        from vllm.lora.request import LoRARequest
+
+        from grpo_dist.lora import write_adapter
+
+        weights, config = adapter
+        path = os.path.join(self.adapter_dir, f"v{weight_version}")
+        sent = write_adapter(weights, config, Path(path))
+        # The id is the version's (a version sent again, after a failed check, replaces its own in place).
+        request = LoRARequest(f"v{weight_version}", weight_version + 1, path, load_inplace=True)
+        await self.engine.add_lora(request)
+        await self.engine.pin_lora(request.lora_int_id)
+        self.held.pop(weight_version, None)
+        self.held[weight_version] = request
+        for version in list(self.held)[: max(0, len(self.held) - (self.adapters[1] - 1))]:
+            await self.engine.remove_lora(self.held.pop(version).lora_int_id)
+            shutil.rmtree(os.path.join(self.adapter_dir, f"v{version}"), ignore_errors=True)
+        self.lora = None if drops_weights(weight_version, self.dropped) else request  # a test's dropped adapter
+        self.weight_version = weight_version
+        return sum(tensor.numel() for tensor in weights.values()), sent
+
+    async def adapters_loaded(self) -> list[int]:
+        """The weight versions whose adapters the engine holds now (asked of vLLM), oldest first."""
+        return sorted(lora_id - 1 for lora_id in await self.engine.list_loras())
 
     async def _pause(self) -> None:
         """Stop scheduling, the requests under way kept where they are."""

@@ -385,6 +385,12 @@ class Learner:
         gathering them."""
         return self._on_rank0(self._weights) or {}
 
+    def adapter(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """The LoRA adapter's weights in PEFT's names (CPU copies) and its config's fields (as
+        `adapter_config.json` holds them), on rank 0 (None on the others): what engines serving adapters load.
+        Collective under ZeRO-3."""
+        return self._on_rank0(lambda module: (lora.adapter_state_dict(module), lora.adapter_config(module)))
+
     def _weights(self, module) -> dict[str, torch.Tensor]:
         if lora.is_adapted(module):
             return lora.merged_state_dict(module)

@@ -67,10 +67,23 @@ def _has_weight_transfer() -> bool:
     return any((Path(folder) / "distributed" / "weight_transfer").is_dir() for folder in folders)
 
 
+def serves_adapters(cfg: Config) -> bool:
+    """Whether the engines serve the LoRA adapter itself (`learner.lora.serve: adapter`), not merged weights."""
+    return cfg.learner.lora is not None and cfg.learner.lora.serve == "adapter"
+
+
+def adapter_slots(cfg: Config) -> tuple[int, int] | None:
+    """(max rank, versions held) for the engines' LoRA slots when they serve adapters, else None: the
+    `rollout.max_staleness` + 1 newest versions, and one more while a new one comes in."""
+    if not serves_adapters(cfg):
+        return None
+    return cfg.learner.lora.slot_rank, cfg.rollout.max_staleness + 2
+
+
 def wire_backend(cfg: Config) -> str | None:
-    """The vLLM weight-transfer backend the generators' engines are built with (None for the object store):
-    NCCL when the learner and the engines are both on GPUs and delta sync is off, else gloo."""
-    if transport_name(cfg) != "broadcast":
+    """The vLLM weight-transfer backend the generators' engines are built with (None for the object store, and for
+    adapters): NCCL when the learner and the engines are both on GPUs and delta sync is off, else gloo."""
+    if transport_name(cfg) != "broadcast" or serves_adapters(cfg):
         return None
     on_gpus = cfg.learner.num_gpus > 0 and cfg.rollout.num_gpus > 0
     return "nccl" if on_gpus and not cfg.sync.delta else "gloo"
