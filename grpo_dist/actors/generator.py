@@ -73,6 +73,21 @@ def shm_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+def adapter_dir() -> str:
+    """A new directory in shared memory for this process's adapters (`Generator.load_adapter`), named by its pid;
+    those of generators that died without closing (their pid gone) are removed first."""
+    import glob
+
+    import psutil
+
+    prefix = os.path.join(shm_dir() or tempfile.gettempdir(), "grpo-dist-adapters-")
+    for stale in glob.glob(f"{prefix}*"):
+        pid = stale.removeprefix(prefix).split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"grpo-dist-adapters-{os.getpid()}-", dir=shm_dir())
+
+
 def engine_core_child() -> None:
     """In the forked engine core: die with the generator, and be titled `VLLM::EngineCore` as a spawned one is (by the
     plugin and by vLLM, neither of which can do it in a fork: the plugin is not loaded again, and vLLM's retitling
@@ -126,7 +141,7 @@ class Generator:
         self.adapters = adapters
         self.lora = None  # the adapter new requests are served with (a `LoRARequest`), when serving adapters
         self.held: dict[int, object] = {}  # weight version -> its adapter's `LoRARequest`, oldest first
-        self.adapter_dir = tempfile.mkdtemp(prefix="grpo-dist-adapters-", dir=shm_dir()) if adapters else None
+        self.adapter_dir = adapter_dir() if adapters else None
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
         self.stats = EngineStats()
