@@ -252,7 +252,11 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
     a third while one comes in) is sent three adapters as versions 1-3 (each with its own random B: three policies).
     After each its log-probabilities are the ones PEFT computes with that adapter (and not the last one's); a group
     sampled while version 3 comes in finishes under version 2, its tokens' log-probabilities version 2's, and is
-    labelled 2; only versions 2 and 3 stay loaded in the engine."""
+    labelled 2; only versions 2 and 3 stay loaded in the engine. The adapters' directory in shared memory is gone
+    once the generator closes, and one a dead generator left (its pid gone) is removed when the next one starts."""
+    import os
+    import tempfile
+
     from grpo_dist import lora as lora_module
     from grpo_dist.actors.generator import Generator
     from grpo_dist.transports.base import adapter_slots
@@ -263,9 +267,14 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
         small_config(tmp_path, rollout={"max_staleness": 1, "max_model_len": 160}, learner={"lora": lora})
     )
     assert adapter_slots(cfg) == (8, 3)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    left = tempfile.mkdtemp(prefix="grpo-dist-adapters-999999999-", dir=shm)  # no such pid
     generator = ray_cluster.remote(Generator).options(num_cpus=1)
     generator = generator.remote(model_dir, cfg.rollout, 0, None, None, ("best_effort", []), adapter_slots(cfg))
     ray_cluster.get(generator.start.remote())
+    assert not os.path.exists(left)
+    pid = ray_cluster.get(generator.__ray_call__.remote(lambda self: os.getpid()))
+    (made,) = [name for name in os.listdir(shm) if name.startswith(f"grpo-dist-adapters-{pid}-")]
     sequence = [5, 9, 12, 7, 30, 3, 8, 11, 14, 2, 6, 13]
     policies, previous = {}, None
     for version in (1, 2, 3):
@@ -289,5 +298,7 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
         want = peft_logprobs(policies[2], tokens)[len(completion.prompt_token_ids) - 1 :]
         torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=1e-4, rtol=1e-4)
     assert ray_cluster.get(generator.adapters_loaded.remote()) == [2, 3]
+    assert sorted(os.listdir(os.path.join(shm, made))) == ["v2", "v3"]
     ray_cluster.get(generator.close.remote())
+    assert not os.path.exists(os.path.join(shm, made))
     ray_cluster.kill(generator)
