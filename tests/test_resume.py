@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 COMPARED = ("reward/mean", "reward/std", "loss", "kl", "grad_norm", "response_length/mean")
 
 
-def write_config(tmp_path, name: str, k: int = 0, model: Path | None = None) -> str:
+def write_config(tmp_path, name: str, k: int = 0, model: Path | None = None, lora: dict | None = None) -> str:
     raw = small_config(tmp_path, run={"name": name, "steps": 6}, checkpoint={"every_steps": 3, "keep": 1},
-                       rollout={"max_staleness": k})  # fmt: skip
+                       rollout={"max_staleness": k}, learner={"lora": lora})  # fmt: skip
     # A step of at least 0.4 s (16 completions, 2 workers), the rewards unchanged: the test sees the step-3
     # checkpoint before the run writes the next.
     slow = {"name": "reward_fixtures.slow_reward", "weight": 0.0, "kwargs": {"delay_s": 0.05}}
@@ -63,19 +63,23 @@ def rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("k", [0, 1], ids=["on-policy", "k1"])
-def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(shared_actors, capfd, tmp_path, k):
+@pytest.mark.parametrize(
+    ("k", "lora"), [(0, None), (1, None), (1, {"rank": 4, "alpha": 16})], ids=["on-policy", "k1", "k1-lora-adapter"]
+)
+def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(shared_actors, capfd, tmp_path, k, lora):
     """At k = 1 the checkpoint holds the batch drawn ahead (sampled by the weights before the checkpoint's), which the
     resumed run trains on as the uninterrupted one does. The uninterrupted run and the resume run in this process on
     the module's shared actors (used by earlier runs: the uninterrupted run starts them from the initial model, the
-    resume loads its checkpoint into them); the killed run is a command of its own, on actors of its own."""
+    resume loads its checkpoint into them); the killed run is a command of its own, on actors of its own. With a
+    LoRA adapter, served as one: the checkpoint holds the adapter and its optimizer state, and the resumed run's
+    engines get the adapter of step 3 where the uninterrupted run's got every version since 1."""
     from grpo_dist.config import load_config
 
-    whole = write_config(tmp_path, "whole", k, shared_actors.model_path)
+    whole = write_config(tmp_path, "whole", k, shared_actors.model_path, lora)
     with shared_actors.use(load_config(whole)) as actors:
         code, out = train_here(capfd, whole, cluster=actors)
         assert code == 0, out[-3000:]
-        run_dir = killed_at_its_checkpoint_and_resumed(tmp_path, k, capfd, actors)
+        run_dir = killed_at_its_checkpoint_and_resumed(tmp_path, k, capfd, actors, lora)
 
     expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
     assert [row["step"] for row in got] == [1, 2, 3, 4, 5, 6]  # no step duplicated or missing
@@ -88,14 +92,14 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(shared_actors, c
     assert kept == ["latest", "resumed-from", "step-000003", "step-000006"]
 
 
-def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors) -> Path:
+def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors, lora: dict | None = None) -> Path:
     """A 6-step run (checkpoint at step 3) whose driver is SIGKILLed once the checkpoint is written, then resumed
     with `--resume` to its end (in this process, on `actors`); its run directory. The killed run joins the
     session's Ray cluster, which ends the run's actors when their driver dies."""
     import ray
 
     joined = f"ray.address={ray.get_runtime_context().gcs_address}"
-    config = write_config(tmp_path, "resumed", k, actors.model_path)
+    config = write_config(tmp_path, "resumed", k, actors.model_path, lora)
     interrupted = grpo_dist("train", config, joined, start_new_session=True)
     run_dir = tmp_path / "outputs" / "resumed"
     deadline = time.monotonic() + 600
