@@ -367,6 +367,11 @@ class LoraConfig(_Section):
                 f"learner.lora.rank={self.rank}: vLLM serves adapters of rank 512 at most; lower it or set "
                 "learner.lora.serve=merged"
             )
+        if self.serve == "adapter" and "lm_head" in self.target_modules:
+            raise ValueError(
+                "learner.lora.target_modules names lm_head: vLLM serves adapters on a block's linear layers, not on "
+                "the output layer; leave it out or set learner.lora.serve=merged"
+            )
         return self
 
 

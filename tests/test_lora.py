@@ -106,7 +106,7 @@ def test_an_adapter_on_the_output_layer_tied_to_the_embedding_is_refused(model_d
     embedding, so a merged adapter on it would never be served."""
     from grpo_dist.inputs import check_lora_targets
 
-    cfg = validate_config(small_config(tmp_path, learner={"lora": {"target_modules": ["lm_head"]}}))
+    cfg = validate_config(small_config(tmp_path, learner={"lora": {"target_modules": ["lm_head"], "serve": "merged"}}))
     with pytest.raises(ConfigError, match=r"\['lm_head'\] is tied to the input embedding"):
         check_lora_targets(cfg, model_dir)
 
@@ -153,6 +153,8 @@ def test_what_engines_cannot_serve_as_an_adapter_is_refused_naming_the_way_out(t
 
     with pytest.raises(ConfigError, match="rank 512 at most; lower it or set learner.lora.serve=merged"):
         validate_config(small_config(tmp_path, learner={"lora": {"rank": 1024}}))
+    with pytest.raises(ConfigError, match="names lm_head: .* leave it out or set learner.lora.serve=merged"):
+        validate_config(small_config(tmp_path, learner={"lora": {"target_modules": ["q_proj", "lm_head"]}}))
     with pytest.raises(ConfigError, match="sync.delta .* set sync.delta to false, or learner.lora.serve=merged"):
         validate_config(small_config(tmp_path, learner={"lora": {}}, sync={"delta": True}))
     merged = small_config(tmp_path, learner={"lora": {"rank": 1024, "serve": "merged"}}, sync={"delta": True})
@@ -298,7 +300,7 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
         want = peft_logprobs(policies[2], tokens)[len(completion.prompt_token_ids) - 1 :]
         torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=1e-4, rtol=1e-4)
     assert ray_cluster.get(generator.adapters_loaded.remote()) == [2, 3]
-    assert sorted(os.listdir(os.path.join(shm, made))) == ["v2", "v3"]
+    assert sorted(os.listdir(os.path.join(shm, made))) == ["v2.2", "v3.3"]  # version.load
     ray_cluster.get(generator.close.remote())
     assert not os.path.exists(os.path.join(shm, made))
     ray_cluster.kill(generator)

@@ -140,7 +140,10 @@ class Generator:
         self.dropped: set[int] = set()  # weight versions dropped for a test (`grpo_dist.faults.DROP_WEIGHTS`)
         self.adapters = adapters
         self.lora = None  # the adapter new requests are served with (a `LoRARequest`), when serving adapters
-        self.held: dict[int, object] = {}  # weight version -> its adapter's `LoRARequest`, oldest first
+        self.held: dict[int, list[Path]] = {}  # weight version -> the directories of its loaded adapter, oldest first
+        self.loads = 0  # adapters loaded so far
+        self.adapter_lock = asyncio.Lock()
+        self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
         self.adapter_dir = adapter_dir() if adapters else None
         self.request_ids = itertools.count()
         on_gpu = torch.cuda.is_available()
@@ -294,8 +297,8 @@ class Generator:
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        version, lora = self.weight_version, self.lora  # a request keeps the adapter it started with
-        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=str(version))
+        version, lora, salt = self.weight_version, self.lora, self.salt  # a request keeps the adapter it started with
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=salt)
         async for output in self.engine.generate(prompt, params, str(next(self.request_ids)), lora_request=lora):
             final = output
         for sample in final.outputs:
@@ -330,25 +333,33 @@ class Generator:
         """Serve the learner's LoRA adapter (its weights by PEFT name and its config's fields, from the object
         store) as `weight_version` to every request from now on; requests under way keep theirs. The newest
         `rollout.max_staleness` + 1 versions stay loaded (pinned), older ones are removed. No pause: the base is not
-        touched. Returns the adapter's elements and bytes."""
+        touched. A version sent again (after a failed check, a reconnect, a learner restarted from a checkpoint)
+        replaces its adapter in place, and new requests use a prefix cache of their own. Returns the adapter's
+        elements and bytes."""
         from vllm.lora.request import LoRARequest
 
         from grpo_dist.lora import write_adapter
 
         weights, config = adapter
-        path = os.path.join(self.adapter_dir, f"v{weight_version}")
-        sent = write_adapter(weights, config, Path(path))
-        # The id is the version's (a version sent again, after a failed check, replaces its own in place).
-        request = LoRARequest(f"v{weight_version}", weight_version + 1, path, load_inplace=True)
-        await self.engine.add_lora(request)
-        await self.engine.pin_lora(request.lora_int_id)
-        self.held.pop(weight_version, None)
-        self.held[weight_version] = request
-        for version in list(self.held)[: max(0, len(self.held) - (self.adapters[1] - 1))]:
-            await self.engine.remove_lora(self.held.pop(version).lora_int_id)
-            shutil.rmtree(os.path.join(self.adapter_dir, f"v{version}"), ignore_errors=True)
-        self.lora = None if drops_weights(weight_version, self.dropped) else request  # a test's dropped adapter
-        self.weight_version = weight_version
+        async with self.adapter_lock:  # one load at a time: a resend may come while a timed-out one still runs
+            self.loads += 1
+            path = Path(self.adapter_dir) / f"v{weight_version}.{self.loads}"
+            staging = path.with_name(f".{path.name}")
+            sent = write_adapter(weights, config, staging)
+            staging.rename(path)  # whole, or not there
+            name, lora_id = f"v{weight_version}", weight_version + 1
+            await self.engine.add_lora(LoRARequest(name, lora_id, str(path), load_inplace=True))
+            await self.engine.pin_lora(lora_id)
+            served = LoRARequest(name, lora_id, str(path))  # requests carry this one: no reload at each step
+            self.held.setdefault(weight_version, []).append(path)
+            self.held[weight_version] = self.held.pop(weight_version)  # now the newest
+            # The new version first, then the old ones out: no request is sent with an adapter being removed.
+            self.lora = None if drops_weights(weight_version, self.dropped) else served  # a test's dropped adapter
+            self.weight_version, self.salt = weight_version, f"{weight_version}.{self.loads}"
+            for version in list(self.held)[: max(0, len(self.held) - (self.adapters[1] - 1))]:
+                await self.engine.remove_lora(version + 1)
+                for stale in self.held.pop(version):
+                    shutil.rmtree(stale, ignore_errors=True)
         return sum(tensor.numel() for tensor in weights.values()), sent
 
     async def adapters_loaded(self) -> list[int]:
@@ -365,7 +376,7 @@ class Generator:
         if drops_weights(weight_version, self.dropped):  # a test's engine that serves other weights than it was sent
             await self.engine.collective_rpc("reload_initial_weights")
         await asyncio.gather(self.engine.reset_prefix_cache(), self.engine.update_weight_version(str(weight_version)))
-        self.weight_version = weight_version
+        self.weight_version, self.salt = weight_version, str(weight_version)
         await self.engine.resume_generation()
 
     # The broadcast transport's control plane (`grpo_dist.transports.broadcast.GeneratorClient`): vLLM runs each

@@ -389,7 +389,9 @@ class Learner:
         """The LoRA adapter's weights in PEFT's names (CPU copies) and its config's fields (as
         `adapter_config.json` holds them), on rank 0 (None on the others): what engines serving adapters load.
         Collective under ZeRO-3."""
-        return self._on_rank0(lambda module: (lora.adapter_state_dict(module), lora.adapter_config(module)))
+        return self._on_rank0(
+            lambda module: (lora.adapter_state_dict(module), lora.adapter_config(module)), trained_only=True
+        )
 
     def _weights(self, module) -> dict[str, torch.Tensor]:
         if lora.is_adapted(module):
@@ -400,13 +402,14 @@ class Learner:
         """The policy's weights to save, and with LoRA the adapter's own."""
         return self._weights(module), lora.adapter_state_dict(module) if lora.is_adapted(module) else None
 
-    def _on_rank0(self, read):
-        """`read(policy module)` on rank 0 with every parameter whole (gathered under ZeRO-3: collective), None on
-        the other ranks."""
+    def _on_rank0(self, read, trained_only: bool = False):
+        """`read(policy module)` on rank 0 with every parameter whole (or, `trained_only`, those that take gradients:
+        the adapter's), gathered under ZeRO-3 (collective); None on the other ranks."""
         import deepspeed
 
         module = self.engine.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=self.cfg.zero_stage == 3):
+        params = [param for param in module.parameters() if param.requires_grad or not trained_only]
+        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero_stage == 3):
             return read(module) if self.rank == 0 else None
 
     def save_checkpoint(self, path: str) -> None:
