@@ -465,7 +465,8 @@ class SyncConfig(_Section):
     weight is sent again, and if the gap stays the run stops, naming the engine."""
     probe_max_gap: float | None = Field(None, gt=0)
     """The largest gap a sync may leave. None: 1e-3 where the learner and the engines both compute in float32 (a
-    healthy sync leaves about 1e-5 there), 0.1 where either uses bf16 or fp16 (about 0.01-0.03)."""
+    healthy sync leaves about 2e-7 on a CPU), 0.1 where either uses bf16 or fp16 (where the two sides' rounding
+    differs)."""
 
 
 class FaultsConfig(_Section):

@@ -141,12 +141,7 @@ def write_adapter(adapter: dict[str, torch.Tensor], config: dict, out_dir: Path)
 def save_adapter(module: torch.nn.Module, adapter: dict[str, torch.Tensor], out_dir: Path) -> None:
     """Write `adapter` (`adapter_state_dict`) with its config in PEFT's layout: `adapter_config.json` and
     `adapter_model.safetensors` (what `PeftModel.from_pretrained` and vLLM's LoRA loader read)."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    module.peft_config[ADAPTER].save_pretrained(str(out_dir))
-    tensors = {name: tensor.contiguous() for name, tensor in adapter.items()}
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    write_adapter(adapter, adapter_config(module), out_dir)
 
 
 class AdapterOff:

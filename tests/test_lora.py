@@ -228,6 +228,7 @@ def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and
     assert sent[0] < model_bytes / 10 and sent[1] == 2 * sent[0] == 2 * sent[2]  # the adapter alone; twice at step 2
 
     caught = [line for line in output.splitlines() if line.startswith("fault: ")]
+    print("probe gaps after each taken sync:", [row["sync/probe_gap"] for row in rows], *caught, sep="\n")
     assert len(caught) == 2, output[-3000:]  # versions 2 and 4, each once before it is sent again
     for line, version in zip(caught, (2, 4), strict=True):
         found = re.search(rf"generator 0 serves other weights .* version {version}: .* by ([0-9.e-]+) per token", line)

@@ -12,7 +12,7 @@ import ray
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bounds
-from grpo_dist.transports.base import SyncReport, wait_all
+from grpo_dist.transports.base import SyncReport, generator_names, wait_all
 
 
 class AdapterTransport:
@@ -28,7 +28,7 @@ class AdapterTransport:
     def sync(self, weight_version: int, full: bool = False) -> SyncReport:
         adapter = self.learner.adapter()  # a reference: (weights by PEFT name, adapter_config.json's fields)
         calls = [generator.load_adapter.remote(adapter, weight_version) for generator in self.generators]
-        sizes = wait_all(calls, [f"generator {i}" for i in range(len(calls))], "load_adapter", self.bound, self.name)
+        sizes = wait_all(calls, generator_names(self.generators), "load_adapter", self.bound, self.name)
         elements, sent = sizes[0] if sizes else (0, 0)
         return SyncReport("full", elements, elements, sent * len(sizes))
 

@@ -89,6 +89,11 @@ def wire_backend(cfg: Config) -> str | None:
     return "nccl" if on_gpus and not cfg.sync.delta else "gloo"
 
 
+def generator_names(generators: list) -> list[str]:
+    """How a transport's errors name the generators it waits on."""
+    return [f"generator {index}" for index in range(len(generators))]
+
+
 def wait_all(refs: list[ray.ObjectRef], actors: list[str], call: str, bound: Bound, transport: str) -> list:
     """Results of one call per actor; fails naming the first actor that failed or did not answer within `bound`."""
     outcomes = gather(refs, bound)

@@ -21,7 +21,7 @@ import torch
 from grpo_dist import lora
 from grpo_dist.config import Config
 from grpo_dist.faults import Bound, Bounds
-from grpo_dist.transports.base import wait_all, wire_backend
+from grpo_dist.transports.base import generator_names, wait_all, wire_backend
 
 log = logging.getLogger("grpo_dist")
 
@@ -121,7 +121,7 @@ class GeneratorClient:
         self._wait(calls, method)
 
     def _wait(self, calls: list, method: str) -> list:
-        names = [f"generator {index}" for index in range(len(self.generators))]
+        names = generator_names(self.generators)
         return wait_all(calls, names, method, self.bound, "broadcast")
 
 

@@ -10,7 +10,7 @@ import ray
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bounds
-from grpo_dist.transports.base import wait_all
+from grpo_dist.transports.base import generator_names, wait_all
 
 
 class ObjectStoreTransport:
@@ -26,11 +26,7 @@ class ObjectStoreTransport:
     def sync(self, weight_version: int, full: bool = False) -> None:
         weights = self.learner.state_dict()
         calls = [generator.load_weights.remote(weights, weight_version) for generator in self.generators]
-        wait_all(calls, _names(self.generators), "load_weights", self.bound, self.name)
+        wait_all(calls, generator_names(self.generators), "load_weights", self.bound, self.name)
 
     def close(self) -> None:
         pass
-
-
-def _names(generators: list) -> list[str]:
-    return [f"generator {index}" for index in range(len(generators))]
