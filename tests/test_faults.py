@@ -233,11 +233,12 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
 
 def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path, monkeypatch):
     """One run, two learner faults.
-    - Once step 1 is logged, the learner rank's process is slowed (stopped 0.45 s of every 0.5 s, as a machine shared
-      with other work would) for steps 2 and 3: a step of 130 micro-batches then lasts several times its usual
-      length and longer than `faults.train_timeout_s`, and goes on to the end without a restart, because its
-      micro-batches keep finishing. (Stopped longer, with another test's runs on the same cores, one micro-batch
-      and the answer to the progress question can outlast the bound.)
+    - Once step 2 is logged, the learner rank's process is slowed for step 3, as a machine shared with other work
+      would: stopped 0.45 s at a time and let run between stops for a thirtieth of step 2's length, so that on any
+      machine its step of 130 micro-batches lasts 10 s or more, twice `faults.train_timeout_s`, and goes on to
+      the end without a restart, because its micro-batches keep finishing. (A fixed share of each half second
+      would not do: a fast machine finishes the step within the bound. Stopped longer, with another test's runs on
+      the same cores, one micro-batch and the answer to the progress question can outlast the bound.)
     - Then each learner rank asks for more memory than the machine has inside training step 4 (a real allocation
       failure in a real step): the learner group is restarted from the step-3 checkpoint, step 4 fails the same
       way again, and the run stops, naming the settings that make a step smaller."""
@@ -256,22 +257,26 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
         driver = psutil.Process(run.pid)
         wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 1, run, "first step")
         (learner,) = wait_for(lambda: actor_processes(driver, "Learner"), run, "the learner rank's process")
+        step_2 = wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 2 and row, run,
+                          "second step", poll_s=0.02)  # fmt: skip
+        running_s = min(max(step_2["time/learner_busy"] / 30, 0.01), 0.1)  # 30 stops or more: 10 s or more
         while run.poll() is None and ((row := last_row(run_dir)) is None or row["step"] < 3):
             with contextlib.suppress(psutil.NoSuchProcess):
                 learner.suspend()
                 time.sleep(0.45)
                 learner.resume()
-                time.sleep(0.05)
+                time.sleep(running_s)
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]  # step 4 never finished
     assert rows[-1]["faults/learner_restarts"] == 0  # the slow steps: no restart
-    usual, slowed = rows[0]["time/learner_busy"], max(row["time/learner_busy"] for row in rows[1:])
-    print(f"training step: {usual:.2f} s as usual, {slowed:.2f} s slowed; bound on progress {bound_s:g} s")
-    # A bound on the step's length would have fired. (Not compared with step 1: other work on the machine, another
-    # test's run, may slow step 1 as much as the stops slow steps 2 and 3.)
-    assert slowed > bound_s
+    usual, slowed = rows[1]["time/learner_busy"], rows[2]["time/learner_busy"]
+    print(
+        f"training step: {usual:.2f} s as usual, {slowed:.2f} s slowed (let run {running_s * 1000:.0f} ms "
+        f"between stops); bound on progress {bound_s:g} s"
+    )
+    assert slowed > bound_s  # a bound on the step's length would have fired
 
     fault_lines = [line for line in output.splitlines() if line.startswith("fault: ")]
     assert len(fault_lines) == 1, output[-3000:]
