@@ -25,6 +25,7 @@ from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections
     EvalConfig,
     EvalSetConfig,
     FaultsConfig,
+    HealthConfig,
     JudgeConfig,
     LearnerConfig,
     ModelConfig,
@@ -67,6 +68,9 @@ class Config(_Section):
     """What a run survives: bounds on every remote call and how many replacements it may make."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    """What the run checks after every step (a non-finite update, a gradient spike, the KL, the engines' log-prob
+    gap, entropy or reward collapsing) and what it does then: warn, roll back, stop."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Evaluation before, during and after training: accuracy, pass@k, maj@k per eval set."""
     environment: EnvironmentConfig | None = None

@@ -498,6 +498,84 @@ class FaultsConfig(_Section):
     unscored."""
 
 
+HealthAction = Literal["off", "warn", "rollback", "stop"]
+
+
+class NonFiniteCheck(_Section):
+    action: Literal["skip", "rollback", "stop"] = "skip"
+    """A step whose loss or gradient norm is not finite (NaN, inf): `skip` (its update is dropped, as the learner
+    always drops one, and the run goes on), `rollback`, or `stop`."""
+
+
+class GradNormCheck(_Section):
+    action: HealthAction = "rollback"
+    """What a gradient norm spike calls for: `off`, `warn`, `rollback`, `stop`."""
+    factor: float = Field(10.0, gt=1)
+    """The check fires when the gradient norm (before clipping) is above this many times the median of the last
+    `health.window` steps'."""
+
+
+class KlCheck(_Section):
+    action: HealthAction = "rollback"
+    """What a KL past `max` calls for: `off`, `warn`, `rollback`, `stop`."""
+    max: float = Field(1.0, gt=0)
+    """The largest mean per-token KL to the reference (`kl`, logged when there is a reference) a step may show."""
+
+
+class LogprobGapCheck(_Section):
+    action: HealthAction = "warn"
+    """What a gap past `max` calls for: `off`, `warn`, `rollback`, `stop`."""
+    max: float = Field(1.0, gt=0)
+    """The largest mean absolute gap per token between the learner's and the engines' log-probabilities of the
+    step's sampled tokens (`logprob_gap`, at its first update) a step may show: past it the policy the batch was
+    sampled from has drifted far from the one trained, or a sync went wrong."""
+
+
+class EntropyCheck(_Section):
+    action: HealthAction = "warn"
+    """What an entropy collapse calls for: `off`, `warn`, `rollback`, `stop`."""
+    fraction: float = Field(0.1, gt=0, lt=1)
+    """The check fires when the mean per-token entropy (`entropy`) falls below this fraction of the median of the
+    last `health.window` steps'."""
+
+
+class RewardCheck(_Section):
+    action: HealthAction = "warn"
+    """What a reward collapse calls for: `off`, `warn`, `rollback`, `stop`."""
+    fraction: float = Field(0.5, gt=0, lt=1)
+    """The check fires when the mean reward (`reward/mean`) falls below this fraction of the median of the last
+    `health.window` steps' (judged only while that median is above zero)."""
+
+
+class HealthConfig(_Section):
+    """Checks after every training step on what the run measures; each has an `action`: `warn` (printed, logged,
+    a W&B alert), `rollback` (the learner and the generators back to the latest checkpoint, the batches since
+    skipped, the learning rate times `rollback_lr_factor`), `stop` (the run stops, naming the check, the step and
+    the figures), `off`."""
+
+    nonfinite: NonFiniteCheck = Field(default_factory=NonFiniteCheck)
+    """A loss or gradient norm that is not finite."""
+    grad_norm: GradNormCheck = Field(default_factory=GradNormCheck)
+    """A gradient norm spiking against its recent median."""
+    kl: KlCheck = Field(default_factory=KlCheck)
+    """The KL to the reference past a bound."""
+    logprob_gap: LogprobGapCheck = Field(default_factory=LogprobGapCheck)
+    """The learner's and the engines' log-probabilities of the sampled tokens apart past a bound."""
+    entropy: EntropyCheck = Field(default_factory=EntropyCheck)
+    """The policy's entropy collapsing against its recent median."""
+    reward: RewardCheck = Field(default_factory=RewardCheck)
+    """The mean reward collapsing against its recent median."""
+    window: int = Field(20, ge=1)
+    """Steps in the running medians the gradient norm, entropy and reward are judged against."""
+    min_history: int = Field(5, ge=1)
+    """Steps of history those checks wait for before they judge (the first steps vary most)."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks a run may make before the next stops it; one check firing again at the step it rolled back from
+    stops the run at once (the same cause twice)."""
+    rollback_lr_factor: float = Field(1.0, gt=0, le=1)
+    """Each rollback multiplies the learning rate by this (1: unchanged)."""
+
+
 class SftConfig(_Section):
     base: str
     """The model `grpo-dist sft` warms up (a local Hugging Face directory); the result goes to `model.path`."""

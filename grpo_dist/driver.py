@@ -21,6 +21,7 @@ from grpo_dist.config import Config
 from grpo_dist.console import Console, section, step_line
 from grpo_dist.data import PromptSampler
 from grpo_dist.evaluation import evaluate
+from grpo_dist.health import Guard
 from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink, StepSamples, completion_rows, rollout_metrics, start_wandb
@@ -29,6 +30,7 @@ from grpo_dist.recovery import (
     check_same_data,
     checkpoint_at_stop,
     find_checkpoint,
+    judge_step,
     restart_learner,
     resume_from,
     run_state,
@@ -89,10 +91,10 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
     cluster.check_syncs(cfg, [prompt.token_ids for prompt in inputs.train])
     running.open_mailbox(cfg.run.name)
     console.take_actor_output()
-    rollouts = RolloutQueue(cfg, cluster, sampler)
-    step, wandb_id = resume_from(cluster, rollouts, checkpoint) if checkpoint else (0, None)
+    rollouts, guard = RolloutQueue(cfg, cluster, sampler), Guard(cfg.health)
+    step, wandb_id = resume_from(cluster, rollouts, guard, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(run.work, start_wandb(cfg, run.work, wandb_id), step, cfg.wandb.finish_timeout_s)
-    at_step_start = (run_state(rollouts, sink), cluster.learner.version)
+    at_step_start = (run_state(rollouts, sink, guard), cluster.learner.version)
     try:
         if step == 0 and inputs.eval_sets:
             sink.log_eval(0, evaluate_now(cfg, cluster, inputs.eval_sets, 0))
@@ -101,17 +103,20 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
             try:
                 apply_scale_request(running, cluster)
                 metrics, samples = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
-                sink.log(step + 1, {**metrics, "epoch": sampler.epoch}, samples)
-                tqdm.write(step_line(step + 1, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
-                if checkpoint_due(cfg, step + 1):
-                    save_checkpoint(cfg, run, cluster, step + 1, run_state(rollouts, sink))
-                step += 1  # done: logged, and checkpointed when due
-                at_step_start = (run_state(rollouts, sink), cluster.learner.version)  # for a checkpoint if stopped
-                if eval_due(cfg, step) and inputs.eval_sets:
-                    sink.log_eval(step, evaluate_now(cfg, cluster, inputs.eval_sets, step))
+                rolled_back_to = judge_step(cfg, run, cluster, rollouts, sink, guard, step + 1, metrics)
+                if rolled_back_to is not None:  # the step was unhealthy: it and the steps since are undone
+                    step = rolled_back_to
+                else:
+                    sink.log(step + 1, {**metrics, **guard.metrics(), "epoch": sampler.epoch}, samples)
+                    tqdm.write(step_line(step + 1, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
+                    if checkpoint_due(cfg, step + 1):
+                        save_checkpoint(cfg, run, cluster, step + 1, run_state(rollouts, sink, guard))
+                    step += 1  # done: logged, and checkpointed when due
+                    if eval_due(cfg, step) and inputs.eval_sets:
+                        sink.log_eval(step, evaluate_now(cfg, cluster, inputs.eval_sets, step))
             except LearnerLost as lost:
-                step = restart_learner(cfg, run, cluster, rollouts, sink, lost)
-                at_step_start = (run_state(rollouts, sink), cluster.learner.version)
+                step = restart_learner(cfg, run, cluster, rollouts, sink, guard, lost)
+            at_step_start = (run_state(rollouts, sink, guard), cluster.learner.version)  # for a checkpoint if stopped
         sink.close()
         if cfg.run.save_final:
             section(f"final policy saved to {save_policy(run, cluster, 'final')}")

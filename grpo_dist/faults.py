@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -41,6 +41,7 @@ COUNTERS = (
     "rescored",
     "unscored",
     "sync_mismatches",
+    "rollbacks",
 )
 """Every `faults/*` metric, logged from step 1 so that each has a curve."""
 
@@ -89,6 +90,38 @@ def drops_weights(version: int, dropped: set[int]) -> bool:
 FAIL_ALLOCATION_AT_STEP = "GRPO_DIST_FAIL_ALLOCATION_AT_STEP"
 """For tests: in the environment of a run, the learner ranks ask for more memory than any machine has in the
 training step it names, every time that step is trained (a real allocation failure inside a real step)."""
+
+SCALE_LOSS = "GRPO_DIST_SCALE_LOSS"
+"""For tests: in the environment of a run, `STEP:FACTOR[:once]`, comma-separated: the learner ranks multiply the
+loss of training step STEP by FACTOR (`nan` poisons it; `1e6` makes its gradient spike), every time that step is
+trained or, with `once`, the first time only (a step trained again after a rollback is then healthy)."""
+
+
+@dataclass
+class ScaledLoss:
+    """The `SCALE_LOSS` test hook: step -> (factor, once), and the steps already scaled once."""
+
+    steps: dict[int, tuple[float, bool]]
+    done: set[int] = field(default_factory=set)
+
+    @classmethod
+    def from_environment(cls) -> ScaledLoss:
+        steps = {}
+        for listed in filter(None, os.environ.get(SCALE_LOSS, "").split(",")):
+            step, factor, *once = listed.split(":")
+            steps[int(step)] = (float(factor), once == ["once"])
+        return cls(steps)
+
+    def factor(self, step: int) -> float:
+        """The factor for the loss of training step `step` (1: none)."""
+        factor, _ = self.steps.get(step, (1.0, False))
+        return 1.0 if step in self.done else factor
+
+    def trained(self, step: int) -> None:
+        """Training step `step` has ended: a step scaled `once` is not scaled again."""
+        if self.steps.get(step, (1.0, False))[1]:
+            self.done.add(step)
+
 
 DEVICE_ERRORS = (
     "CUDA error",

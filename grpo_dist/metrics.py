@@ -162,6 +162,15 @@ class MetricsSink:
             if path.exists():
                 jsonl.rewrite(path, [row for row in jsonl.read_rows(path) if row.get("step", math.inf) <= step])
 
+    def alert(self, title: str, text: str) -> None:
+        """A W&B alert (an e-mail or Slack message, as the user set W&B up); a failure to send one is reported."""
+        if self.wandb_run is None:
+            return
+        try:
+            self.wandb_run.alert(title=title, text=text)
+        except Exception as err:  # the run goes on; the event is printed and logged already
+            log.warning("could not send a W&B alert (%s: %s)", type(err).__name__, err)
+
     @property
     def wandb_id(self) -> str | None:
         return None if self.wandb_run is None else self.wandb_run.id

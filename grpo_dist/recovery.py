@@ -3,8 +3,11 @@ latest one after a rank was lost, and what a run keeps when it stops early (a ch
 the current policy in `interrupted/`).
 
 The state a run carries from step to step (`run_state`) is the prompt sampler, the batch drawn ahead with the
-sampler from before it, the driver's random generators and the W&B run id; with the learner's DeepSpeed state it
-is all a resumed run needs to match the uninterrupted one step for step.
+sampler from before it, the driver's random generators, the divergence guard's history and the W&B run id; with the
+learner's DeepSpeed state it is all a resumed run needs to match the uninterrupted one step for step.
+
+A step the divergence guard (`grpo_dist.health`) finds unhealthy is acted on here (`judge_step`): warned of, its
+update dropped, the run stopped, or the learner and generators rolled back to the latest checkpoint (`roll_back`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,15 @@ from __future__ import annotations
 import logging
 import time
 
+from tqdm import tqdm
+
 from grpo_dist import checkpoints
 from grpo_dist.checkpoints import Checkpoint
 from grpo_dist.cluster import Cluster
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import PromptSampler
 from grpo_dist.faults import RunFailed
+from grpo_dist.health import Event, Guard
 from grpo_dist.learner_group import LearnerLost
 from grpo_dist.metrics import MetricsSink
 from grpo_dist.rollouts import RolloutQueue
@@ -75,26 +81,37 @@ def check_same_data(cfg: Config, checkpoint: Checkpoint | None, sampler: PromptS
     )
 
 
-def resume_from(cluster: Cluster, rollouts: RolloutQueue, checkpoint: Checkpoint) -> tuple[int, str | None]:
-    """Load a checkpoint into the learner group, the generators, the sampler (and the batch drawn ahead) and the
-    driver's random generators; returns the last step it holds and its W&B run id. Each learner node fetches the
-    shards (`Store.fetch`: read in place on a path, downloaded and checked from an object store, then removed)."""
+def resume_from(
+    cluster: Cluster, rollouts: RolloutQueue, guard: Guard, checkpoint: Checkpoint
+) -> tuple[int, str | None]:
+    """Load a checkpoint into the learner group, the generators, the sampler (and the batch drawn ahead), the
+    divergence guard and the driver's random generators; returns the last step it holds and its W&B run id. Each
+    learner node fetches the shards (`Store.fetch`: read in place on a path, downloaded and checked from an object
+    store, then removed)."""
     state = checkpoints.load_state(checkpoint)
     checkpoints.load_learner(cluster.learner, checkpoint, state["step"])
     cluster.sync_weights()
     rollouts.load_state_dict(state, state["step"])
+    guard.load_state_dict(state.get("health"))
     checkpoints.restore_random_state(state["random"])
     print(f"resumed from {checkpoint} after step {state['step']}")
     return state["step"], state["wandb_id"]
 
 
-def run_state(rollouts: RolloutQueue, sink: MetricsSink) -> dict:
+def run_state(rollouts: RolloutQueue, sink: MetricsSink, guard: Guard) -> dict:
     """What the driver carries from step to step, for a checkpoint (the sampler, and the batch drawn ahead)."""
-    return {**rollouts.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
+    state = {**rollouts.state_dict(), "random": checkpoints.random_state(), "wandb_id": sink.wandb_id}
+    return {**state, "health": guard.state_dict()}
 
 
 def restart_learner(
-    cfg: Config, run: RunStore, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, lost: LearnerLost
+    cfg: Config,
+    run: RunStore,
+    cluster: Cluster,
+    rollouts: RolloutQueue,
+    sink: MetricsSink,
+    guard: Guard,
+    lost: LearnerLost,
 ) -> int:
     """After a learner rank was lost: a new learner group from the latest checkpoint, the sampler (and the batch
     drawn ahead), random state and metrics back to its step (the steps since are done again). Returns that step."""
@@ -111,13 +128,86 @@ def restart_learner(
         raise RunFailed(f"{lost}; no checkpoint to restart the learner group from yet (checkpoint.every_steps)")
     started = time.monotonic()
     cluster.restart_learner()
-    step, _ = resume_from(cluster, rollouts, checkpoints.find(run, None))
+    step, _ = resume_from(cluster, rollouts, guard, checkpoints.find(run, None))
     sink.rewind(step)
     cluster.faults.record(
         "learner_restarts",
         f"{lost}; restarted the learner group from step {step} in {time.monotonic() - started:.1f} s",
     )
     return step
+
+
+WHAT_IS_DONE = {
+    "warn": "a warning",
+    "skip": "the update was dropped",
+    "rollback": "rolling back",
+    "stop": "stopping",
+}
+
+
+def judge_step(
+    cfg: Config, run: RunStore, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, guard: Guard,
+    step: int, metrics: dict[str, float],
+) -> int | None:  # fmt: skip
+    """The divergence guard's verdict on step `step`, carried out: None when the step stands (what fired printed
+    and sent as a W&B alert, counted; its figures join the guard's history), else the step the run was rolled back
+    to. A check whose action is `stop` raises `RunFailed` naming the check, the step and the figures."""
+    events = guard.check(step, metrics)
+    for event in events:
+        tqdm.write(f"health: {event}: {WHAT_IS_DONE[event.action]}")
+        sink.alert(f"grpo-dist {cfg.run.name}: health.{event.check}", f"{event}: {WHAT_IS_DONE[event.action]}")
+    worst = events[0] if events else None
+    if worst is not None and worst.action == "stop":
+        raise RunFailed(f"health: {worst}; stopped (health.{worst.check}.action: stop)")
+    if worst is not None and worst.action == "rollback":
+        return roll_back(cfg, run, cluster, rollouts, sink, guard, worst)
+    for event in events:
+        guard.count(event.action)
+    guard.record(metrics)
+    return None
+
+
+def roll_back(
+    cfg: Config, run: RunStore, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, guard: Guard,
+    event: Event,
+) -> int:  # fmt: skip
+    """The learner and the generators back to the latest checkpoint (or the initial model, before the first), the
+    batches trained since skipped (the sampler stays past them; a batch drawn ahead is put back), the metrics back
+    to that step, the learning rate times `health.rollback_lr_factor`. The checkpoint is written again with the
+    sampler past the skipped batches, so that a resumed run does not train on them either. Returns the step."""
+    health = cfg.health
+    if guard.again(event):
+        raise RunFailed(f"health: {event}, again after rolling back from step {event.step}: the same cause twice")
+    if guard.counts["rollbacks"] >= health.max_rollbacks:
+        raise RunFailed(
+            f"health: {event}; the run already rolled back {health.max_rollbacks} times (health.max_rollbacks)"
+        )
+    started = time.monotonic()
+    rollouts.put_back_ahead()
+    if checkpoints.has_latest(run):
+        checkpoint = checkpoints.find(run, None)
+        state = checkpoints.load_state(checkpoint)
+        checkpoints.load_learner(cluster.learner, checkpoint, state["step"])
+        to_step, history = state["step"], state.get("health", {}).get("history")
+    else:
+        cluster.learner.reset(cfg)
+        to_step, history = 0, None
+    lowered = ""
+    if health.rollback_lr_factor != 1:
+        rate = cluster.learner.call("scale_lr", health.rollback_lr_factor)[0]
+        lowered = f", the learning rate lowered to {rate:.3g} (health.rollback_lr_factor)"
+    cluster.sync_weights()
+    sink.rewind(to_step)
+    guard.rolled_back(event, history)
+    cluster.faults.count("rollbacks")
+    skipped = f"step {event.step}" if to_step + 1 == event.step else f"steps {to_step + 1}-{event.step}"
+    tqdm.write(
+        f"health: rolled back to step {to_step} in {time.monotonic() - started:.1f} s: the batches of {skipped} "
+        f"skipped{lowered}"
+    )
+    if to_step > 0:
+        checkpoints.save(cfg, run, cluster, to_step, run_state(rollouts, sink, guard))
+    return to_step
 
 
 def what_to_change(cfg: Config, kind: str) -> str:

@@ -15,6 +15,7 @@ ranks. The reference model is a full copy on each rank under ZeRO 0-2 and sharde
 from __future__ import annotations
 
 import gc
+import math
 import os
 import random
 import socket
@@ -29,7 +30,7 @@ from grpo_dist import lora, safe_load
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
-from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
+from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, ScaledLoss
 from grpo_dist.jail import die_with_parent
 from grpo_dist.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
@@ -71,6 +72,7 @@ class Learner:
         self.rank = 0
         self.done = 0  # forward passes and optimizer steps finished: the heartbeat of a training step
         self.fail_allocation_at = int(os.environ.get(FAIL_ALLOCATION_AT_STEP, 0))  # tests only (see faults.py)
+        self.scaled_loss = ScaledLoss.from_environment()  # tests only (see faults.py)
 
     @ray.method(concurrency_group="heartbeat")
     def progress(self) -> int:
@@ -204,7 +206,7 @@ class Learner:
             "gradient_accumulation_steps": 1,
             "gradient_clipping": self.cfg.max_grad_norm,
             "zero_optimization": self._zero_config(stage),
-            "bf16": {"enabled": self.bf16},
+            "bf16": {"enabled": self.bf16, "check_grad_overflow": True},  # a non-finite update dropped
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
@@ -269,11 +271,23 @@ class Learner:
             for index in range(len(shard.mini_batches)):
                 history.append(self._update(batch, shard, index, old_logprobs, ref_logprobs))
         self.weight_version += 1
+        self.scaled_loss.trained(self.weight_version)
         metrics = {key: sum(step[key] for step in history) / len(history) for key in history[0]}
+        metrics["logprob_gap"] = history[0]["logprob_gap"]  # before any update of this step: the engines' policy's
+        metrics["learner/skipped"] = sum(step["learner/skipped"] for step in history)
         metrics["lr"] = self.engine.get_lr()[0]
         metrics.update(self._work(shard, old_logprobs is not None and self.algo.old_logprobs != "sampler"))
         metrics["time/learner_busy"] = time.perf_counter() - started
         return metrics
+
+    def scale_lr(self, factor: float) -> float:
+        """Multiply the learning rate by `factor` from the next update on (the schedule's base too, so that
+        checkpoints keep it); returns the new base rate (collective in effect: every rank is asked)."""
+        scheduler = self.engine.lr_scheduler
+        scheduler.base_lrs = [rate * factor for rate in scheduler.base_lrs]
+        for group in scheduler.optimizer.param_groups:
+            group["lr"] *= factor
+        return scheduler.base_lrs[0]
 
     def _work(self, shard: TrainShard, old_pass: bool) -> dict[str, float]:
         """The tokens this rank trained on (its rows, not the placeholder of a rank without any), the model FLOPs
@@ -303,15 +317,22 @@ class Learner:
             loss, metrics = self._micro_loss(batch.select(select), select, old_logprobs, ref_logprobs)
             if self.fail_allocation_at == self.weight_version + 1:
                 torch.empty(1 << 60, dtype=torch.uint8, device=self.device)  # the allocator refuses it
+            loss = loss * self.scaled_loss.factor(self.weight_version + 1)
             self.engine.backward(loss * (share * shard.world_size), scale_wrt_gas=False)
             self.done += 1
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * share
         unsharded_norm = self._unsharded_grad_norm()
-        self.engine.step()
+        skipped_before = self.engine.skipped_steps
+        if unsharded_norm is not None and not math.isfinite(unsharded_norm):
+            for param in self.engine.module.parameters():  # the optimizer leaves a parameter without one alone
+                param.grad = None
+        self.engine.step()  # under ZeRO, DeepSpeed's optimizer drops an update whose gradient norm is not finite
         self.done += 1
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        dropped = self.engine.skipped_steps > skipped_before or not math.isfinite(totals["grad_norm"])
+        totals["learner/skipped"] = float(dropped)
         return totals
 
     def _unsharded_grad_norm(self) -> float | None:
@@ -351,6 +372,9 @@ class Learner:
             entropy_coef=self.algo.entropy_coef,
         )
         metrics["loss"] = loss.item()
+        mask = micro.completion_mask  # [b, T]
+        gap = ((logprobs.detach() - micro.sampling_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
+        metrics["logprob_gap"] = gap.item()
         return loss, metrics
 
     @torch.no_grad()

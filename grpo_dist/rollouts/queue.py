@@ -71,6 +71,13 @@ class RolloutQueue:
     def queued_prompts(self) -> int:
         return len(self.ahead[1].prompts) if self.ahead is not None else 0
 
+    def put_back_ahead(self) -> None:
+        """Forget the batch drawn ahead and put its prompts back: the sampler stands past the batches taken only (a
+        rollback skips those, and draws the next batch afresh from the restored weights)."""
+        if self.ahead is not None:
+            self.sampler.load_state_dict(self.sampler_before_ahead)
+        self.reset()
+
     def reset(self) -> None:
         """Forget the batch drawn ahead (taken, or stale after the learner group restarted from a checkpoint)."""
         self.ahead = self.sampler_before_ahead = None

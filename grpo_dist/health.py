@@ -1,0 +1,115 @@
+"""The divergence guard: after every training step, checks on what the step measured, and the action each calls for.
+
+A check looks at one step's metrics against a bound (`health.kl.max`) or against the run's recent history (the
+median of the last `health.window` steps' gradient norms, entropies, rewards). What it finds is an `Event` naming
+the check, the step, the figures and the action the config gives it (`health.<check>.action`); the driver carries
+the action out (`grpo_dist.recovery.roll_back` for a rollback). The guard's history and counts travel in each
+checkpoint, so a resumed run judges as the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from grpo_dist.config import HealthConfig
+
+SEVERITY = {"off": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
+"""When several checks fire at one step, the most severe action is taken."""
+HISTORIES = {"grad_norm": "grad_norm", "entropy": "entropy", "reward": "reward/mean"}
+"""The checks judged against the run's recent history, and the metric each keeps."""
+COUNTS = ("warnings", "skipped", "rollbacks")
+
+
+@dataclass
+class Event:
+    """One check that fired at one step."""
+
+    step: int
+    check: str  # nonfinite, grad_norm, kl, logprob_gap, entropy, reward
+    action: str  # warn, skip, rollback, stop
+    figures: str  # what was measured against what, in words
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.figures} (health.{self.check})"
+
+
+class Guard:
+    """The checks of `health` and the history they judge against. `check(step, metrics)` returns the step's events
+    (empty: healthy); `record(step, metrics)` adds a step that stands to the history."""
+
+    def __init__(self, cfg: HealthConfig) -> None:
+        self.cfg = cfg
+        self.history: dict[str, list[float]] = {check: [] for check in HISTORIES}
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.rolled_back_from: list[tuple[str, int]] = []  # (check, step) of each rollback: the same again stops
+
+    def check(self, step: int, metrics: dict[str, float]) -> list[Event]:
+        """The checks that fire on step `step`'s metrics, most severe first."""
+        events = [event for event in self._events(step, metrics) if event.action != "off"]
+        return sorted(events, key=lambda event: -SEVERITY[event.action])
+
+    def _events(self, step: int, metrics: dict[str, float]):
+        cfg = self.cfg
+        loss, grad_norm = metrics.get("loss", 0.0), metrics.get("grad_norm", 0.0)
+        if not math.isfinite(loss) or not math.isfinite(grad_norm) or metrics.get("learner/skipped", 0.0) > 0:
+            yield Event(step, "nonfinite", cfg.nonfinite.action, f"loss {loss:.4g}, gradient norm {grad_norm:.4g}")
+            return  # the other figures of a step without an update mean nothing
+        if (median := self._median("grad_norm")) is not None and grad_norm > cfg.grad_norm.factor * median:
+            figures = self._against("grad_norm", "gradient norm", grad_norm, median, f"{cfg.grad_norm.factor:g}x")
+            yield Event(step, "grad_norm", cfg.grad_norm.action, figures)
+        if (kl := metrics.get("kl")) is not None and kl > cfg.kl.max:
+            yield Event(step, "kl", cfg.kl.action, f"KL to the reference {kl:.4g} > {cfg.kl.max:g}")
+        if (gap := metrics.get("logprob_gap")) is not None and gap > cfg.logprob_gap.max:
+            figures = f"learner/engine log-prob gap {gap:.4g} per token > {cfg.logprob_gap.max:g}"
+            yield Event(step, "logprob_gap", cfg.logprob_gap.action, figures)
+        for check, name in (("entropy", "entropy"), ("reward", "mean reward")):
+            value, median, fraction = metrics.get(HISTORIES[check]), self._median(check), getattr(cfg, check).fraction
+            if value is not None and median is not None and median > 0 and value < fraction * median:
+                figures = self._against(check, name, value, median, f"{fraction:g}x")
+                yield Event(step, check, getattr(cfg, check).action, figures)
+
+    def _median(self, check: str) -> float | None:
+        """The median of the check's recent history, once there is enough of it."""
+        values = self.history[check][-self.cfg.window :]
+        return statistics.median(values) if len(values) >= self.cfg.min_history else None
+
+    def _against(self, check: str, name: str, value: float, median: float, bound: str) -> str:
+        window = min(len(self.history[check]), self.cfg.window)
+        return f"{name} {value:.4g} against a median of {median:.4g} over the last {window} steps (bound {bound})"
+
+    def record(self, metrics: dict[str, float]) -> None:
+        """A step that stands (logged): its figures join the history, when finite."""
+        for check, key in HISTORIES.items():
+            value = metrics.get(key)
+            if value is not None and math.isfinite(value):
+                self.history[check] = (self.history[check] + [value])[-self.cfg.window :]
+
+    def count(self, action: str) -> None:
+        key = {"warn": "warnings", "skip": "skipped", "rollback": "rollbacks"}[action]
+        self.counts[key] += 1
+
+    def again(self, event: Event) -> bool:
+        """Whether a rollback for `event` would repeat one already made: the same check at the same step."""
+        return (event.check, event.step) in self.rolled_back_from
+
+    def rolled_back(self, event: Event, history: dict[str, list[float]] | None) -> None:
+        """After a rollback for `event`: remembered, and the history back to what it was at the checkpoint."""
+        self.rolled_back_from.append((event.check, event.step))
+        self.counts["rollbacks"] += 1
+        self.history = {check: list((history or {}).get(check, [])) for check in HISTORIES}
+
+    def metrics(self) -> dict[str, float]:
+        return {f"health/{key}": float(value) for key, value in self.counts.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "counts": self.counts, "rolled_back_from": self.rolled_back_from}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Back to a checkpoint's guard (none in a checkpoint from before the guard: a fresh one)."""
+        state = state or {}
+        self.history = {check: list(state.get("history", {}).get(check, [])) for check in HISTORIES}
+        self.counts = {key: state.get("counts", {}).get(key, 0) for key in COUNTS}
+        self.rolled_back_from = [tuple(item) for item in state.get("rolled_back_from", [])]
