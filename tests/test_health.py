@@ -101,7 +101,7 @@ def health_run(tmp_path, steps: int, **health) -> dict:
     return small_config(
         tmp_path,
         run={"steps": steps},
-        checkpoint={"every_steps": 1, "keep": 2},
+        checkpoint={"every_steps": 1, "keep": 4},
         # Only the injected causes may fire: a natural spike of a tiny model's gradient stays far under 1000x.
         health={"min_history": 2, "grad_norm": {"factor": 1000.0}, **health},
     )
@@ -142,9 +142,17 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     assert health[1].startswith("health: step 6: gradient norm") and health[1].endswith("rolling back")
     assert health[2].startswith("health: rolled back to step 5") and "the batches of step 6 skipped" in health[2]
     assert all(torch.isfinite(tensor).all() for tensor in final_weights(run_dir).values())
-    state = safe_load.load(run_dir / "checkpoints" / "step-000008" / "run_state.pt", RUN_STATE_CLASSES)
-    assert state["health"]["rolled_back_from"] == [("grad_norm", 6)]
-    assert state["health"]["counts"] == {"warnings": 0, "skipped": 1, "rollbacks": 1}
+    states = {
+        step: safe_load.load(run_dir / "checkpoints" / f"step-{step:06d}" / "run_state.pt", RUN_STATE_CLASSES)
+        for step in (5, 8)
+    }
+    assert states[8]["health"]["rolled_back_from"] == [("grad_norm", 6)]
+    assert states[8]["health"]["counts"] == {"warnings": 0, "skipped": 1, "rollbacks": 1}
+    # The step-5 checkpoint, written again after the rollback, stands past 6 batches (a resume from it skips the
+    # first step-6 batch too), and the run drew 9 batches for its 8 steps: 9 / 6 (without the skip: 8 / 5).
+    positions = {step: state["sampler"]["position"] for step, state in states.items()}
+    assert positions[8] * 6 == positions[5] * 9, positions
+    assert states[5]["health"]["counts"]["rollbacks"] == 1
 
 
 @pytest.mark.slow
