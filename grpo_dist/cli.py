@@ -125,8 +125,7 @@ def _train(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)  # preemption, `ray job stop`: the same clean stop as Ctrl-C
     try:
-        train(cfg, resume=args.resume, verbose=args.verbose)
-        print(f"run directory: {cfg.shown()}")
+        train(cfg, resume=args.resume, verbose=args.verbose)  # its last lines: the summary, naming its directory
     except KeyboardInterrupt:
         print(
             f"grpo-dist: stopped; the policy is in {cfg.shown('interrupted')}, and `grpo-dist train "
@@ -294,6 +293,26 @@ def _scale_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", help="the run's directory (run.output_dir/run.name), or with --address the job's id")
+    parser.add_argument(
+        "--address", default=None, help="the job server of the run's Ray cluster, http://HEAD:8265 (a submitted run)"
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    from grpo_dist.status import summary
+    from grpo_dist.submit import SubmitError, job_status
+
+    try:
+        lines = job_status(args.run, args.address) if args.address else summary(Path(args.run))
+    except (FileNotFoundError, SubmitError) as err:
+        print(f"grpo-dist status: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
 # reference, plot, prepare, tiny-model
 
 
@@ -408,6 +427,11 @@ COMMANDS: dict[str, Command] = {
         "add or remove generators of a running run: grpo-dist scale RUN_DIR generators=N (or RUN_NAME --address URL)",
         _scale_arguments,
         lambda args: _scale_run(args.run, args.setting, args.address),
+    ),
+    "status": Command(
+        "where a run stands: grpo-dist status RUN_DIR (or --address URL JOB_ID for a submitted run)",
+        _status_arguments,
+        _status,
     ),
     "reference": Command(
         "print every config key with its default and meaning",

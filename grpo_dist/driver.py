@@ -14,13 +14,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from grpo_dist import checkpoints, control
+from grpo_dist import checkpoints, control, status
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_cluster
 from grpo_dist.config import Config
 from grpo_dist.console import Console, section, step_line
 from grpo_dist.data import PromptSampler
 from grpo_dist.evaluation import evaluate
+from grpo_dist.faults import first_line
 from grpo_dist.health import Guard
 from grpo_dist.inputs import prepare
 from grpo_dist.learner_group import LearnerLost
@@ -120,17 +121,29 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
         sink.close()
         if cfg.run.save_final:
             section(f"final policy saved to {save_policy(run, cluster, 'final')}")
+        sink.event("end", step, "finished")
     except BaseException as stop:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
+        why = "interrupted" if isinstance(stop, KeyboardInterrupt) else first_line(stop)
+        sink.event("end", step, f"stopped ({why})")
         if isinstance(stop, KeyboardInterrupt) and step > 0:
             checkpoint_at_stop(cfg, run, cluster, step, *at_step_start)
         save_interrupted(run, cluster)
         raise
     finally:
         sink.close()
+        print_summary(run.work, cfg.shown())
         publish_run_dir(run)
         if own_cluster:
             cluster.shutdown()
     return run.work
+
+
+def print_summary(run_dir: Path, shown: str) -> None:
+    """The run's last lines: what `grpo-dist status` says of it (where it is: `shown`)."""
+    try:
+        print("\n".join(status.summary(run_dir, ended=True, shown=shown)), flush=True)
+    except Exception as err:  # the run's own outcome is what matters; this is only reported
+        print(f"warning: could not summarise the run ({type(err).__name__}: {err})", flush=True)
 
 
 def train_step(

@@ -326,12 +326,14 @@ class FaultLog:
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()  # the generator pool and the scoring thread both count
         self.seen: set[tuple] = set()
+        self.messages: list[str] = []  # printed since `take_messages`
 
     def clear(self) -> None:
         """Forget every count and failure seen (a new run on the same actors)."""
         with self.lock:
             self.counts.clear()
             self.seen.clear()
+            self.messages.clear()
 
     def again(self, failure: tuple) -> bool:
         """Whether `failure` (what failed, and where) was seen before in this run; remembers it."""
@@ -343,6 +345,14 @@ class FaultLog:
     def record(self, counter: str, message: str, amount: int = 1) -> None:
         self.count(counter, amount)
         tqdm.write(f"fault: {message}")  # on a line of its own, under the progress bar
+        with self.lock:
+            self.messages.append(message)
+
+    def take_messages(self) -> list[str]:
+        """The faults printed since the last call, for the run's history."""
+        with self.lock:
+            taken, self.messages = self.messages, []
+        return taken
 
     def count(self, counter: str, amount: int = 1) -> None:
         with self.lock:

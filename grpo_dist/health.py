@@ -33,7 +33,10 @@ class Event:
     figures: str  # what was measured against what, in words
 
     def __str__(self) -> str:
-        return f"step {self.step}: {self.figures} (health.{self.check})"
+        return f"step {self.step}: {self.what()}"
+
+    def what(self) -> str:
+        return f"{self.figures} (health.{self.check})"
 
 
 class Guard:

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ import torch
 
 from grpo_dist import jsonl
 from grpo_dist.config import Config
+from grpo_dist.status import EVENTS
 from grpo_dist.types import Completion, Score
 
 if TYPE_CHECKING:
@@ -147,6 +149,9 @@ class MetricsSink:
         self.files = {name: (run_dir / name).open("a") for name in self.FILES}
         self.wandb_run = wandb_run
         self.finish_timeout_s = finish_timeout_s
+        if wandb_run is not None:
+            where = f"offline, {Path(wandb_run.dir).parent}" if wandb_run.offline else wandb_run.url
+            self.event("wandb", after_step, where)
 
     def rewind(self, step: int) -> None:
         """Drop the rows after `step`: the run goes back to it (a learner group restarted from a checkpoint)."""
@@ -161,6 +166,13 @@ class MetricsSink:
             path = self.run_dir / name
             if path.exists():
                 jsonl.rewrite(path, [row for row in jsonl.read_rows(path) if row.get("step", math.inf) <= step])
+
+    def event(self, kind: str, step: int, message: str) -> None:
+        """A line of the run's history for `grpo-dist status` (`events.jsonl`: a health event, a fault, the W&B run,
+        the end), kept whatever the run goes back to."""
+        row = {"time": time.time(), "step": step, "kind": kind, "message": message}
+        with (self.run_dir / EVENTS).open("a") as file:
+            file.write(json.dumps(row) + "\n")
 
     def alert(self, title: str, text: str) -> None:
         """A W&B alert (an e-mail or Slack message, as the user set W&B up); a failure to send one is reported."""

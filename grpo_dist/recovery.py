@@ -152,10 +152,14 @@ def judge_step(
     """The divergence guard's verdict on step `step`, carried out: None when the step stands (what fired printed
     and sent as a W&B alert, counted; its figures join the guard's history), else the step the run was rolled back
     to. A check whose action is `stop` raises `RunFailed` naming the check, the step and the figures."""
+    for message in cluster.faults.take_messages():
+        sink.event("fault", step, message)
     events = guard.check(step, metrics)
     for event in events:
-        tqdm.write(f"health: {event}: {WHAT_IS_DONE[event.action]}")
-        sink.alert(f"grpo-dist {cfg.run.name}: health.{event.check}", f"{event}: {WHAT_IS_DONE[event.action]}")
+        said = f"{event.what()}: {WHAT_IS_DONE[event.action]}"
+        tqdm.write(f"health: step {step}: {said}")
+        sink.event("health", step, said)
+        sink.alert(f"grpo-dist {cfg.run.name}: health.{event.check}", f"step {step}: {said}")
     worst = events[0] if events else None
     if worst is not None and worst.action == "stop":
         raise RunFailed(f"health: {worst}; stopped (health.{worst.check}.action: stop)")
@@ -201,10 +205,9 @@ def roll_back(
     guard.rolled_back(event, history)
     cluster.faults.count("rollbacks")
     skipped = f"step {event.step}" if to_step + 1 == event.step else f"steps {to_step + 1}-{event.step}"
-    tqdm.write(
-        f"health: rolled back to step {to_step} in {time.monotonic() - started:.1f} s: the batches of {skipped} "
-        f"skipped{lowered}"
-    )
+    said = f"rolled back to step {to_step} in {time.monotonic() - started:.1f} s: the batches of {skipped} skipped"
+    tqdm.write(f"health: {said}{lowered}")
+    sink.event("health", event.step, f"{said}{lowered}")
     if to_step > 0:
         checkpoints.save(cfg, run, cluster, to_step, run_state(rollouts, sink, guard))
     return to_step

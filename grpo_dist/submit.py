@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_dist.config import ConfigError, load_config
+from grpo_dist.status import status_from_logs
 
 FORWARDED = ("WANDB_API_KEY", "HF_TOKEN", "HF_HOME")
 """Environment variables forwarded into every job when they are set here (the secrets among them only with
@@ -252,6 +253,14 @@ def job(action: str, job_id: str | None, address: str, follow: bool = False) -> 
     server.call("stop_job", job_id)
     print(f"{job_id}: asked to stop (it writes a checkpoint and exits)")
     return 0
+
+
+def job_status(job_id: str, address: str) -> list[str]:
+    """`grpo-dist status --address URL JOB_ID`: a submitted run's status from its job's state and console
+    (`grpo_dist.status.status_from_logs`)."""
+    server = JobServer(address)
+    state = str(server.call("get_job_status", job_id).value)
+    return status_from_logs(job_id, state, server.call("get_job_logs", job_id))
 
 
 def list_jobs(server: JobServer) -> int:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,6 +145,19 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     assert health[1].startswith("health: step 6: gradient norm") and health[1].endswith("rolling back")
     assert health[2].startswith("health: rolled back to step 5") and "the batches of step 6 skipped" in health[2]
     assert all(torch.isfinite(tensor).all() for tensor in final_weights(run_dir).values())
+    # `grpo-dist status` reads the same from the run's files as the run printed last.
+    shown = subprocess.run([sys.executable, "-m", "grpo_dist", "status", str(run_dir)], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    print(shown.stdout)
+    summary = shown.stdout.splitlines()
+    assert summary[0].startswith(f"run test ({run_dir}): finished, step 8/8, ")
+    assert "  health: 0 warnings, 1 updates skipped, 1 rollbacks" in summary
+    assert "  faults: rollbacks 1" in summary
+    events = summary[summary.index("  last events (3 of 3):") + 1 :][:3]
+    assert [event.split(": ", 1)[1] for event in events] == [
+        re.sub(r"^health: (step \d+: )?", "", line) for line in health
+    ]
+    assert output.splitlines()[-len(summary) :] == summary, output[-3000:]
     states = {
         step: safe_load.load(run_dir / "checkpoints" / f"step-{step:06d}" / "run_state.pt", RUN_STATE_CLASSES)
         for step in (5, 8)

@@ -167,7 +167,7 @@ def test_an_object_store_holds_the_whole_checkpoint_and_resume_downloads_it(priv
     assert any("optim_states" in name for name in shards), shards
     assert "run_state.pt" in store.children("test/checkpoints/step-000002")  # uploaded by the driver
     assert "model.safetensors" in store.children("test/final")
-    assert f"run directory: {uri}/test" in first.stdout
+    assert f"run test ({uri}/test): finished" in first.stdout
     torn = store.read_text("test/metrics.jsonl") + '{"step": 3, "reward/mean": 0.'  # as a kill mid-row leaves it
     store.write_text("test/metrics.jsonl", torn)
     resumed = train(tmp_path, address, uri, "--resume", steps=4, model=shared / "s3-model", staging_dir=str(staging))

@@ -62,13 +62,20 @@ def test_a_submitted_run_is_followed_to_success_and_sees_a_forwarded_variable(to
     warning = [line for line in result.stdout.splitlines() if line.startswith("warning: --forward-secrets: ")]
     assert len(warning) == 1 and SECRET in warning[0]  # a secret by its name: forwarded only when asked, with this
     assert "Ray writes a job's runtime_env env_vars in plain text to runtime_env_agent.log on every node" in warning[0]
-    assert "SUCCEEDED" in result.stdout and "run directory:" in result.stdout  # the job's own output, followed
+    assert "SUCCEEDED" in result.stdout and "): finished, step 2/2" in result.stdout  # the job's own output, followed
     assert secret not in result.stdout + result.stderr
     rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
     assert [row["reward/mean"] for row in rows] == [1.0, 1.0]  # every completion scored where the variable was set
     job_id = result.stdout.split("submitted ", 1)[1].split()[0]
     status = grpo_dist("job", "status", job_id, "--address", token_head, env=env, timeout=60)
     assert status.returncode == 0 and f"{job_id}: SUCCEEDED" in status.stdout
+    # `grpo-dist status`: the job's state and the summary the run printed as it ended, from the job's console.
+    asked = grpo_dist("status", job_id, "--address", token_head, env=env, timeout=60)
+    assert asked.returncode == 0, asked.stderr
+    lines = asked.stdout.splitlines()
+    assert lines[0] == f"job {job_id}: SUCCEEDED", asked.stdout
+    assert lines[1].startswith(f"run test ({tmp_path / 'outputs' / 'test'}): finished, step 2/2, "), asked.stdout
+    assert "  health: 0 warnings, 0 updates skipped, 0 rollbacks" in lines, asked.stdout
 
 
 @pytest.mark.slow
