@@ -330,6 +330,16 @@ class Cluster:
                 if attempt == RECONNECT_ATTEMPTS or not self.generators.replace_unresponsive():
                     raise
 
+    def back_to_initial_model(self) -> None:
+        """The learner group back to the initial model with a fresh optimizer (version 0), and every generator loaded
+        with it: a rollback before the run's first checkpoint."""
+        self.learner.reset(self.cfg)
+        self.transport.close()
+        self.transport = make_transport(self.cfg, self.learner, self.generators.actors)
+        self.transport.connect()
+        self.transport.sync(0, full=True)
+        self.generators.loaded(0)
+
     def restart_learner(self) -> None:
         """Replace every learner rank with a fresh one in the same placement (weights: the initial model's; the
         caller loads a checkpoint), then reconnect the transport."""
@@ -359,7 +369,9 @@ class Cluster:
         try:
             if wanted is not None and wanted != generators.wanted:
                 more = wanted > generators.wanted
-                later = "; new ones join once placed and started, the run going on meanwhile" if more else ""
+                later = (
+                    "; new ones join once placed and started (Ray's autoscaler asked for their room)" if more else ""
+                )
                 said.append(f"{generators.wanted} -> {wanted} generators{later}")
                 running = len(generators.actors)
                 generators.request(wanted)

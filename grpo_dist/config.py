@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections are part of the config's API)
     AlgorithmConfig,
+    AutoscaleConfig,
     CheckpointConfig,
     ClusterConfig,
     DataConfig,

@@ -132,9 +132,36 @@ class DataConfig(_Section):
         return self
 
 
+class AutoscaleConfig(_Section):
+    """Generators that follow the bottleneck: after each step, the share of the step the learner waited on
+    generation is set against the share the generators waited on the learner; when one exceeds the other by `band`
+    for `patience` steps in a row, a generator is added (the learner waits) or removed (the generators wait),
+    within [`min`, `max`]. A change is asked for like `grpo-dist scale` (a new generator joins once placed and
+    started; Ray's autoscaler is asked for the resources) and the count is held while one is joining."""
+
+    min: int = Field(1, ge=1)
+    """The fewest generators."""
+    max: int = Field(ge=1)
+    """The most generators."""
+    band: float = Field(0.2, gt=0, lt=1)
+    """How far apart the two waiting shares must be (as shares of the step) to call for a change."""
+    patience: int = Field(2, ge=1)
+    """Steps in a row the same change must be called for (and steps after a change before the next)."""
+
+    @model_validator(mode="after")
+    def _min_under_max(self) -> AutoscaleConfig:
+        if self.min > self.max:
+            raise ValueError(f"rollout.autoscale.min ({self.min}) is above rollout.autoscale.max ({self.max})")
+        return self
+
+
 class RolloutConfig(_Section):
     num_generators: int = Field(1, ge=1)
-    """Generator actors, each running one vLLM engine; prompts of a batch are split between them."""
+    """Generator actors, each running one vLLM engine; prompts of a batch are split between them (with `autoscale`,
+    the count the run starts with)."""
+    autoscale: AutoscaleConfig | None = None
+    """Add and remove generators as the step's timing says (`min`, `max`, ...); null: `num_generators` throughout,
+    unless `grpo-dist scale` changes it."""
     group_size: int = Field(8, ge=2)
     """G: completions sampled per prompt; advantages are computed within each group."""
     max_new_tokens: int = Field(64, ge=1)
@@ -166,6 +193,16 @@ class RolloutConfig(_Section):
     """k: every completion trained on was sampled by weights at most k updates older than the learner's. 0 is
     on-policy (generate, score, train, sync in turn); with k >= 1 the next batch is generated and scored while the
     learner trains, and weights are synced only as often as the bound needs."""
+
+    @model_validator(mode="after")
+    def _starts_within_autoscale(self) -> RolloutConfig:
+        scale = self.autoscale
+        if scale is not None and not scale.min <= self.num_generators <= scale.max:
+            raise ValueError(
+                f"rollout.num_generators ({self.num_generators}) is outside rollout.autoscale's [{scale.min}, "
+                f"{scale.max}]: the run starts with num_generators"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_gpus(self) -> RolloutConfig:
@@ -516,7 +553,7 @@ class GradNormCheck(_Section):
 
 
 class KlCheck(_Section):
-    action: HealthAction = "rollback"
+    action: HealthAction = "warn"
     """What a KL past `max` calls for: `off`, `warn`, `rollback`, `stop`."""
     max: float = Field(1.0, gt=0)
     """The largest mean per-token KL to the reference (`kl`, logged when there is a reference) a step may show."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from grpo_dist import checkpoints, control, status
+from grpo_dist.autoscale import Autoscaler, Change
 from grpo_dist.batch import collate
 from grpo_dist.cluster import Cluster, start_cluster
 from grpo_dist.config import Config
@@ -93,6 +94,7 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
     running.open_mailbox(cfg.run.name)
     console.take_actor_output()
     rollouts, guard = RolloutQueue(cfg, cluster, sampler), Guard(cfg.health)
+    autoscaler = Autoscaler(cfg.rollout.autoscale)
     step, wandb_id = resume_from(cluster, rollouts, guard, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(run.work, start_wandb(cfg, run.work, wandb_id), step, cfg.wandb.finish_timeout_s)
     at_step_start = (run_state(rollouts, sink, guard), cluster.learner.version)
@@ -100,15 +102,17 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
         if step == 0 and inputs.eval_sets:
             sink.log_eval(0, evaluate_now(cfg, cluster, inputs.eval_sets, 0))
         section(f"training: steps {step + 1}-{cfg.run.steps}, one line each")
+        change = None  # of the generator count, as the last step's timing calls for (`rollout.autoscale`)
         while step < cfg.run.steps:
             try:
-                apply_scale_request(running, cluster)
+                apply_scale_request(running, cluster, change, sink, step)
                 metrics, samples = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
                 rolled_back_to = judge_step(cfg, run, cluster, rollouts, sink, guard, step + 1, metrics)
                 if rolled_back_to is not None:  # the step was unhealthy: it and the steps since are undone
                     step = rolled_back_to
                 else:
                     sink.log(step + 1, {**metrics, **guard.metrics(), "epoch": sampler.epoch}, samples)
+                    change = autoscaler.observe(metrics)
                     tqdm.write(step_line(step + 1, cfg.run.steps, metrics, staleness=cfg.rollout.max_staleness > 0))
                     if checkpoint_due(cfg, step + 1):
                         save_checkpoint(cfg, run, cluster, step + 1, run_state(rollouts, sink, guard))
@@ -198,11 +202,21 @@ def step_samples(cfg: Config, step: int, rollout, advantages, version: int) -> S
     return StepSamples(rewards, [c.sampled_tokens for c in rollout.completions], advantages.tolist(), table)
 
 
-def apply_scale_request(running: control.Running, cluster: Cluster) -> None:
-    """Between steps: the generator count `grpo-dist scale` asked for, and the generators that have started since,
-    taken in by the cluster; what happened is printed (the run goes on with the generators it has)."""
-    for line in cluster.scale(running.take()):
+def apply_scale_request(
+    running: control.Running, cluster: Cluster, change: Change | None, sink: MetricsSink, step: int
+) -> None:
+    """Between steps: the generator count `grpo-dist scale` asked for (else the autoscaler's `change`), and the
+    generators that have started since, taken in by the cluster; what happened is printed and kept in the run's
+    events (the run goes on with the generators it has)."""
+    wanted = running.take()
+    if wanted is None and change is not None:
+        said = f"{len(cluster.generators.actors)} -> {change.wanted} generators: {change.why}"
+        tqdm.write(f"autoscale: {said}")
+        sink.event("autoscale", step, said)
+        wanted = change.wanted
+    for line in cluster.scale(wanted):
         tqdm.write(f"scale: {line}")
+        sink.event("scale", step, line)
 
 
 def eval_due(cfg: Config, step: int) -> bool:

@@ -123,6 +123,21 @@ class ScaledLoss:
             self.done.add(step)
 
 
+SLOW_GENERATION = "GRPO_DIST_SLOW_GENERATION"
+"""For tests: in the environment of a run, a file holding a number of seconds (none, or 0: no delay): each
+generator holds each prompt's group back that long, one group at a time, before sampling it, as a slower engine
+would. Read at every group, so a test changes the generators' speed while the run goes."""
+
+
+def slow_generation_s() -> float:
+    """The delay `SLOW_GENERATION` names now (0 without one)."""
+    path = os.environ.get(SLOW_GENERATION)
+    try:
+        return float(open(path).read().strip() or 0) if path else 0.0
+    except (OSError, ValueError):
+        return 0.0
+
+
 DEVICE_ERRORS = (
     "CUDA error",
     "CUBLAS_STATUS",

@@ -229,6 +229,10 @@ class GeneratorPool:
             else:
                 self.pool.remove_last()
                 self.placement.remove_generator(len(self.actors))
+        try:
+            self.placement.ask_autoscaler()
+        except Exception as err:  # a hint to the cluster: the run goes on without it
+            print(f"warning: could not ask Ray's autoscaler for the generators' room ({type(err).__name__}: {err})")
 
     def admit(self) -> tuple[list[Joining], list[tuple[Joining, str]]]:
         """Move the joining generators along, without waiting: one that has been placed is started, one that has

@@ -132,6 +132,16 @@ class Placement:
         remove_placement_group(self.groups.pop(role))
         self.requests.pop(role)
 
+    def ask_autoscaler(self) -> int:
+        """Tell Ray's autoscaler what the run needs now: every bundle of its groups, those still waiting for room
+        included (`ray.autoscaler.sdk.request_resources`: a floor the cluster is scaled to, replacing the run's
+        last; a cluster without an autoscaler ignores it). Returns the bundles asked for."""
+        from ray.autoscaler.sdk import request_resources
+
+        bundles = [dict(bundle) for request in self.requests.values() for bundle in request.bundles]
+        request_resources(bundles=bundles)
+        return len(bundles)
+
     def remove(self) -> None:
         """Release every group (actors still in them are killed by Ray)."""
         for group in self.groups.values():

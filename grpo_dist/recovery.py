@@ -192,15 +192,15 @@ def roll_back(
         checkpoint = checkpoints.find(run, None)
         state = checkpoints.load_state(checkpoint)
         checkpoints.load_learner(cluster.learner, checkpoint, state["step"])
+        cluster.sync_weights()
         to_step, history = state["step"], state.get("health", {}).get("history")
     else:
-        cluster.learner.reset(cfg)
+        cluster.back_to_initial_model()
         to_step, history = 0, None
     lowered = ""
     if health.rollback_lr_factor != 1:
         rate = cluster.learner.call("scale_lr", health.rollback_lr_factor)[0]
         lowered = f", the learning rate lowered to {rate:.3g} (health.rollback_lr_factor)"
-    cluster.sync_weights()
     sink.rewind(to_step)
     guard.rolled_back(event, history)
     cluster.faults.count("rollbacks")

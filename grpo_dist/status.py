@@ -1,7 +1,8 @@
 """`grpo-dist status RUN_DIR`: where a run stands, read from the files it writes (no Ray, nothing started): its step
 and pace, the last step's figures, its generators, the divergence guard's and the fault counts, its last events
-(`events.jsonl`: health events, faults, the W&B run, the end) and its W&B page. A run prints the same summary as
-its last lines when it ends. `status_from_logs` reads a submitted job's console the same way."""
+(`events.jsonl`: health events, faults, changes of the generator count, the W&B run, the end) and its W&B page. A
+run prints the same summary as its last lines when it ends. `status_from_logs` reads a submitted job's console the
+same way."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from grpo_dist import control, jsonl
 
 EVENTS = "events.jsonl"
 SHOWN_EVENTS = 5
+SHOWN_KINDS = ("health", "fault", "autoscale", "scale")
 PACE_STEPS = 10  # the steps the pace and ETA are measured over
 HEALTH_COUNTS = {"warnings": "warnings", "skipped": "updates skipped", "rollbacks": "rollbacks"}
 
@@ -46,7 +48,7 @@ def summary(run_dir: Path, ended: bool = False, shown: str | None = None) -> lis
         faults = [f"{key.removeprefix('faults/')} {value:g}" for key, value in last.items()
                   if key.startswith("faults/") and _number(last, key) and value]  # fmt: skip
         lines.append(f"  faults: {', '.join(faults) or 'none'}")
-    happened = [event for event in events if event["kind"] in ("health", "fault")]
+    happened = [event for event in events if event["kind"] in SHOWN_KINDS]
     if happened:
         lines.append(f"  last events ({min(len(happened), SHOWN_EVENTS)} of {len(happened)}):")
         lines += [

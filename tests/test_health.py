@@ -39,7 +39,7 @@ HEALTHY = {"loss": 0.1, "grad_norm": 2.5, "entropy": 1.9, "reward/mean": 0.5, "k
         pytest.param({"learner/skipped": 1.0}, "nonfinite", "skip", "loss 0.1", id="dropped-by-the-optimizer"),
         # median of [1, 2, 3] = 2; 10 x 2 = 20 < 21
         pytest.param({"grad_norm": 21.0}, "grad_norm", "rollback", "gradient norm 21 against a median of 2", id="up"),
-        pytest.param({"kl": 1.5}, "kl", "rollback", "KL to the reference 1.5 > 1", id="kl"),
+        pytest.param({"kl": 1.5}, "kl", "warn", "KL to the reference 1.5 > 1", id="kl"),
         pytest.param({"logprob_gap": 1.2}, "logprob_gap", "warn", "log-prob gap 1.2 per token > 1", id="gap"),
         # median 2; 0.1 x 2 = 0.2 > 0.19
         pytest.param({"entropy": 0.19}, "entropy", "warn", "entropy 0.19 against a median of 2", id="entropy"),
@@ -100,11 +100,11 @@ def test_the_loss_hook_scales_its_steps_and_once_only_the_first_time(monkeypatch
     assert math.isnan(hook.factor(2)) and hook.factor(4) == 1.0
 
 
-def health_run(tmp_path, steps: int, **health) -> dict:
+def health_run(tmp_path, steps: int, every_steps: int = 1, **health) -> dict:
     return small_config(
         tmp_path,
         run={"steps": steps},
-        checkpoint={"every_steps": 1, "keep": 4},
+        checkpoint={"every_steps": every_steps, "keep": 4},
         # Only the injected causes may fire: a natural spike of a tiny model's gradient stays far under 1000x.
         health={"min_history": 2, "grad_norm": {"factor": 1000.0}, **health},
     )
@@ -173,13 +173,16 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
 
 @pytest.mark.slow
 def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and_figures(tmp_path, monkeypatch):
+    """Without checkpoints, the rollback goes back to the initial model (steps 1 and 2 trained again), where step 3
+    spikes again."""
     monkeypatch.setenv(SCALE_LOSS, "3:1e6")  # every time step 3 is trained
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, health_run(tmp_path, 5)) as run:
+    with training(tmp_path, health_run(tmp_path, 5, every_steps=0)) as run:
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
     assert [row["step"] for row in rows(run_dir)] == [1, 2]
-    assert "health: rolled back to step 2" in output
+    assert "health: rolled back to step 0 in" in output and "the batches of steps 1-3 skipped" in output
+    assert len(re.findall(r"^step +2/5 ", output, re.M)) == 2  # trained again from the initial model
     stop = next(line for line in output.splitlines() if "the same cause twice" in line)
     assert "step 3: gradient norm" in stop and "(health.grad_norm)" in stop, stop
     assert (run_dir / "interrupted").is_dir()

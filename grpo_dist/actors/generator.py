@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_dist.config import EnvironmentConfig, RolloutConfig
-from grpo_dist.faults import drops_weights
+from grpo_dist.faults import drops_weights, slow_generation_s
 from grpo_dist.jail import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
@@ -143,6 +143,7 @@ class Generator:
         self.held: dict[int, list[Path]] = {}  # weight version -> the directories of its loaded adapter, oldest first
         self.loads = 0  # adapters loaded so far
         self.adapter_lock = asyncio.Lock()
+        self.held_back = asyncio.Lock()  # one group at a time under `faults.SLOW_GENERATION`
         self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
         self.adapter_dir = adapter_dir() if adapters else None
         self.request_ids = itertools.count()
@@ -215,6 +216,9 @@ class Generator:
         from vllm import SamplingParams
 
         sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
+        if delay_s := slow_generation_s():  # tests only (see faults.py)
+            async with self.held_back:
+                await asyncio.sleep(delay_s)
         if self.agent is not None:
             return await self._trajectories(row, prompt_token_ids, group_size, sampling, prompt_index, seed)
         params = SamplingParams(
