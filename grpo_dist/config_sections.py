@@ -549,7 +549,8 @@ class GradNormCheck(_Section):
     """What a gradient norm spike calls for: `off`, `warn`, `rollback`, `stop`."""
     factor: float = Field(10.0, gt=1)
     """The check fires when the gradient norm (before clipping) is above this many times the median of the last
-    `health.window` steps'."""
+    `health.window` steps' (steps whose norm was 0, every advantage 0, left out), and above `learner.max_grad_norm`
+    (a norm under the clipping threshold moves the weights as a usual step does)."""
 
 
 class KlCheck(_Section):

@@ -93,7 +93,7 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
     cluster.check_syncs(cfg, [prompt.token_ids for prompt in inputs.train])
     running.open_mailbox(cfg.run.name)
     console.take_actor_output()
-    rollouts, guard = RolloutQueue(cfg, cluster, sampler), Guard(cfg.health)
+    rollouts, guard = RolloutQueue(cfg, cluster, sampler), Guard(cfg.health, clip=cfg.learner.max_grad_norm)
     autoscaler = Autoscaler(cfg.rollout.autoscale)
     step, wandb_id = resume_from(cluster, rollouts, guard, checkpoint) if checkpoint else (0, None)
     sink = MetricsSink(run.work, start_wandb(cfg, run.work, wandb_id), step, cfg.wandb.finish_timeout_s)

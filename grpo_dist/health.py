@@ -43,8 +43,9 @@ class Guard:
     """The checks of `health` and the history they judge against. `check(step, metrics)` returns the step's events
     (empty: healthy); `record(step, metrics)` adds a step that stands to the history."""
 
-    def __init__(self, cfg: HealthConfig) -> None:
+    def __init__(self, cfg: HealthConfig, clip: float = 0.0) -> None:
         self.cfg = cfg
+        self.clip = clip  # `learner.max_grad_norm`: a norm under it moves the weights as a usual step does
         self.history: dict[str, list[float]] = {check: [] for check in HISTORIES}
         self.counts = dict.fromkeys(COUNTS, 0)
         self.rolled_back_from: list[tuple[str, int]] = []  # (check, step) of each rollback: the same again stops
@@ -60,7 +61,8 @@ class Guard:
         if not math.isfinite(loss) or not math.isfinite(grad_norm) or metrics.get("learner/skipped", 0.0) > 0:
             yield Event(step, "nonfinite", cfg.nonfinite.action, f"loss {loss:.4g}, gradient norm {grad_norm:.4g}")
             return  # the other figures of a step without an update mean nothing
-        if (median := self._median("grad_norm")) is not None and grad_norm > cfg.grad_norm.factor * median:
+        median = self._median("grad_norm")
+        if median is not None and grad_norm > max(cfg.grad_norm.factor * median, self.clip):
             figures = self._against("grad_norm", "gradient norm", grad_norm, median, f"{cfg.grad_norm.factor:g}x")
             yield Event(step, "grad_norm", cfg.grad_norm.action, figures)
         if (kl := metrics.get("kl")) is not None and kl > cfg.kl.max:
@@ -87,6 +89,8 @@ class Guard:
         """A step that stands (logged): its figures join the history, when finite."""
         for check, key in HISTORIES.items():
             value = metrics.get(key)
+            if check == "grad_norm" and value == 0:  # a step without signal (every advantage 0) sets no baseline
+                continue
             if value is not None and math.isfinite(value):
                 self.history[check] = (self.history[check] + [value])[-self.cfg.window :]
 

@@ -171,8 +171,11 @@ class MetricsSink:
         """A line of the run's history for `grpo-dist status` (`events.jsonl`: a health event, a fault, the W&B run,
         the end), kept whatever the run goes back to."""
         row = {"time": time.time(), "step": step, "kind": kind, "message": message}
-        with (self.run_dir / EVENTS).open("a") as file:
-            file.write(json.dumps(row) + "\n")
+        try:
+            with (self.run_dir / EVENTS).open("a") as file:
+                file.write(json.dumps(row) + "\n")
+        except OSError as err:  # the history is for reading; the run goes on (or stops as it was stopping)
+            log.warning("could not write to %s (%s: %s)", EVENTS, type(err).__name__, err)
 
     def alert(self, title: str, text: str) -> None:
         """A W&B alert (an e-mail or Slack message, as the user set W&B up); a failure to send one is reported."""

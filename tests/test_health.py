@@ -55,6 +55,19 @@ def test_each_check_fires_past_its_bound_with_its_default_action(changed, check,
     assert figures in event.figures, event.figures
 
 
+def test_a_spike_must_also_pass_the_clip_and_steps_without_signal_set_no_baseline():
+    """A run whose first steps had every advantage 0 (gradient norm 0) and then one with a signal: no spike."""
+    guard = Guard(HealthConfig(min_history=3), clip=1.0)
+    for _ in range(5):
+        guard.record({"grad_norm": 0.0})
+    assert guard.check(6, {"loss": 0.0, "grad_norm": 0.66}) == []  # no history: the zeros are not one
+    for norm in (0.01, 0.02, 0.03):
+        guard.record({"grad_norm": norm})
+    # median 0.02: 10 x 0.02 = 0.2 < 0.66, but 0.66 is under the clip (1.0): the update is a usual one
+    assert guard.check(9, {"loss": 0.0, "grad_norm": 0.66}) == []
+    assert [event.check for event in guard.check(9, {"loss": 0.0, "grad_norm": 1.5})] == ["grad_norm"]
+
+
 def test_the_history_is_judged_only_once_it_is_long_enough_and_only_while_the_reward_median_is_positive():
     short = guard_with({"grad_norm": [1.0, 1.0]})  # 2 steps < min_history 3
     assert short.check(3, {"loss": 0.0, "grad_norm": 1000.0}) == []

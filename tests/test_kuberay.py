@@ -78,7 +78,7 @@ def test_the_rayjob_runs_the_rayclusters_cluster_and_cleans_up_after_itself():
     job = manifest("rayjob.yaml")["spec"]
     assert job["rayClusterSpec"] == manifest("raycluster.yaml")["spec"]
     assert job["shutdownAfterJobFinishes"] is True and job["ttlSecondsAfterFinished"] > 0
-    assert job["backoffLimit"] == 0  # no retry Kubernetes decides; applied again, the job resumes (--resume auto)
+    assert job["backoffLimit"] >= 1  # a lost cluster is retried on a new one, which resumes (--resume auto)
     assert shlex.split(job["entrypoint"])[-2:] == ["--resume", "auto"]
 
 
