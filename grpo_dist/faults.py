@@ -95,25 +95,27 @@ SCALE_LOSS = "GRPO_DIST_SCALE_LOSS"
 """For tests: in the environment of a run, `STEP:FACTOR[:once]`, comma-separated: the learner ranks multiply the
 loss of training step STEP by FACTOR (`nan` poisons it; `1e6` makes its gradient spike), every time that step is
 trained or, with `once`, the first time only (a step trained again after a rollback is then healthy)."""
+SCALE_LR = "GRPO_DIST_SCALE_LR"
+"""For tests: the same for the learning rate of training step STEP (its updates only; the rate is put back after)."""
 
 
 @dataclass
-class ScaledLoss:
-    """The `SCALE_LOSS` test hook: step -> (factor, once), and the steps already scaled once."""
+class StepFactors:
+    """A `SCALE_LOSS` or `SCALE_LR` test hook: step -> (factor, once), and the steps already scaled once."""
 
     steps: dict[int, tuple[float, bool]]
     done: set[int] = field(default_factory=set)
 
     @classmethod
-    def from_environment(cls) -> ScaledLoss:
+    def from_environment(cls, name: str) -> StepFactors:
         steps = {}
-        for listed in filter(None, os.environ.get(SCALE_LOSS, "").split(",")):
+        for listed in filter(None, os.environ.get(name, "").split(",")):
             step, factor, *once = listed.split(":")
             steps[int(step)] = (float(factor), once == ["once"])
         return cls(steps)
 
     def factor(self, step: int) -> float:
-        """The factor for the loss of training step `step` (1: none)."""
+        """The factor for training step `step` (1: none)."""
         factor, _ = self.steps.get(step, (1.0, False))
         return 1.0 if step in self.done else factor
 

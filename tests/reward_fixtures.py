@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 import sys
 import time
@@ -212,3 +213,8 @@ def detaching_reward(prompt: str, completion: str, **_: Any) -> float:
 
     subprocess.Popen(["setsid", "sleep", "600"], start_new_session=True)
     return 1.0
+
+
+def flag_reward(prompt: str, completion: str, path: str, **_: Any) -> float:
+    """1.0 while the file at `path` exists, 0.0 once a test removes it: a reward that collapses when told to."""
+    return float(os.path.exists(path))

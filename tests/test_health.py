@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from conftest import small_config
 from test_resume import rows, training
 
 from grpo_dist.config import HealthConfig, validate_config
-from grpo_dist.faults import SCALE_LOSS, ScaledLoss
+from grpo_dist.faults import DROP_WEIGHTS, SCALE_LOSS, SCALE_LR, StepFactors
 from grpo_dist.health import Guard
 
 
@@ -106,7 +107,7 @@ def test_skip_is_an_action_of_the_nonfinite_check_only(tmp_path):
 
 def test_the_loss_hook_scales_its_steps_and_once_only_the_first_time(monkeypatch):
     monkeypatch.setenv(SCALE_LOSS, "2:nan,4:1e6:once")
-    hook = ScaledLoss.from_environment()
+    hook = StepFactors.from_environment(SCALE_LOSS)
     assert hook.factor(1) == 1.0 and math.isnan(hook.factor(2)) and hook.factor(4) == 1e6
     hook.trained(2)
     hook.trained(4)
@@ -201,3 +202,48 @@ def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and
     assert (run_dir / "interrupted").is_dir()
     print(stop)
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+
+
+@pytest.mark.slow
+def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(tmp_path, monkeypatch):
+    """One run, every check warning only, each cause injected at its own step:
+    - the engines serve the initial weights labelled as version 2 (`DROP_WEIGHTS`, the sync check off): the batch
+      of step 3 is sampled by other weights than the learner's, the log-prob gap check fires at step 3;
+    - the reward's flag file is removed once step 3 is logged: the mean reward collapses a step or two later;
+    - step 6 is trained at 300 times the learning rate (`SCALE_LR`): its update wrecks the weights, and step 7's
+      KL to the reference and entropy show it."""
+    flag = tmp_path / "reward-on"
+    flag.write_text("")
+    monkeypatch.setenv(DROP_WEIGHTS, "2:once")
+    monkeypatch.setenv(SCALE_LR, "6:300")
+    warn = {"action": "warn"}
+    raw = health_run(
+        tmp_path, 8, every_steps=0, grad_norm=warn, kl={**warn, "max": 1.0}, logprob_gap={**warn, "max": 1e-3},
+        entropy={**warn, "fraction": 0.5}, reward={**warn, "fraction": 0.5},
+    )  # fmt: skip
+    raw["sync"] = {"probe": False}  # the sync check would catch the dropped weights first and send them again
+    raw["reward"]["sandbox"] = False  # the flag file is outside what a sandbox sees
+    raw["reward"]["functions"].append({"name": "reward_fixtures.flag_reward", "weight": 1.0,
+                                       "kwargs": {"path": str(flag)}})  # fmt: skip
+    run_dir = tmp_path / "outputs" / "test"
+    with training(tmp_path, raw) as run:
+        while run.poll() is None and not any(row["step"] >= 3 for row in rows_so_far(run_dir)):
+            time.sleep(0.05)
+        flag.unlink()
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    output = (tmp_path / "run.log").read_text()
+    health = [line for line in output.splitlines() if line.startswith("health: ")]
+    print("\n".join(health))
+    fired = {(int(line.split()[2].rstrip(":")), line.split("(health.")[1].split(")")[0]) for line in health}
+    assert (3, "logprob_gap") in fired
+    assert any(check == "reward" and step in (4, 5) for step, check in fired), fired
+    assert {(7, "kl"), (7, "entropy")} <= fired, fired
+    assert all(line.endswith(": a warning") for line in health)
+    assert [row["step"] for row in rows(run_dir)] == list(range(1, 9))
+
+
+def rows_so_far(run_dir) -> list[dict]:
+    try:
+        return rows(run_dir)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []

@@ -30,7 +30,7 @@ from grpo_dist import lora, safe_load
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
-from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, ScaledLoss
+from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SCALE_LOSS, SCALE_LR, StepFactors
 from grpo_dist.jail import die_with_parent
 from grpo_dist.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
@@ -72,7 +72,10 @@ class Learner:
         self.rank = 0
         self.done = 0  # forward passes and optimizer steps finished: the heartbeat of a training step
         self.fail_allocation_at = int(os.environ.get(FAIL_ALLOCATION_AT_STEP, 0))  # tests only (see faults.py)
-        self.scaled_loss = ScaledLoss.from_environment()  # tests only (see faults.py)
+        self.scaled_loss, self.scaled_lr = (
+            StepFactors.from_environment(SCALE_LOSS),
+            StepFactors.from_environment(SCALE_LR),
+        )
 
     @ray.method(concurrency_group="heartbeat")
     def progress(self) -> int:
@@ -267,11 +270,17 @@ class Learner:
             old_logprobs = self._logprobs(self.engine.module, batch, shard) if reuse else None  # [b, T]
         ref_logprobs = self._logprobs(self.reference, batch, shard) if self.reference is not None else None  # [b, T]
         history: list[dict[str, float]] = []
+        lr_factor = self.scaled_lr.factor(self.weight_version + 1)  # tests only (see faults.py)
+        if lr_factor != 1:
+            self.scale_lr(lr_factor)
         for _ in range(self.algo.ppo_epochs):
             for index in range(len(shard.mini_batches)):
                 history.append(self._update(batch, shard, index, old_logprobs, ref_logprobs))
+        if lr_factor != 1:
+            self.scale_lr(1 / lr_factor)
         self.weight_version += 1
         self.scaled_loss.trained(self.weight_version)
+        self.scaled_lr.trained(self.weight_version)
         metrics = {key: sum(step[key] for step in history) / len(history) for key in history[0]}
         metrics["logprob_gap"] = history[0]["logprob_gap"]  # before any update of this step: the engines' policy's
         metrics["learner/skipped"] = sum(step["learner/skipped"] for step in history)
