@@ -580,7 +580,7 @@ class EntropyCheck(_Section):
 class RewardCheck(_Section):
     action: HealthAction = "warn"
     """What a reward collapse calls for: `off`, `warn`, `rollback`, `stop`."""
-    fraction: float = Field(0.5, gt=0, lt=1)
+    fraction: float = Field(0.25, gt=0, lt=1)
     """The check fires when the mean reward (`reward/mean`) falls below this fraction of the median of the last
     `health.window` steps' (judged only while that median is above zero)."""
 

@@ -106,6 +106,7 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
         while step < cfg.run.steps:
             try:
                 apply_scale_request(running, cluster, change, sink, step)
+                change = None  # taken: one the steps to come call for replaces it
                 metrics, samples = train_step(cfg, cluster, rollouts, inputs.pad_token_id, step + 1)
                 rolled_back_to = judge_step(cfg, run, cluster, rollouts, sink, guard, step + 1, metrics)
                 if rolled_back_to is not None:  # the step was unhealthy: it and the steps since are undone

@@ -24,7 +24,7 @@ from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing
 from grpo_dist.storage import Store
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
-FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy", "learner/peak_flops")
+FROM_RANK_0 = ("grad_norm", "lr", "time/learner_busy", "learner/peak_flops", "learner/skipped")
 MAX_OVER_RANKS = ("memory/learner_gb",)
 
 

@@ -144,6 +144,7 @@ class MetricsSink:
         `finish_timeout_s`: the longest `close` waits for W&B to finish (`wandb.finish_timeout_s`)."""
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
+        self.first_step = after_step  # the step this run went on from (0: it started)
         if after_step:
             self._keep_until(after_step)
         self.files = {name: (run_dir / name).open("a") for name in self.FILES}

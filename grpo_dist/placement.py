@@ -96,6 +96,7 @@ class Placement:
     def __init__(self, requests: list[RoleRequest], groups: dict[str, PlacementGroup]) -> None:
         self.requests = {request.role: request for request in requests}
         self.groups = groups
+        self.asked = False  # whether the run asked Ray's autoscaler for room (`ask_autoscaler`)
 
     def learner_strategies(self) -> list[PlacementGroupSchedulingStrategy]:
         """One per learner rank: rank i in bundle i."""
@@ -140,10 +141,22 @@ class Placement:
 
         bundles = [dict(bundle) for request in self.requests.values() for bundle in request.bundles]
         request_resources(bundles=bundles)
+        self.asked = True
         return len(bundles)
 
     def remove(self) -> None:
-        """Release every group (actors still in them are killed by Ray)."""
+        """Release every group (actors still in them are killed by Ray), and the run's request to Ray's autoscaler,
+        if it made one (a request stands until replaced: the cluster would keep the run's nodes)."""
+        if self.asked:
+            from ray.autoscaler.sdk import request_resources
+
+            try:
+                request_resources(bundles=[])
+                self.asked = False
+            except Exception as err:  # the run ends either way; the nodes are then the autoscaler's idle ones
+                print(
+                    f"warning: could not withdraw the run's request to Ray's autoscaler ({type(err).__name__}: {err})"
+                )
         for group in self.groups.values():
             remove_placement_group(group)
         self.groups = {}

@@ -175,7 +175,8 @@ def roll_back(
     cfg: Config, run: RunStore, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, guard: Guard,
     event: Event,
 ) -> int:  # fmt: skip
-    """The learner and the generators back to the latest checkpoint (or the initial model, before the first), the
+    """The learner and the generators back to the latest checkpoint (or the initial model, before the first of a
+    run that started from it; a run resumed from another run's checkpoint with none of its own yet stops), the
     batches trained since skipped (the sampler stays past them; a batch drawn ahead is put back), the metrics back
     to that step, the learning rate times `health.rollback_lr_factor`. The checkpoint is written again with the
     sampler past the skipped batches, so that a resumed run does not train on them either. Returns the step."""
@@ -194,6 +195,11 @@ def roll_back(
         checkpoints.load_learner(cluster.learner, checkpoint, state["step"])
         cluster.sync_weights()
         to_step, history = state["step"], state.get("health", {}).get("history")
+    elif sink.first_step > 0:  # resumed from another run's checkpoint: the initial model is not this run's past
+        raise RunFailed(
+            f"health: {event}; this run has written no checkpoint since it resumed at step {sink.first_step}, so "
+            "there is nothing of its own to roll back to (checkpoint.every_steps)"
+        )
     else:
         cluster.back_to_initial_model()
         to_step, history = 0, None

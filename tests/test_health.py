@@ -44,8 +44,8 @@ HEALTHY = {"loss": 0.1, "grad_norm": 2.5, "entropy": 1.9, "reward/mean": 0.5, "k
         pytest.param({"logprob_gap": 1.2}, "logprob_gap", "warn", "log-prob gap 1.2 per token > 1", id="gap"),
         # median 2; 0.1 x 2 = 0.2 > 0.19
         pytest.param({"entropy": 0.19}, "entropy", "warn", "entropy 0.19 against a median of 2", id="entropy"),
-        # median 0.5; 0.5 x 0.5 = 0.25 > 0.2
-        pytest.param({"reward/mean": 0.2}, "reward", "warn", "mean reward 0.2 against a median of 0.5", id="reward"),
+        # median 0.5; 0.25 x 0.5 = 0.125 > 0.1
+        pytest.param({"reward/mean": 0.1}, "reward", "warn", "mean reward 0.1 against a median of 0.5", id="reward"),
     ],
 )
 def test_each_check_fires_past_its_bound_with_its_default_action(changed, check, action, figures):

@@ -333,10 +333,11 @@ class Learner:
                 totals[key] = totals.get(key, 0.0) + value * share
         unsharded_norm = self._unsharded_grad_norm()
         skipped_before = self.engine.skipped_steps
-        if unsharded_norm is not None and not math.isfinite(unsharded_norm):
-            for param in self.engine.module.parameters():  # the optimizer leaves a parameter without one alone
+        bare = self.engine.optimizer is self.engine.basic_optimizer  # no DeepSpeed wrapper of its own to skip it
+        if bare and unsharded_norm is not None and not math.isfinite(unsharded_norm):
+            for param in self.engine.module.parameters():  # torch's optimizer leaves a parameter without one alone
                 param.grad = None
-        self.engine.step()  # under ZeRO, DeepSpeed's optimizer drops an update whose gradient norm is not finite
+        self.engine.step()  # DeepSpeed's own optimizers (ZeRO, bf16, fp16) drop an update whose norm is not finite
         self.done += 1
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
