@@ -65,6 +65,28 @@ def test_one_update_changes_weights_and_exports_full_tensors(ray_cluster, tmp_pa
     group.shutdown()
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3], ids=["zero0-bare-adamw", "zero3-deepspeed"])
+def test_a_batch_with_poisoned_rewards_leaves_the_weights_as_they_were_and_the_next_one_trains(
+    ray_cluster, tmp_path, model_dir, zero_stage
+):
+    """NaN rewards make NaN advantages, a NaN loss and gradient: the update is dropped (by the learner itself with a
+    bare optimizer, by DeepSpeed's under ZeRO), and a healthy batch after it trains as usual."""
+    from safetensors.torch import load_file
+
+    group = start_group(ray_cluster, tmp_path, model_dir, {"zero_stage": zero_stage, "micro_batch_size": 3}, {})
+    initial = load_file(f"{model_dir}/model.safetensors")
+    poisoned = collate(fake_rollout(), torch.full((8,), math.nan), pad_token_id=0)
+    metrics = group.train(poisoned)
+    assert metrics["learner/skipped"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    weights = ray_cluster.get(group.state_dict())
+    assert all(torch.equal(weights[name], initial[name]) for name in initial)
+    assert group.train(sample_batch())["learner/skipped"] == 0.0
+    weights = ray_cluster.get(group.state_dict())
+    assert all(torch.isfinite(tensor).all() for tensor in weights.values())
+    assert any(not torch.equal(weights[name], initial[name]) for name in initial)
+    group.shutdown()
+
+
 def test_epochs_and_mini_batches_move_the_ratio_off_one(ray_cluster, tmp_path, model_dir):
     algorithm = {"ppo_epochs": 2, "mini_batches": 2, "kl_coef": 0.0, "is_cap": 2.0}
     group = start_group(ray_cluster, tmp_path, model_dir, {"micro_batch_size": 2}, algorithm)

@@ -56,6 +56,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class FiniteAdamW(torch.optim.AdamW):
+    """AdamW that drops a step whose gradients are not all finite, as DeepSpeed's own optimizers do: it sets
+    `overflow`, which the engine reads to count the step skipped and leave the schedule where it was. Without ZeRO
+    and in float32 it is the optimizer DeepSpeed steps directly (its gradients already reduced over the ranks, so
+    every rank decides alike); a bf16 or fp16 wrapper checks first and never calls it then."""
+
+    overflow = False
+
+    def step(self, closure=None):
+        grads = [param.grad for group in self.param_groups for param in group["params"] if param.grad is not None]
+        self.overflow = bool(grads) and not all(torch.isfinite(norm) for norm in torch._foreach_norm(grads))
+        return None if self.overflow else super().step(closure)
+
+
 class Learner:
     """One learner rank: the policy (DeepSpeed engine) and, when kl_coef > 0, the reference. Made a Ray actor by
     `grpo_dist.learner_group`; `setup` joins the ranks' process group and builds the engines."""
@@ -240,8 +254,8 @@ class Learner:
 
         options = {"lr": self.cfg.lr, "betas": self.cfg.betas, "weight_decay": self.cfg.weight_decay}
         trained = [param for param in model.parameters() if param.requires_grad]  # with LoRA: the adapter's
-        if self.cfg.offload == "none":
-            optimizer = torch.optim.AdamW(trained, **options)
+        if self.cfg.offload == "none":  # ZeRO's own optimizer checks the norm first (and takes torch's AdamW only)
+            optimizer = (FiniteAdamW if self.cfg.zero_stage == 0 else torch.optim.AdamW)(trained, **options)
         else:  # the optimizer step runs on the CPU: DeepSpeed's vectorised Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -333,11 +347,7 @@ class Learner:
                 totals[key] = totals.get(key, 0.0) + value * share
         unsharded_norm = self._unsharded_grad_norm()
         skipped_before = self.engine.skipped_steps
-        bare = self.engine.optimizer is self.engine.basic_optimizer  # no DeepSpeed wrapper of its own to skip it
-        if bare and unsharded_norm is not None and not math.isfinite(unsharded_norm):
-            for param in self.engine.module.parameters():  # torch's optimizer leaves a parameter without one alone
-                param.grad = None
-        self.engine.step()  # DeepSpeed's own optimizers (ZeRO, bf16, fp16) drop an update whose norm is not finite
+        self.engine.step()  # an update whose gradient is not finite is dropped (DeepSpeed's optimizers, `FiniteAdamW`)
         self.done += 1
         grad_norm = self.engine.get_global_grad_norm() if unsharded_norm is None else unsharded_norm
         totals["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
