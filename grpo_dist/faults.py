@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -135,7 +136,7 @@ def slow_generation_s() -> float:
     """The delay `SLOW_GENERATION` names now (0 without one)."""
     path = os.environ.get(SLOW_GENERATION)
     try:
-        return float(open(path).read().strip() or 0) if path else 0.0
+        return float(Path(path).read_text().strip() or 0) if path else 0.0
     except (OSError, ValueError):
         return 0.0
 

@@ -20,7 +20,9 @@ SEVERITY = {"off": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
 """When several checks fire at one step, the most severe action is taken."""
 HISTORIES = {"grad_norm": "grad_norm", "entropy": "entropy", "reward": "reward/mean"}
 """The checks judged against the run's recent history, and the metric each keeps."""
-COUNTS = ("warnings", "skipped", "rollbacks")
+COUNTED = {"warn": "warnings", "skip": "skipped", "rollback": "rollbacks"}
+"""Each counted action, and its `health/*` counter."""
+COUNTS = tuple(COUNTED.values())
 
 
 @dataclass
@@ -95,8 +97,7 @@ class Guard:
                 self.history[check] = (self.history[check] + [value])[-self.cfg.window :]
 
     def count(self, action: str) -> None:
-        key = {"warn": "warnings", "skip": "skipped", "rollback": "rollbacks"}[action]
-        self.counts[key] += 1
+        self.counts[COUNTED[action]] += 1
 
     def again(self, event: Event) -> bool:
         """Whether a rollback for `event` would repeat one already made: the same check at the same step."""
