@@ -126,6 +126,18 @@ class StepFactors:
             self.done.add(step)
 
 
+SLOW_TRAINING = "GRPO_DIST_SLOW_TRAINING"
+"""For tests: in the environment of a run, `STEP:SECONDS`: the learner ranks hold each micro-batch of training step
+STEP back that long after its backward pass, as a machine shared with other work would slow them; the step still
+makes progress at every micro-batch."""
+
+
+def slow_training_s(step: int) -> float:
+    """The delay `SLOW_TRAINING` puts after each micro-batch of training step `step` (0 without one)."""
+    listed, _, seconds = os.environ.get(SLOW_TRAINING, "").partition(":")
+    return float(seconds) if listed and int(listed) == step else 0.0
+
+
 SLOW_GENERATION = "GRPO_DIST_SLOW_GENERATION"
 """For tests: in the environment of a run, a file holding a number of seconds (none, or 0: no delay): each
 generator holds each prompt's group back that long, one group at a time, before sampling it, as a slower engine

@@ -6,7 +6,6 @@ step again stops the run naming what to change."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import yaml
 from conftest import TESTS_DIR, small_config
 from test_resume import training
 
-from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP
+from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SLOW_TRAINING
 
 pytestmark = pytest.mark.slow
 
@@ -233,39 +232,28 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
 
 def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path, monkeypatch):
     """One run, two learner faults.
-    - Once step 2 is logged, the learner rank's process is slowed for step 3, as a machine shared with other work
-      would: stopped 0.45 s at a time and let run 20 ms between stops, so that its step of 130 micro-batches lasts
-      about 24 times its work, past `faults.train_timeout_s` on a fast machine too, and goes on to
-      the end without a restart, because its micro-batches keep finishing. (A fixed share of each half second
-      would not do: a fast machine finishes the step within the bound. Stopped longer, with another test's runs on
-      the same cores, one micro-batch and the answer to the progress question can outlast the bound.)
+    - Training step 3 is slowed, as a machine shared with other work would slow it: a test hook holds each of its
+      64 micro-batches back 0.15 s after its backward pass (`faults.SLOW_TRAINING`), so the step lasts about 10 s,
+      twice `faults.train_timeout_s`, on any machine, and goes on to the end without a restart, because its
+      micro-batches keep finishing. (Stopping the learner's process from outside, as this test once did, slowed
+      whatever part of step 3 was left when step 2 was logged: on a fast machine, too little of it.)
     - Then each learner rank asks for more memory than the machine has inside training step 4 (a real allocation
       failure in a real step): the learner group is restarted from the step-3 checkpoint, step 4 fails the same
       way again, and the run stops, naming the settings that make a step smaller."""
-    bound_s = 5.0  # a forward pass counts as progress: slowed, one takes well under a second
+    bound_s = 5.0
+    held_s = 0.15
+    monkeypatch.setenv(SLOW_TRAINING, f"3:{held_s}")
     monkeypatch.setenv(FAIL_ALLOCATION_AT_STEP, "4")
     raw = small_config(
         tmp_path,
         run={"steps": 6},
-        data={"prompts_per_step": 16},  # 64 completions: a step of about 130 passes of one completion each
+        data={"prompts_per_step": 16},  # 64 completions: 64 micro-batches of one completion each
         learner={"lr": 1e-2, "micro_batch_size": 1, "zero_stage": 2},
         checkpoint={"every_steps": 1, "keep": 2},
         faults={"train_timeout_s": bound_s},
     )
     run_dir = tmp_path / "outputs" / "test"
     with training(tmp_path, raw) as run:
-        driver = psutil.Process(run.pid)
-        wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 1, run, "first step")
-        (learner,) = wait_for(lambda: actor_processes(driver, "Learner"), run, "the learner rank's process")
-        wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 2 and row, run,
-                          "second step", poll_s=0.02)  # fmt: skip
-        running_s = 0.02  # a twenty-fourth of the time: not step 2's length, which another test's load may stretch
-        while run.poll() is None and ((row := last_row(run_dir)) is None or row["step"] < 3):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                learner.suspend()
-                time.sleep(0.45)
-                learner.resume()
-                time.sleep(running_s)
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -273,8 +261,8 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
     assert rows[-1]["faults/learner_restarts"] == 0  # the slow steps: no restart
     usual, slowed = rows[1]["time/learner_busy"], rows[2]["time/learner_busy"]
     print(
-        f"training step: {usual:.2f} s as usual, {slowed:.2f} s slowed (let run {running_s * 1000:.0f} ms "
-        f"between stops); bound on progress {bound_s:g} s"
+        f"training step: {usual:.2f} s as usual, {slowed:.2f} s slowed ({held_s:g} s after each micro-batch); "
+        f"bound on progress {bound_s:g} s"
     )
     assert slowed > bound_s  # a bound on the step's length would have fired
 

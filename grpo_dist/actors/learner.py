@@ -30,7 +30,7 @@ from grpo_dist import lora, safe_load
 from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
-from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SCALE_LOSS, SCALE_LR, StepFactors
+from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SCALE_LOSS, SCALE_LR, StepFactors, slow_training_s
 from grpo_dist.jail import die_with_parent
 from grpo_dist.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
@@ -342,6 +342,7 @@ class Learner:
                 torch.empty(1 << 60, dtype=torch.uint8, device=self.device)  # the allocator refuses it
             loss = loss * self.scaled_loss.factor(self.weight_version + 1)
             self.engine.backward(loss * (share * shard.world_size), scale_wrt_gas=False)
+            time.sleep(slow_training_s(self.weight_version + 1))  # tests only (see faults.py)
             self.done += 1
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * share
