@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ class TrainBatch:
     """[B] one advantage per sequence, computed upstream."""
     weight_version: int
     """Policy version that sampled the batch."""
+    token_advantages: torch.Tensor | None = None
+    """[B, T] per-token advantages added to each row's (on-policy distillation's, `with_token_advantages`); None:
+    none."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -52,7 +56,16 @@ class TrainBatch:
             sampling_logprobs=function(self.sampling_logprobs),
             advantages=function(self.advantages),
             weight_version=self.weight_version,
+            token_advantages=None if self.token_advantages is None else function(self.token_advantages),
         )
+
+    def with_token_advantages(self, token_advantages: torch.Tensor) -> TrainBatch:
+        """The same batch with per-token advantages [B, T] added to its rows' (on-policy distillation's)."""
+        if token_advantages.shape != self.input_ids.shape:
+            raise ValueError(
+                f"token advantages {tuple(token_advantages.shape)} do not match the batch {tuple(self.input_ids.shape)}"
+            )
+        return dataclasses.replace(self, token_advantages=token_advantages.float())
 
 
 def collate(

@@ -214,12 +214,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from grpo_dist.hub import CONFIG_FILES
-    from grpo_dist.inputs import prepare_model
+    from grpo_dist.inputs import prepare_model, teacher_directory
     from grpo_dist.plan import check_plan
 
     cfg = load_config(args.config, args.overrides)
     with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
-        check_plan(cfg, prepare_model(cfg, Path(scratch), CONFIG_FILES))
+        check_plan(cfg, prepare_model(cfg, Path(scratch), CONFIG_FILES), teacher_directory(cfg, CONFIG_FILES))
     return 0
 
 

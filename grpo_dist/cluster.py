@@ -32,15 +32,21 @@ from grpo_dist.placement import Placement, place, plan
 from grpo_dist.reward_pool import RewardPool
 from grpo_dist.run_dir import Probe, check_visible, write_probe
 from grpo_dist.storage import RunStore
+from grpo_dist.teacher_pool import TeacherPool
 from grpo_dist.transports import WeightSyncError, WeightTransport, adapter_slots, make_transport, wire_backend
 from grpo_dist.weight_check import ServedWeightsDiffer, WeightCheck
 
 
 def actor_cpus(cfg: Config) -> float:
     """Logical CPUs the actors of a run ask for."""
+    engines = [(cfg.rollout.num_generators, cfg.rollout.num_cpus)]
+    if (judge := cfg.reward.judge) is not None:
+        engines.append((judge.num_engines, judge.num_cpus))
+    if (distill := cfg.algorithm.distill) is not None:
+        engines.append((distill.num_engines, distill.num_cpus))
     return (
         cfg.learner.num_ranks * cfg.learner.num_cpus
-        + cfg.rollout.num_generators * cfg.rollout.num_cpus
+        + sum(count * cpus for count, cpus in engines)
         + cfg.reward.num_workers * cfg.reward.num_cpus
     )
 
@@ -140,6 +146,7 @@ class Cluster:
     transport: WeightTransport
     placement: Placement
     faults: FaultLog
+    teacher: TeacherPool | None = None  # on-policy distillation's teacher engines (`algorithm.distill`)
     sync_reports: list = field(default_factory=list)  # what the syncs since the last `sync_metrics` sent
     owns_ray: bool = False  # Ray was started (or joined) for this cluster: `shutdown` ends the connection too
     runs: int = 0  # the runs handed these actors (`begin_run`)
@@ -162,10 +169,14 @@ class Cluster:
             started.append(generators)
             rewards = RewardPool(cfg, placement, faults)
             started.append(rewards)
+            teacher = start_teacher(cfg, placement, faults)
+            started += [teacher] if teacher else []
             learner = LearnerGroup.start(cfg, model_path, placement.learner_strategies())
             started.append(learner)
             shown.update()
             generators.pool.wait_ready()
+            if teacher is not None:
+                teacher.pool.wait_ready()
             shown.update()
             rewards.pool.wait_ready()
             shown.update()
@@ -179,7 +190,7 @@ class Cluster:
             raise
         finally:
             shown.close()
-        return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults)
+        return cls(cfg, model_path, learner, generators, rewards, transport, placement, faults, teacher)
 
     def check_syncs(self, cfg: Config, prompts: list[list[int]]) -> None:
         """From now on, check after every sync that the engines serve the learner's policy, on a probe made of
@@ -214,6 +225,12 @@ class Cluster:
             self.rewards.shutdown()
             self.rewards = RewardPool(cfg, self.placement, self.faults)
             self.rewards.pool.wait_ready()
+        if earlier or cfg.algorithm.distill != old.algorithm.distill or cfg.faults != old.faults:
+            if self.teacher is not None:
+                self.teacher.shutdown()
+            self.teacher = start_teacher(cfg, self.placement, self.faults)
+            if self.teacher is not None:
+                self.teacher.pool.wait_ready()
         self.generators.begin_run(cfg, self.faults)
         rebuilt = collective_timeout_s(cfg) != collective_timeout_s(old) or any(
             getattr(cfg.learner, key) != getattr(old.learner, key) for key in LEARNER_PROCESS
@@ -309,6 +326,10 @@ class Cluster:
             "sync/sent_mb": sum(report.sent_bytes for report in reports) / 2**20,
             "sync/resyncs": float(sum(report.resync is not None for report in reports)),
         }
+
+    def teacher_metrics(self) -> dict[str, float]:
+        """The teacher engines' time and unscored completions since the last call (none without distillation)."""
+        return self.teacher.step_metrics() if self.teacher is not None else {}
 
     def reconnect(self) -> None:
         """Connect the weight transport afresh (after a generator or the learner group was replaced, or the pool
@@ -406,6 +427,8 @@ class Cluster:
         self.learner.shutdown()
         self.generators.shutdown()
         self.rewards.shutdown()
+        if self.teacher is not None:
+            self.teacher.shutdown()
         self.placement.remove()
         if self.owns_ray:
             ray.shutdown()
@@ -421,6 +444,11 @@ LEARNER_PROCESS = ("zero_stage", "offload", "dist_backend", "threads")
 # The rollout settings each engine is started with (`Generator.__init__`).
 ENGINE_SETTINGS = ("max_model_len", "dtype", "gpu_memory_utilization", "enforce_eager", "cpu_kv_cache_gib",
                    "tensor_parallel_size")  # fmt: skip
+
+
+def start_teacher(cfg: Config, placement: Placement, faults: FaultLog) -> TeacherPool | None:
+    """The teacher engines of `algorithm.distill` (starting), or None without distillation."""
+    return TeacherPool(cfg, placement, faults) if cfg.algorithm.distill is not None else None
 
 
 def learner_settings(cfg: Config) -> tuple:
@@ -460,8 +488,9 @@ def start_cluster(cfg: Config, model_path: str, console: Console | None = None, 
     aborts; the command line's stops cleanly); with the `run` they write to, every learner node must see it."""
     started = time.perf_counter()
     section(
-        f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM) "
-        f"and {cfg.reward.num_workers} reward worker(s)"
+        f"starting {cfg.learner.num_ranks} learner rank(s), {cfg.rollout.num_generators} generator(s) (vLLM)"
+        + (f", {cfg.algorithm.distill.num_engines} teacher engine(s) (vLLM)" if cfg.algorithm.distill else "")
+        + f" and {cfg.reward.num_workers} reward worker(s)"
     )
     on_sigterm = signal.getsignal(signal.SIGTERM)
     owns_ray = start_ray(cfg)

@@ -22,6 +22,7 @@ from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
+    DistillConfig,
     EnvironmentConfig,
     EvalConfig,
     EvalSetConfig,
@@ -131,6 +132,17 @@ class Config(_Section):
             )
         if self.reward.judge is None and named:
             raise ValueError("reward.functions names `judge`, and reward.judge (its model, prompt, verdict) is not set")
+        return self
+
+    @model_validator(mode="after")
+    def _pure_distillation_samples_every_group(self) -> Config:
+        distill = self.algorithm.distill
+        if distill is not None and not distill.with_rewards and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling drops groups whose rewards are equal, and pure distillation "
+                "(algorithm.distill.with_rewards: false) trains on the teacher's judgement, not the rewards: turn "
+                "dynamic_sampling off, or set algorithm.distill.with_rewards: true"
+            )
         return self
 
     @model_validator(mode="after")

@@ -310,6 +310,50 @@ class RewardConfig(_Section):
     """Consecutive steps over `max_unscored_fraction` that stop a run."""
 
 
+class DistillConfig(_Section):
+    teacher: str
+    """The teacher: a Hugging Face causal LM (a local directory or a hub id) with the student's tokenizer, frozen,
+    served by vLLM engines of its own. It scores every token the student sampled."""
+    revision: str | None = None
+    """The teacher's hub revision (a branch, tag or commit); null: the default branch."""
+    coef: float = Field(1.0, gt=0)
+    """Weight of the distillation advantage of each sampled token: coef x (teacher - student log-prob)."""
+    with_rewards: bool = False
+    """false: pure distillation, the per-token advantages alone (rewards are still scored and logged). true: the
+    per-token advantages added to the group-relative advantages of the rewards."""
+    baseline: Literal["group", "none"] = "group"
+    """`group`: from each token's advantage, subtract the mean of its group's other completions' at the same
+    position (leave-one-out; lowers the variance, not the expectation). `none`: coef x (teacher - student) as it
+    is."""
+    num_engines: int = Field(1, ge=1)
+    """Teacher engines; a step's completions are split between them."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs per teacher engine."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per teacher engine (0 on a CPU machine); with tensor parallelism, per GPU worker of the engine."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs each teacher engine spans."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Teacher engine dtype."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Share of each GPU a teacher engine may take."""
+    cpu_kv_cache_gib: float = Field(0.25, gt=0)
+    """KV-cache size per teacher engine on the CPU backend, in GiB."""
+    max_restarts: int = Field(3, ge=0)
+    """Teacher engines that die may be replaced this many times in a run (each is counted in
+    `faults/teacher_restarts`); a batch a lost engine held is scored again once on a new one, then its completions
+    get no distillation advantage (`distill/unscored`)."""
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_gpus(self) -> DistillConfig:
+        if self.tensor_parallel_size > 1 and self.num_gpus != 1:
+            raise ValueError(
+                f"algorithm.distill.tensor_parallel_size={self.tensor_parallel_size} needs "
+                f"algorithm.distill.num_gpus=1 (one GPU per engine worker; got {self.num_gpus})"
+            )
+        return self
+
+
 class AlgorithmConfig(_Section):
     estimator: Literal["grpo", "dr_grpo", "rloo", "batch_std", "reinforce_pp"] = "grpo"
     """Advantage estimator (see `grpo_dist.algo.group_advantages`)."""
@@ -359,6 +403,9 @@ class AlgorithmConfig(_Section):
     """Passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer updates per pass: the rollout batch is cut into this many mini-batches."""
+    distill: DistillConfig | None = None
+    """On-policy distillation: a teacher scores every token the student sampled, and each token's advantage is
+    pulled toward the teacher by the per-token reverse KL (alone, or with the rewards' advantages). null: none."""
 
     @model_validator(mode="after")
     def _is_cap_positive(self) -> AlgorithmConfig:

@@ -39,7 +39,7 @@ from grpo_dist.recovery import (
     save_interrupted,
     save_policy,
 )
-from grpo_dist.rollouts import RolloutQueue, bound_staleness, compute_advantages, sync_due
+from grpo_dist.rollouts import RolloutQueue, add_distillation, bound_staleness, compute_advantages, sync_due
 from grpo_dist.run_dir import discard_run_dir, open_run, publish_run_dir, start_run_dir
 from grpo_dist.storage import RunStore
 from grpo_dist.throughput import StepTimer, throughput_metrics
@@ -166,6 +166,7 @@ def train_step(
         rollout, staleness = bound_staleness(rollout, learner.version, k)
     rewards, advantages = compute_advantages(cfg, rollout)  # [B*G] each
     batch = collate(rollout.completions, advantages, pad_token_id, mask_truncated=cfg.algorithm.overlong == "mask")
+    batch, distill_metrics = add_distillation(cfg, batch, rollout.completions)  # per-token, from the teacher's view
     with timer("train"):
         learner.start_train(batch)
         rollouts.draw_ahead(step + 1, timer)
@@ -178,10 +179,11 @@ def train_step(
     reward_names = [spec.name for spec in cfg.reward.functions]
     metrics = rollout_metrics(rollout.completions, rollout.scores, advantages, reward_names)
     metrics.update(
-        sampling_metrics, **staleness, **train_metrics, **timer.times, weight_version=generators.weight_version
-    )
+        sampling_metrics, **staleness, **train_metrics, **timer.times, **distill_metrics,
+        weight_version=generators.weight_version,
+    )  # fmt: skip
     metrics.update(cluster.rewards.step_metrics(), **cluster.faults.metrics(), **generators.step_metrics())
-    metrics.update(cluster.sync_metrics())
+    metrics.update(cluster.sync_metrics(), **cluster.teacher_metrics())
     metrics["reward/shaped_mean"] = rewards.nanmean().item()
     metrics["rollout/groups"] = float(len(rollout.prompts))
     metrics["time/step"] = time.perf_counter() - started

@@ -176,9 +176,11 @@ def show_accuracy(cfg: Config, scores: list[float], when: str) -> float:
 
 def eval_config(cfg: Config, scratch: str, model_path: str | None) -> Config:
     """The config `grpo-dist eval` runs with, built from the user's, which is left as it was: its run directory in
-    `scratch`, no checkpoint directory, no W&B, and with `model_path` (a saved policy) that as the model."""
+    `scratch`, no checkpoint directory, no W&B, no distillation teacher, and with `model_path` (a saved policy) that
+    as the model."""
     sections = {
         "run": cfg.run.model_copy(update={"output_dir": scratch}),
+        "algorithm": cfg.algorithm.model_copy(update={"distill": None}),
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": None}),
         "wandb": cfg.wandb.model_copy(update={"enabled": False}),
     }

@@ -38,6 +38,7 @@ COUNTERS = (
     "reward_worker_restarts",
     "learner_restarts",
     "judge_restarts",
+    "teacher_restarts",
     "regenerated",
     "rescored",
     "unscored",

@@ -53,8 +53,9 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
     rewards = check_rewards(cfg)
     try:
         model_path = prepare_model(cfg, scratch, model_files)
+        teacher = teacher_directory(cfg)
         if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
-            check_plan(cfg, model_path)
+            check_plan(cfg, model_path, teacher)
         tokenizer = load_tokenizer(model_path)
         check_lengths(cfg, model_path)
         if cfg.learner.lora is not None:
@@ -74,6 +75,8 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
             check_environment(cfg, tokenizer, train[0])
         if cfg.reward.judge is not None:
             check_judge(cfg)
+        if teacher is not None:
+            check_teacher(cfg, tokenizer, model_path, teacher)
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
         eval_sets = read_eval_sets(cfg, held_out, tokenizer)
         for each, key in eval_sets:
@@ -217,6 +220,64 @@ def check_judge(cfg: Config) -> None:
         raise ConfigError(str(error)) from None
     if not (found / "config.json").is_file():
         raise ConfigError(f"reward.judge.model: {found} is not a Hugging Face model directory (no config.json)")
+
+
+def teacher_directory(cfg: Config, files: list[str] | None = None) -> str | None:
+    """`algorithm.distill.teacher`'s directory (a hub id's snapshot fetched now, only `files` when given), checked
+    to hold a Hugging Face model; None without distillation."""
+    from grpo_dist.teacher_pool import teacher_model
+
+    if cfg.algorithm.distill is None:
+        return None
+    try:
+        found = Path(teacher_model(cfg.algorithm.distill, files))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not (found / "config.json").is_file():
+        raise ConfigError(f"algorithm.distill.teacher: {found} is not a Hugging Face model directory (no config.json)")
+    return str(found)
+
+
+def check_teacher(cfg: Config, tokenizer: Any, model_path: str, teacher: str) -> None:
+    """The teacher (in directory `teacher`) holds the run's context and reads token ids as the student does: the
+    same vocabulary and ids. Distillation compares the two models' log-probs of the same token ids, so a teacher
+    with another tokenizer is refused here, before any engine starts."""
+    from transformers import AutoTokenizer
+
+    found = Path(teacher)
+    positions = json.loads((found / "config.json").read_text()).get("max_position_embeddings")
+    if positions is not None and cfg.rollout.max_model_len > positions:
+        raise ConfigError(
+            f"algorithm.distill.teacher: rollout.max_model_len ({cfg.rollout.max_model_len}) is above the teacher's "
+            f"{positions} positions ({found / 'config.json'}): lower it to at most {positions}"
+        )
+    differs = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(found))
+    if differs:
+        raise ConfigError(
+            f"algorithm.distill.teacher: {found} has another tokenizer than the student ({model_path}): {differs}. "
+            "The teacher scores the student's own token ids, so it must use the student's tokenizer"
+        )
+    rollout = cfg.rollout
+    if rollout.temperature != 1.0 or rollout.top_p != 1.0:
+        print(
+            f"note: distillation compares the sampling distribution (rollout.temperature {rollout.temperature:g}, "
+            f"top_p {rollout.top_p:g}) with the teacher's at temperature 1; sample at 1 and 1 to distil the teacher "
+            "itself"
+        )
+
+
+def tokenizer_difference(student: Any, teacher: Any) -> str | None:
+    """What differs between two tokenizers' vocabularies (token -> id, added tokens included), in words; None when
+    nothing does."""
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        other = sorted(token for token in mine.keys() | theirs.keys() if mine.get(token) != theirs.get(token))
+        token = other[0]
+        return (
+            f"{len(other)} tokens differ (the student has {len(mine)}, the teacher {len(theirs)}); e.g. {token!r} is "
+            f"{mine.get(token, 'missing')} in the student and {theirs.get(token, 'missing')} in the teacher"
+        )
+    return None
 
 
 def check_lengths(cfg: Config, model_path: str) -> None:

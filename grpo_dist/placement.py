@@ -2,7 +2,8 @@
 
 `plan(cfg)` says what each role asks for: the learner one group of `learner.num_ranks` bundles (PACK or SPREAD),
 each generator one group (a single bundle, or `rollout.tensor_parallel_size` one-GPU bundles under STRICT_PACK so
-an engine never spans nodes), the reward workers one PACK group. `place(cfg)` creates the groups and waits for all
+an engine never spans nodes), each teacher engine of on-policy distillation one group likewise, the reward workers
+one PACK group. `place(cfg)` creates the groups and waits for all
 of them at once for `ray.placement_timeout_s`; past it every group is removed and `PlacementError` lists what was
 asked and what the cluster has. `describe(cfg, nodes)` simulates the same plan against a cluster's nodes without
 starting anything (`grpo-dist check CONFIG --cluster ADDRESS`).
@@ -33,6 +34,10 @@ EPS = 1e-6  # Ray counts resources in 1/10000 units; compare with this slack
 LEARNER_KEYS = "learner.num_ranks, learner.num_cpus, learner.num_gpus"  # SPREAD is soft: placement never blocks
 GENERATOR_KEYS = "rollout.num_generators, rollout.num_cpus, rollout.num_gpus, rollout.tensor_parallel_size"
 REWARD_KEYS = "reward.num_workers, reward.num_cpus"
+TEACHER_KEYS = (
+    "algorithm.distill.num_engines, algorithm.distill.num_cpus, algorithm.distill.num_gpus, "
+    "algorithm.distill.tensor_parallel_size"
+)
 
 
 class PlacementError(RuntimeError):
@@ -56,7 +61,8 @@ class RoleRequest:
 
 
 def plan(cfg: Config) -> list[RoleRequest]:
-    """The placement groups a run reserves, learner first, then each generator, then the reward workers."""
+    """The placement groups a run reserves, learner first, then each generator, each teacher engine
+    (`algorithm.distill`), then the reward workers."""
     learner, rollout, reward = cfg.learner, cfg.rollout, cfg.reward
     requests = [
         RoleRequest(
@@ -67,6 +73,12 @@ def plan(cfg: Config) -> list[RoleRequest]:
         )
     ]
     requests += [generator_request(cfg, index) for index in range(rollout.num_generators)]
+    if (distill := cfg.algorithm.distill) is not None:
+        keys = TEACHER_KEYS
+        requests += [
+            engine_request(f"teacher {index}", distill.num_cpus, distill.num_gpus, distill.tensor_parallel_size, keys)
+            for index in range(distill.num_engines)
+        ]
     requests.append(
         RoleRequest("reward", [_bundle(reward.num_cpus, 0.0) for _ in range(reward.num_workers)], "PACK", REWARD_KEYS)
     )
@@ -76,18 +88,28 @@ def plan(cfg: Config) -> list[RoleRequest]:
 def generator_request(cfg: Config, index: int) -> RoleRequest:
     """Generator `index`'s group: one bundle, or one GPU bundle per engine worker, all on one node."""
     rollout = cfg.rollout
-    if rollout.tensor_parallel_size == 1:
-        return RoleRequest(f"generator {index}", [_bundle(rollout.num_cpus, rollout.num_gpus)], "PACK", GENERATOR_KEYS)
-    bundles = [_bundle(rollout.num_cpus, 1.0) for _ in range(rollout.tensor_parallel_size)]
-    return RoleRequest(f"generator {index}", bundles, "STRICT_PACK", GENERATOR_KEYS)
+    return engine_request(
+        f"generator {index}", rollout.num_cpus, rollout.num_gpus, rollout.tensor_parallel_size, GENERATOR_KEYS
+    )
+
+
+def engine_request(role: str, num_cpus: float, num_gpus: float, tensor_parallel: int, keys: str) -> RoleRequest:
+    """One vLLM engine's group (a generator's or a teacher's): one bundle, or one GPU bundle per engine worker."""
+    if tensor_parallel == 1:
+        return RoleRequest(role, [_bundle(num_cpus, num_gpus)], "PACK", keys)
+    return RoleRequest(role, [_bundle(num_cpus, 1.0) for _ in range(tensor_parallel)], "STRICT_PACK", keys)
 
 
 def generator_resources(cfg: Config) -> dict[str, float]:
     """`num_cpus` and `num_gpus` of one generator actor in its group's bundle 0. With tensor parallelism the actor
     takes no GPU: vLLM's engine workers take one each, bundle 0's included."""
     rollout = cfg.rollout
-    num_gpus = rollout.num_gpus if rollout.tensor_parallel_size == 1 else 0.0
-    return {"num_cpus": rollout.num_cpus, "num_gpus": num_gpus}
+    return engine_resources(rollout.num_cpus, rollout.num_gpus, rollout.tensor_parallel_size)
+
+
+def engine_resources(num_cpus: float, num_gpus: float, tensor_parallel: int) -> dict[str, float]:
+    """An engine actor's resources in bundle 0 of its group (no GPU of its own with tensor parallelism)."""
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus if tensor_parallel == 1 else 0.0}
 
 
 class Placement:
@@ -110,6 +132,13 @@ class Placement:
         role = f"generator {index}"
         if role not in self.groups:
             raise PlacementError(f"no placement group for {role}: the run has {self._count('generator')} generators")
+        return _in_bundle(self.groups[role], 0, capture=True)
+
+    def teacher_strategy(self, index: int) -> PlacementGroupSchedulingStrategy:
+        """Teacher engine `index` in bundle 0 of its group, capturing child tasks (as a generator)."""
+        role = f"teacher {index}"
+        if role not in self.groups:
+            raise PlacementError(f"no placement group for {role}: the run has {self._count('teacher')} teacher engines")
         return _in_bundle(self.groups[role], 0, capture=True)
 
     def reward_strategy(self, index: int) -> PlacementGroupSchedulingStrategy:

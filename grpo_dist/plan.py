@@ -1,9 +1,10 @@
 """The memory plan of a config on GPUs (`grpo-dist plan CONFIG`, and part of `check` and `train`'s pre-flight): per
 GPU, what a learner rank holds (its model states by ZeRO stage and offload, as DeepSpeed's own estimators count them,
 with `learner.lora` those of the adapter and the frozen base's weights; the reference, which LoRA does without; the
-activations of one micro-batch) and what an engine holds (its share of the weights and the KV cache
-of one whole sequence, at the engine's dtype), against `cluster.gpu_memory_gb`. The model's shape comes from its
-config.json alone, so a plan needs no weights.
+activations of one micro-batch), what an engine holds (its share of the weights and the KV cache of one whole
+sequence, at the engine's dtype), and with `algorithm.distill` what a teacher engine holds (the same of the teacher,
+and the log-probs of one whole sequence read as a prompt), against `cluster.gpu_memory_gb`. The models' shapes come
+from their config.json alone, so a plan needs no weights.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class Plan:
     kv_room_tokens: int
     params: int
     trained: int  # the parameters the optimizer holds: all of them, or a LoRA adapter's
+    teacher: dict[str, float] | None = None  # a teacher engine's parts (`algorithm.distill` on GPUs), else None
+    teacher_budget_gb: float = 0.0
 
     @property
     def learner_gb(self) -> float:
@@ -119,6 +122,13 @@ class Plan:
                 "raise rollout.tensor_parallel_size or lower rollout.max_model_len"
                 + (" (or serve in bfloat16: rollout.dtype auto)" if self.engine_dtype == "float32" else "")
             )
+        if self.teacher and sum(self.teacher.values()) > self.teacher_budget_gb:
+            found.append(
+                f"a teacher engine needs {sum(self.teacher.values()):.1f} GB per GPU (weights, one whole sequence's "
+                f"KV cache and its log-probs), more than its {self.teacher_budget_gb:.1f} GB "
+                "(algorithm.distill.gpu_memory_utilization x cluster.gpu_memory_gb): raise "
+                "algorithm.distill.tensor_parallel_size or lower rollout.max_model_len"
+            )
         return found
 
     def lines(self) -> list[str]:
@@ -137,6 +147,11 @@ class Plan:
             )
         else:
             out.append("  engines on CPUs (rollout.num_gpus 0): not planned")
+        if self.teacher:
+            parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.teacher.items())
+            out.append(
+                f"  teacher engine: {sum(self.teacher.values()):.1f} of {self.teacher_budget_gb:.1f} GB ({parts})"
+            )
         for name, gb in self.host.items():
             out.append(f"  host memory of the learner's nodes together: {name} {gb:.1f} GB (DeepSpeed's estimate)")
         out.extend(f"  does not fit: {problem}" for problem in self.problems())
@@ -184,8 +199,9 @@ def _deepspeed_estimators():
     return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 
 
-def plan(cfg: Config, shape: Shape) -> Plan:
-    """The per-GPU memory of `cfg`'s learner ranks and engines for a model of `shape`."""
+def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
+    """The per-GPU memory of `cfg`'s learner ranks and engines for a model of `shape` (and of its teacher engines,
+    for a teacher of shape `teacher`)."""
     learner, rollout, p = cfg.learner, cfg.rollout, shape.params
     ranks, stage = learner.num_ranks, learner.zero_stage
     trained = shape.adapter_params(learner.lora) if learner.lora else p
@@ -225,18 +241,42 @@ def plan(cfg: Config, shape: Shape) -> Plan:
         kv_room_tokens=room,
         params=p,
         trained=trained,
+        **teacher_engine(cfg, teacher),
     )
 
 
-def check_plan(cfg: Config, model_dir: str) -> Plan | None:
-    """Print the plan of `cfg` for the model in `model_dir`; raise `ConfigError` with its numbers if it does not
-    fit. A model whose config.json is not a dense decoder's (a mixture of experts, ...) is not planned, and said so."""
+def teacher_engine(cfg: Config, shape: Shape | None) -> dict:
+    """A teacher engine's parts per GPU and its budget (`Plan.teacher`, `Plan.teacher_budget_gb`): its share of the
+    teacher's weights and of one whole sequence's KV cache, and that sequence's log-probs (float32 logits and their
+    log-softmax over the vocabulary at every position, which every worker computes whole)."""
+    distill = cfg.algorithm.distill
+    if distill is None or shape is None or distill.num_gpus == 0:
+        return {}
+    tp, width, length = distill.tensor_parallel_size, ENGINE_BYTES[distill.dtype], cfg.rollout.max_model_len
+    parts = {
+        "weights": width * shape.params / tp / GB,
+        "KV of one sequence": length * shape.kv_values_per_token * width / tp / GB,
+        "log-probs of one sequence": length * shape.vocab * 4 * 2 / GB,
+    }
+    return {"teacher": parts, "teacher_budget_gb": distill.gpu_memory_utilization * cfg.cluster.gpu_memory_gb}
+
+
+def check_plan(cfg: Config, model_dir: str, teacher_dir: str | None = None) -> Plan | None:
+    """Print the plan of `cfg` for the model in `model_dir` (and the teacher in `teacher_dir`); raise `ConfigError`
+    with its numbers if it does not fit. A model whose config.json is not a dense decoder's (a mixture of experts,
+    ...) is not planned, and said so."""
     try:
         shape = Shape.of(model_dir)
     except (NotPlanned, AttributeError, TypeError, ZeroDivisionError) as err:
         print(f"memory plan: not made for this model ({err}); only dense decoders are planned")
         return None
-    result = plan(cfg, shape)
+    teacher = None
+    if teacher_dir is not None:
+        try:
+            teacher = Shape.of(teacher_dir)
+        except (NotPlanned, AttributeError, TypeError, ZeroDivisionError) as err:
+            print(f"memory plan: the teacher's engines not planned ({err}); only dense decoders are planned")
+    result = plan(cfg, shape, teacher)
     for line in result.lines():
         print(line)
     if result.problems():

@@ -40,6 +40,9 @@ class Completion:
     turns (whose `logprobs` are 0); None: every token was sampled."""
     episode: Episode | None = None
     """With an environment: how the multi-turn trajectory went; `text` is then the model's last turn."""
+    teacher_logprobs: list[float] | None = None
+    """[T] with `algorithm.distill`: the teacher's log-probability of each of `token_ids` after the same prefix
+    (set by the teacher pool); None when no teacher scored it."""
 
     @property
     def sampled_tokens(self) -> int:

@@ -211,3 +211,41 @@ def test_a_lora_policy_trains_its_adapter_alone_against_the_base_and_saves_it_me
 def trainable_names(learner) -> list[str]:
     """The names of a learner rank's parameters that take gradients."""
     return [name for name, param in learner.engine.module.named_parameters() if param.requires_grad]
+
+
+def test_per_token_advantages_alone_move_each_tokens_log_prob_their_way_under_lora_and_packing(
+    ray_cluster, tmp_path, model_dir
+):
+    """On-policy distillation's update, on the learner alone: every sequence advantage 0, each completion token's
+    own advantage +1 in the first group and -1 in the second (as a teacher that likes one group's tokens and not
+    the other's would give), a LoRA adapter trained on packed micro-batches. The merged policy gives the first
+    group's tokens a higher log-probability than the initial model did, the second's a lower one."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    completions = fake_rollout()
+    batch = collate(completions, torch.zeros(len(completions)), pad_token_id=0)
+    sign = torch.tensor([1.0] * 4 + [-1.0] * 4)[:, None]  # [B, 1]: group 0 liked, group 1 not
+    batch = batch.with_token_advantages(sign * batch.completion_mask)
+    learner = {"micro_batch_size": 3, "lr": 5e-2, "packing": True, "lora": {"rank": 4, "alpha": 8}}
+    group = start_group(ray_cluster, tmp_path, model_dir, learner, {"kl_coef": 0.0, "aggregation": "token-mean"})
+    metrics = group.train(batch)
+    merged = ray_cluster.get(group.state_dict())
+    group.shutdown()
+    assert metrics["grad_norm"] > 0
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def completion_logprob() -> torch.Tensor:
+        """[B] each row's mean log-prob of its completion tokens under `model`."""
+        with torch.no_grad():
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        taken = logits.log_softmax(-1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]  # [B, T-1]
+        mask = batch.completion_mask[:, 1:]
+        return (taken * mask).sum(-1) / mask.sum(-1)
+
+    before = completion_logprob()
+    initial = load_file(f"{model_dir}/model.safetensors")
+    model.load_state_dict({name: merged[name] for name in initial}, strict=False)
+    moved = completion_logprob() - before
+    assert (moved[:4] > 0).all() and (moved[4:] < 0).all(), moved

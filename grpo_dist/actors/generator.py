@@ -447,6 +447,23 @@ class Generator:
         outputs = await asyncio.gather(*(self._sample(p, each) for p, each in zip(prompts, greedy, strict=True)))
         return [output.outputs[0].text for output in outputs]
 
+    async def token_logprobs(self, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
+        """A teacher engine's judgement: for each (token ids, start), the log-probability of every token from
+        `start` on after the tokens before it (the model's own distribution, at temperature 1), all at once."""
+        import asyncio
+
+        from vllm import SamplingParams
+
+        def scored(output, tokens: list[int], start: int) -> list[float]:
+            steps = output.prompt_logprobs  # one {token id: Logprob} per position; the first is None
+            return [steps[at][tokens[at]].logprob for at in range(start, len(tokens))]
+
+        asks = [SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0) for _ in sequences]  # one each
+        outputs = await asyncio.gather(
+            *(self._sample(tokens, ask) for (tokens, _), ask in zip(sequences, asks, strict=True))
+        )
+        return [scored(output, tokens, start) for output, (tokens, start) in zip(outputs, sequences, strict=True)]
+
     async def current_weight_version(self) -> int:
         """The weights it holds; raises vLLM's `EngineDeadError` when its engine core is gone (the probe that finds
         a generator whose process lives but whose engine died: `faults.as_fault`)."""

@@ -391,6 +391,7 @@ class Learner:
             is_cap=self.algo.is_cap or 2.0,
             entropy=entropy,
             entropy_coef=self.algo.entropy_coef,
+            token_advantages=micro.token_advantages,
         )
         metrics["loss"] = loss.item()
         mask = micro.completion_mask  # [b, T]

@@ -15,6 +15,8 @@ scalar loss to minimize, plus metrics as Python floats. Options:
   ``min(pi_old / pi_sampler, is_cap)`` (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
   Off-Policy RL Training").
 - entropy bonus: ``loss -= entropy_coef * entropy``.
+- per-token advantages (``token_advantages``, [B, T]; on-policy distillation's, ``grpo_dist.algo.distill``) added to
+  each sequence's advantage at each of its tokens.
 
 Conventions and departures:
 
@@ -67,10 +69,12 @@ def policy_loss(
     is_cap: float = 2.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_advantages: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Scalar loss to minimize and float metrics for one batch of B sequences of T tokens.
 
-    logprobs, old_logprobs, mask, ref_logprobs, sampling_logprobs, entropy: [B, T]; advantages: [B].
+    logprobs, old_logprobs, mask, ref_logprobs, sampling_logprobs, entropy, token_advantages: [B, T]; advantages:
+    [B].
     Metrics: loss/policy, clip_fraction/low, clip_fraction/high, clip_fraction, ratio/mean, ratio/max,
     ratio/sequence_spread, and when their inputs are given dual_clip_fraction, is_weight/mean, is_weight/capped, kl,
     entropy.
@@ -85,12 +89,15 @@ def policy_loss(
         ref_logprobs=ref_logprobs,
         sampling_logprobs=sampling_logprobs,
         entropy=entropy,
+        token_advantages=token_advantages,
     )
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     logprobs = logprobs.to(dtype)  # [B, T]
     old_logprobs = old_logprobs.detach().to(dtype)  # [B, T]
     mask = mask != 0  # [B, T] bool
     advantages = advantages.detach().to(dtype)[:, None]  # [B, 1]
+    if token_advantages is not None:
+        advantages = advantages + token_advantages.detach().to(dtype)  # [B, T]
     aggregate = partial(_aggregate, mask=mask, aggregation=aggregation, max_length=max_length or logprobs.shape[1])
 
     ratio = _ratio(logprobs, old_logprobs, mask, ratio_level)  # [B, T]
@@ -191,7 +198,7 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_
 
 def _dual_clip(per_token: Tensor, advantages: Tensor, mask: Tensor, dual_clip: float) -> tuple[Tensor, Tensor]:
     """Cap negative-advantage losses at -A * c (no gradient where capped); also the capped fraction."""
-    cap = -advantages * dual_clip  # [B, 1]
+    cap = -advantages * dual_clip  # [B, 1] or [B, T]
     capped = (advantages < 0) & (per_token > cap)  # [B, T]
     return torch.where(capped, cap, per_token), _token_mean(capped, mask)
 

@@ -1,6 +1,7 @@
 """Collecting a step's groups: the generator pool generates them and the reward pool scores each group as soon as it
 is generated, while the rest generate (the groups that finished while the reward pool was busy go together), so
-`time/reward` is the scoring left when generation ends.
+`time/reward` is the scoring left when generation ends. With `algorithm.distill` the teacher engines score each
+group's tokens on the same thread, after its rewards.
 
 This module drives the generation (`grpo_dist.generator_pool.Generation`) and decides what each of its events
 calls for: a finished group is scored, a replaced generator is brought into the weight transport before it takes
@@ -23,6 +24,7 @@ from grpo_dist.reward_pool import RewardPool
 from grpo_dist.rollouts.dynamic_sampling import Refill, prompt_seeds
 from grpo_dist.rollouts.rollout import Rollout
 from grpo_dist.rollouts.staleness import sync_due
+from grpo_dist.teacher_pool import TeacherPool
 from grpo_dist.throughput import StepTimer
 from grpo_dist.types import Completion, Score, ScoreRequest
 
@@ -61,7 +63,7 @@ def sample_batch(
     before it had enough (a prompt cancelled then has none: `Refill.batch` keeps only prompts it used). A failure
     (a generator that cannot be replaced, a group that cannot be scored) cancels the requests under way."""
     generation = cluster.generators.start(prompts, cfg.rollout.group_size, seeds=seeds)
-    scoring = Scoring(cluster.rewards, generation.prompts, refill)
+    scoring = Scoring(cluster.rewards, generation.prompts, refill, cluster.teacher)
     synced = False
     try:
         with timer("generate"):
@@ -115,11 +117,19 @@ def advancing(cluster: Cluster, generation: Generation) -> Iterator[int]:
 
 
 class Scoring:
-    """Groups scored on a thread of their own as they are generated: each `submit` hands the reward pool every group
-    generated since its last call. With `refill`, each scored group is reported to it."""
+    """Groups scored on a thread of their own as they are generated: each `submit` hands the reward pool (and with
+    `teacher`, the teacher engines, which set each completion's `teacher_logprobs`) every group generated since its
+    last call. With `refill`, each scored group is reported to it."""
 
-    def __init__(self, rewards: RewardPool, prompts: list[PromptRecord], refill: Refill | None) -> None:
+    def __init__(
+        self,
+        rewards: RewardPool,
+        prompts: list[PromptRecord],
+        refill: Refill | None,
+        teacher: TeacherPool | None = None,
+    ) -> None:
         self.rewards, self.prompts, self.refill = rewards, prompts, refill  # `prompts` grows as more are sent
+        self.teacher = teacher
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scoring")
         self.waiting: list[Completion] = []  # generated, not yet handed to the reward pool
         self.lock = threading.Lock()
@@ -135,6 +145,8 @@ class Scoring:
             batch = self.waiting.copy()
             self.waiting.clear()
         scores = self.rewards.score(score_requests(self.prompts, batch)) if batch else []
+        if self.teacher is not None:
+            self.teacher.annotate(batch)
         if self.refill is not None and batch:
             self.refill.scored(self.prompts[:], batch, scores)  # a copy: more prompts may be sent meanwhile
         return batch, scores

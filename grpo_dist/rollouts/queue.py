@@ -91,4 +91,5 @@ def batch_settings(cfg: Config) -> dict:
         "data.prompts_per_step": cfg.data.prompts_per_step,
         "algorithm.dynamic_sampling": [algo.dynamic_sampling, algo.max_sampling_rounds],
         "rollout.sampling": [rollout.temperature, rollout.top_p],
+        **({"algorithm.distill": algo.distill.model_dump(mode="json")} if algo.distill is not None else {}),
     }

@@ -1,0 +1,119 @@
+"""The teacher pool of on-policy distillation: a frozen teacher served by vLLM engines of its own, scoring every
+token the student sampled.
+
+The teacher engines are generator actors (`grpo_dist.actors.generator.Generator`) of the teacher model, each in a
+placement group of its own (`placement.plan`: one bundle, or one GPU bundle per engine worker), started, bounded and
+replaced by the same `ActorPool` as the generators (their start bounded by `faults.start_timeout_s`, each dead one
+replaced up to `algorithm.distill.max_restarts`, counted in `faults/teacher_restarts`). They are never synced. A
+batch of completions is split between the engines; each reads every completion's prompt and completion token ids as
+one prompt (no text round trip) and returns the log-probability of each completion token after the tokens before it
+(vLLM's prompt log-probs, at temperature 1). A batch whose engine is lost or gives no answer within
+`faults.score_timeout_s` is scored again once on a new engine; its completions are then left without the teacher's
+judgement (no distillation advantage), counted in `distill/unscored`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import ray
+
+from grpo_dist.actors.generator import Generator
+from grpo_dist.config import Config, DistillConfig, RolloutConfig
+from grpo_dist.faults import ActorPool, Bounds, FaultLog, split
+from grpo_dist.placement import Placement, engine_resources
+from grpo_dist.types import Completion
+
+
+class TeacherPool:
+    def __init__(self, cfg: Config, placement: Placement, faults: FaultLog) -> None:
+        self.distill: DistillConfig = cfg.algorithm.distill
+        self.max_model_len = cfg.rollout.max_model_len  # a prompt and its completion, as the generators hold them
+        self.bounds = Bounds.of(cfg)
+        self.model = teacher_model(self.distill)
+        self.seed = cfg.run.seed
+        self.placement = placement
+        self.seconds = 0.0  # spent scoring since `step_metrics` last read it
+        self.unscored = 0  # completions left without the teacher's judgement since `step_metrics`
+        self.pool = ActorPool(
+            "teacher engine",
+            "teacher_restarts",
+            self._start,
+            self.distill.num_engines,
+            faults,
+            self.distill.max_restarts,
+            self.bounds.start,
+            ready_call="start",
+            close_call="close",
+        )
+
+    def _start(self, slot: int) -> ray.actor.ActorHandle:
+        distill = self.distill
+        engine = RolloutConfig(
+            num_generators=distill.num_engines,
+            max_new_tokens=1,
+            max_model_len=self.max_model_len,
+            dtype=distill.dtype,
+            gpu_memory_utilization=distill.gpu_memory_utilization,
+            cpu_kv_cache_gib=distill.cpu_kv_cache_gib,
+            num_cpus=distill.num_cpus,
+            num_gpus=distill.num_gpus,
+            tensor_parallel_size=distill.tensor_parallel_size,
+        )
+        options = engine_resources(distill.num_cpus, distill.num_gpus, distill.tensor_parallel_size)
+        strategy = self.placement.teacher_strategy(slot)
+        return (
+            ray.remote(Generator)
+            .options(**options, scheduling_strategy=strategy)
+            .remote(self.model, engine, self.seed + 2000 + slot)
+        )
+
+    def annotate(self, completions: list[Completion]) -> None:
+        """Set each completion's `teacher_logprobs` (left None where its batch's engine was lost twice)."""
+        if not completions:
+            return
+        started = time.monotonic()
+        sequences = [(c.prompt_token_ids + c.token_ids, len(c.prompt_token_ids)) for c in completions]
+        layout = split(len(sequences), len(self.pool.actors))
+        shards = dict(layout)
+        found: dict[int, list[list[float]]] = {}
+        for attempt in (1, 2):
+            args = {slot: (sequences[start:end],) for slot, (start, end) in shards.items()}
+            for slot, outcome in self.pool.call("token_logprobs", args, self.bounds.score).items():
+                if outcome.fault is None:
+                    found[slot] = outcome.value
+                else:
+                    again = "scoring them again" if attempt == 1 else ""
+                    self.pool.replace(slot, f"{outcome.fault} while scoring the student's tokens", again)
+            shards = {slot: span for slot, span in shards.items() if slot not in found}
+            if not shards:
+                break
+        for slot, (start, end) in layout.items():
+            answers = found.get(slot, [None] * (end - start))
+            for completion, logprobs in zip(completions[start:end], answers, strict=True):
+                completion.teacher_logprobs = logprobs
+                self.unscored += logprobs is None
+        self.seconds += time.monotonic() - started
+
+    def step_metrics(self) -> dict[str, float]:
+        """`distill/teacher_seconds`: the time spent scoring since the last call; `distill/unscored`: completions
+        left without the teacher's judgement since then."""
+        metrics = {"distill/teacher_seconds": self.seconds, "distill/unscored": float(self.unscored)}
+        self.seconds, self.unscored = 0.0, 0
+        return metrics
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+
+def teacher_model(distill: DistillConfig, files: list[str] | None = None) -> str:
+    """The teacher's directory: a local one, or a hub id's snapshot at `algorithm.distill.revision` (only `files`
+    when given, as `grpo_dist.hub.snapshot` takes them)."""
+    from grpo_dist.hub import HUB_ID, snapshot
+
+    if Path(distill.teacher).is_dir():
+        return str(Path(distill.teacher).resolve())
+    if HUB_ID.fullmatch(distill.teacher):
+        return snapshot(distill.teacher, distill.revision, "algorithm.distill.teacher", files=files)
+    raise ValueError(f"algorithm.distill.teacher: {distill.teacher} is neither a model directory nor a hub id")
