@@ -83,6 +83,7 @@ def cluster_of(generation, events, score=None, learner_done_after: int | None = 
     return SimpleNamespace(
         generators=generators,
         rewards=SimpleNamespace(score=score or default_score),
+        teacher=None,  # no distillation
         learner=learner,
         reconnect=lambda: events.append("reconnect"),
         sync_weights=sync_weights,
