@@ -492,6 +492,24 @@ class ActorPool:
                 raise outcome.error
         return dict(zip(slots, outcomes, strict=True))
 
+    def call_split(self, method: str, items: list, extra: tuple, bound: Bound, doing: str) -> list:
+        """`items` split between the actors, `method(share, *extra)` on each at once, bounded by `bound`, returning
+        one answer per item. A share whose actor faults is sent again once to its replacement (`doing` names the
+        work in the printed line); an item whose share faulted twice answers None."""
+        layout = split(len(items), len(self.actors))
+        shards, found = dict(layout), {}
+        for attempt in (1, 2):
+            args = {slot: (items[start:end], *extra) for slot, (start, end) in shards.items()}
+            for slot, outcome in self.call(method, args, bound).items():
+                if outcome.fault is None:
+                    found[slot] = outcome.value
+                else:
+                    self.replace(slot, f"{outcome.fault} while {doing}", f"{doing} again" if attempt == 1 else "")
+            shards = {slot: span for slot, span in shards.items() if slot not in found}
+            if not shards:
+                break
+        return [answer for slot, (start, end) in layout.items() for answer in found.get(slot, [None] * (end - start))]
+
     def shutdown(self) -> None:
         """Kill every actor; with a `close_call`, first let them end what they started (waiting at most
         `CLOSE_S`), so that no process of theirs outlives the run (killed, an actor's children end only after it)."""

@@ -21,7 +21,7 @@ import ray
 
 from grpo_dist.actors.generator import Generator
 from grpo_dist.config import Config, JudgeConfig, RolloutConfig
-from grpo_dist.faults import ActorPool, Bounds, FaultLog, split
+from grpo_dist.faults import ActorPool, Bounds, FaultLog
 from grpo_dist.types import ScoreRequest
 
 
@@ -93,23 +93,8 @@ class JudgePool:
         """Each completion's verdict (score, why unscored), in order."""
         started = time.monotonic()
         prompts = [self.prompt_tokens(request) for request in requests]
-        shards = split(len(prompts), len(self.pool.actors))
-        replies: dict[int, list[str]] = {}
-        for attempt in (1, 2):
-            args = {slot: (prompts[start:end], self.judge.max_tokens) for slot, (start, end) in shards.items()}
-            for slot, outcome in self.pool.call("judge", args, self.bounds.score).items():
-                if outcome.fault is None:
-                    replies[slot] = outcome.value
-                else:
-                    again = "judging them again" if attempt == 1 else ""
-                    self.pool.replace(slot, f"{outcome.fault} while judging", again)
-            shards = {slot: span for slot, span in shards.items() if slot not in replies}
-            if not shards:
-                break
-        for slot, (start, end) in shards.items():
-            replies[slot] = [None] * (end - start)
+        found = self.pool.call_split("judge", prompts, (self.judge.max_tokens,), self.bounds.score, "judging")
         self.seconds += time.monotonic() - started
-        found = [reply for slot in sorted(replies) for reply in replies[slot]]
         lost = (math.nan, "the judge engine was lost")
         return [self.verdict(reply) if reply is not None else lost for reply in found]
 

@@ -21,7 +21,7 @@ import ray
 
 from grpo_dist.actors.generator import Generator
 from grpo_dist.config import Config, DistillConfig, RolloutConfig
-from grpo_dist.faults import ActorPool, Bounds, FaultLog, split
+from grpo_dist.faults import ActorPool, Bounds, FaultLog
 from grpo_dist.placement import Placement, engine_resources
 from grpo_dist.types import Completion
 
@@ -75,25 +75,11 @@ class TeacherPool:
             return
         started = time.monotonic()
         sequences = [(c.prompt_token_ids + c.token_ids, len(c.prompt_token_ids)) for c in completions]
-        layout = split(len(sequences), len(self.pool.actors))
-        shards = dict(layout)
-        found: dict[int, list[list[float]]] = {}
-        for attempt in (1, 2):
-            args = {slot: (sequences[start:end],) for slot, (start, end) in shards.items()}
-            for slot, outcome in self.pool.call("token_logprobs", args, self.bounds.score).items():
-                if outcome.fault is None:
-                    found[slot] = outcome.value
-                else:
-                    again = "scoring them again" if attempt == 1 else ""
-                    self.pool.replace(slot, f"{outcome.fault} while scoring the student's tokens", again)
-            shards = {slot: span for slot, span in shards.items() if slot not in found}
-            if not shards:
-                break
-        for slot, (start, end) in layout.items():
-            answers = found.get(slot, [None] * (end - start))
-            for completion, logprobs in zip(completions[start:end], answers, strict=True):
-                completion.teacher_logprobs = logprobs
-                self.unscored += logprobs is None
+        doing = "scoring the student's tokens"
+        found = self.pool.call_split("token_logprobs", sequences, (), self.bounds.score, doing)
+        for completion, logprobs in zip(completions, found, strict=True):
+            completion.teacher_logprobs = logprobs
+            self.unscored += logprobs is None
         self.seconds += time.monotonic() - started
 
     def step_metrics(self) -> dict[str, float]:

@@ -439,30 +439,29 @@ class Generator:
 
     async def judge(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
         """Greedy replies to `prompts` (token ids), all at once: a judge engine's verdicts."""
-        import asyncio
-
         from vllm import SamplingParams
 
-        greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in prompts]  # one each: set per request
-        outputs = await asyncio.gather(*(self._sample(p, each) for p, each in zip(prompts, greedy, strict=True)))
+        outputs = await self._sample_each(prompts, lambda: SamplingParams(temperature=0.0, max_tokens=max_tokens))
         return [output.outputs[0].text for output in outputs]
 
     async def token_logprobs(self, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
         """A teacher engine's judgement: for each (token ids, start), the log-probability of every token from
         `start` on after the tokens before it (the model's own distribution, at temperature 1), all at once."""
-        import asyncio
-
         from vllm import SamplingParams
 
-        def scored(output, tokens: list[int], start: int) -> list[float]:
-            steps = output.prompt_logprobs  # one {token id: Logprob} per position; the first is None
-            return [steps[at][tokens[at]].logprob for at in range(start, len(tokens))]
+        prompts = [tokens for tokens, _ in sequences]
+        outputs = await self._sample_each(prompts, lambda: SamplingParams(max_tokens=1, prompt_logprobs=0))
+        return [
+            [output.prompt_logprobs[at][tokens[at]].logprob for at in range(start, len(tokens))]  # the first is None
+            for output, (tokens, start) in zip(outputs, sequences, strict=True)
+        ]
 
-        asks = [SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0) for _ in sequences]  # one each
-        outputs = await asyncio.gather(
-            *(self._sample(tokens, ask) for (tokens, _), ask in zip(sequences, asks, strict=True))
-        )
-        return [scored(output, tokens, start) for output, (tokens, start) in zip(outputs, sequences, strict=True)]
+    async def _sample_each(self, prompts: list[list[int]], params) -> list:
+        """The engine's final output for each of `prompts`, all under way at once, each with its own `params()`
+        (a request's sampling parameters are set on it by `_sample`)."""
+        import asyncio
+
+        return await asyncio.gather(*(self._sample(prompt, params()) for prompt in prompts))
 
     async def current_weight_version(self) -> int:
         """The weights it holds; raises vLLM's `EngineDeadError` when its engine core is gone (the probe that finds
