@@ -164,3 +164,15 @@ def test_each_teacher_engine_gets_a_placement_group_and_a_line_in_the_memory_pla
     assert planned.teacher["log-probs of one sequence"] == pytest.approx(32 * teacher.vocab * 8 / 1e9)
     assert any(line.startswith("  teacher engine:") for line in planned.lines())
     assert plan(cfg, student).teacher is None  # no teacher shape: not planned
+
+
+def test_a_distillation_run_reserves_cpus_for_its_teacher_engines_and_its_eval_starts_none(tmp_path):
+    from grpo_dist.cluster import actor_cpus
+    from grpo_dist.evaluation import eval_config
+
+    raw = small_config(tmp_path)
+    plain = validate_config(raw)
+    raw["algorithm"]["distill"] = {"teacher": "t", "num_engines": 2, "num_cpus": 1.5}
+    cfg = validate_config(raw)
+    assert actor_cpus(cfg) == actor_cpus(plain) + 3.0
+    assert eval_config(cfg, str(tmp_path), None).algorithm.distill is None  # `grpo-dist eval` judges the policy
