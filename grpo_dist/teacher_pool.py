@@ -14,6 +14,8 @@ judgement (no distillation advantage), counted in `distill/unscored`.
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 
@@ -29,9 +31,12 @@ from grpo_dist.types import Completion
 class TeacherPool:
     def __init__(self, cfg: Config, placement: Placement, faults: FaultLog) -> None:
         self.distill: DistillConfig = cfg.algorithm.distill
-        self.max_model_len = cfg.rollout.max_model_len  # a prompt and its completion, as the generators hold them
         self.bounds = Bounds.of(cfg)
         self.model = teacher_model(self.distill)
+        # vLLM takes a prompt of at most its engine's length less one (a token must fit after it): one more than the
+        # generators' length holds their longest sequence whole, where the teacher's positions allow it
+        positions = json.loads((Path(self.model) / "config.json").read_text()).get("max_position_embeddings")
+        self.max_model_len = min(cfg.rollout.max_model_len + 1, positions or cfg.rollout.max_model_len + 1)
         self.seed = cfg.run.seed
         self.placement = placement
         self.seconds = 0.0  # spent scoring since `step_metrics` last read it
@@ -70,15 +75,18 @@ class TeacherPool:
         )
 
     def annotate(self, completions: list[Completion]) -> None:
-        """Set each completion's `teacher_logprobs` (left None where its batch's engine was lost twice)."""
+        """Set each completion's `teacher_logprobs` (left None where its batch's engine was lost twice; NaN for a
+        token past the teacher's positions, which only a sequence filling all of them has: its last)."""
         if not completions:
             return
         started = time.monotonic()
-        sequences = [(c.prompt_token_ids + c.token_ids, len(c.prompt_token_ids)) for c in completions]
+        fits = self.max_model_len - 1  # a sequence longer than that is scored up to there, its last token(s) NaN
+        sequences = [((c.prompt_token_ids + c.token_ids)[:fits], len(c.prompt_token_ids)) for c in completions]
         doing = "scoring the student's tokens"
         found = self.pool.call_split("token_logprobs", sequences, (), self.bounds.score, doing)
         for completion, logprobs in zip(completions, found, strict=True):
-            completion.teacher_logprobs = logprobs
+            cut = len(completion.token_ids) - len(logprobs) if logprobs is not None else 0
+            completion.teacher_logprobs = None if logprobs is None else logprobs + [math.nan] * cut
             self.unscored += logprobs is None
         self.seconds += time.monotonic() - started
 

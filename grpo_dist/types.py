@@ -42,7 +42,7 @@ class Completion:
     """With an environment: how the multi-turn trajectory went; `text` is then the model's last turn."""
     teacher_logprobs: list[float] | None = None
     """[T] with `algorithm.distill`: the teacher's log-probability of each of `token_ids` after the same prefix
-    (set by the teacher pool); None when no teacher scored it."""
+    (set by the teacher pool); None when no teacher scored it; NaN for a token past the teacher's positions."""
 
     @property
     def sampled_tokens(self) -> int:

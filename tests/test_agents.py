@@ -553,6 +553,38 @@ def test_the_calculator_task_trains_through_sft_and_train_with_whole_conversatio
 
 
 @pytest.mark.slow
+def test_a_student_distilled_from_itself_over_multi_turn_episodes_has_no_kl_on_its_own_tokens(
+    ray_cluster, capfd, warmed_up, tmp_path
+):
+    """`algorithm.distill` over multi-turn episodes, its teacher the student's own starting model: a teacher engine
+    scores each whole trajectory (the tool's answers included) as one prompt, and at every token the model sampled
+    its log-prob equals the student's sampling log-prob, so the reverse KL is 0 to float noise. Had the tool's
+    tokens counted (the student gives them log-prob 0, the teacher several nats less) or the teacher's log-probs
+    been read one token off, it would be far from 0."""
+    model = str(warmed_up / "agent-sft")
+    raw = task_config(tmp_path, algorithm={"distill": {"teacher": model, "cpu_kv_cache_gib": 0.05}},
+                      eval={"every": 0, "sets": [{"name": "held_out"}]})  # fmt: skip
+    raw["model"]["path"] = model
+    config = tmp_path / "distill.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    code, out = train_here(capfd, config)
+    assert code == 0, out[-3000:]
+    assert "1 teacher engine(s) (vLLM)" in out
+    rows = [json.loads(line) for line in (tmp_path / "outputs" / "agent" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    print(
+        "reverse KL per step",
+        [row["distill/reverse_kl"] for row in rows],
+        "turns",
+        [row["agent/turns"] for row in rows],
+    )
+    for row in rows:
+        assert row["agent/tool_calls"] > 0 and row["agent/turns"] > 1  # trajectories with the tool's answers in them
+        assert row["distill/unscored"] == 0 and row["distill/teacher_seconds"] > 0
+        assert abs(row["distill/reverse_kl"]) < 1e-3, row["distill/reverse_kl"]
+
+
+@pytest.mark.slow
 def test_an_agent_written_against_the_openai_client_produces_token_exact_trajectories(ray_cluster, warmed_up, tmp_path):
     """`environment.agent`: the agent calls the generator's endpoint with the real `openai` client, runs the
     calculator on the tool calls it gets back and sends the results; its calls make one trajectory each, exact

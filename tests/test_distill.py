@@ -73,7 +73,7 @@ def test_the_batch_gets_each_sampled_tokens_distillation_advantage_from_the_teac
         completion(0, [5, 6], [-1.0, -2.0], [-0.5, -2.5]),
         completion(0, [5, 6, 7], [-1.0, 0.0, -3.0], [-2.0, -9.0, -1.0], mask=[1, 0, 1]),  # 6: an observation token
         completion(1, [8], [-0.25], None),  # its teacher engine was lost twice
-        completion(1, [9], [-0.75], [-0.75]),
+        completion(1, [9, 4], [-0.75, -1.0], [-0.75, math.nan]),  # 4: past the teacher's positions, not scored
     ]
     rollout = Rollout(
         [PromptRecord("p0", [1, 2], {}, 0), PromptRecord("p1", [1, 2], {}, 1)],
@@ -93,7 +93,7 @@ def test_the_batch_gets_each_sampled_tokens_distillation_advantage_from_the_teac
     expected[0, 2:4] = torch.tensor([1.0, -1.0])
     expected[1, 2:5] = torch.tensor([-2.0, 0.0, 4.0])  # the observation token gets none
     torch.testing.assert_close(batch.token_advantages, expected)
-    # Reverse KL over the 5 counted tokens: (-0.5 + 0.5 + 1.0 - 2.0 + 0.0) / 5.
+    # Reverse KL over the 5 counted tokens (row 3's NaN is none): (-0.5 + 0.5 + 1.0 - 2.0 + 0.0) / 5.
     assert metrics["distill/reverse_kl"] == pytest.approx(-0.2)
     assert batch.select(torch.tensor([1])).token_advantages.tolist() == [expected[1].tolist()]
     assert add_distillation(validate_config(small_config(tmp_path)), batch, completions) == (batch, {})

@@ -11,6 +11,7 @@ import pytest
 from conftest import small_config, train_here
 
 from grpo_dist.config import validate_config
+from grpo_dist.inputs import load_tokenizer
 from grpo_dist.sft import run_sft
 
 pytestmark = pytest.mark.slow
@@ -19,9 +20,11 @@ TASK = {"task": {"name": "last_digit", "num_train": 512, "num_eval": 50}, "max_p
 CHARACTERS = {"characters": "0123456789 :"}  # the student's and the teacher's tokenizer: the task's alphabet
 
 
-def make_teacher(tmp_path) -> str:
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> str:
     """The student's random-init model (the same tiny config and seed), warmed up on solved rows: nearly always
     right (`test_sft.py`)."""
+    tmp_path = tmp_path_factory.mktemp("teacher")
     raw = small_config(
         tmp_path,
         data=TASK,
@@ -33,8 +36,9 @@ def make_teacher(tmp_path) -> str:
     return str(run_sft(validate_config(raw)))
 
 
-def test_a_student_distilled_on_its_own_samples_nears_its_teacher_and_learns_the_task(tmp_path, capfd, ray_cluster):
-    teacher = make_teacher(tmp_path)
+def test_a_student_distilled_on_its_own_samples_nears_its_teacher_and_learns_the_task(
+    tmp_path, capfd, ray_cluster, teacher
+):
     raw = small_config(
         tmp_path,
         run={"steps": 30},
@@ -71,3 +75,41 @@ def test_a_student_distilled_on_its_own_samples_nears_its_teacher_and_learns_the
     assert all(row["distill/teacher_seconds"] > 0 for row in steps[:-1])
     assert steps[-1]["distill/unscored"] == 0 and steps[-1]["faults/teacher_restarts"] == 0
     assert all(row["staleness/max"] <= 1 for row in steps)
+
+
+def test_a_sequence_filling_the_context_gets_the_teacher_models_log_prob_at_every_token(tmp_path, ray_cluster, teacher):
+    """A completion whose prompt and tokens fill all of `rollout.max_model_len`, as a trajectory cut at
+    `environment.max_total_tokens` can: vLLM reads a prompt of at most its engine's length less one, so the teacher's
+    engine holds one position more than the generators'. Every token gets the teacher's log-prob after the tokens
+    before it, equal to the teacher model's own under transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.placement import place
+    from grpo_dist.teacher_pool import TeacherPool
+    from grpo_dist.types import Completion
+
+    data = {**TASK, "max_prompt_tokens": 8}
+    raw = small_config(tmp_path, data=data, rollout={"max_new_tokens": 3, "max_model_len": 11})
+    raw["algorithm"]["distill"] = {"teacher": teacher}
+    raw["model"] = {"path": teacher, "tiny": CHARACTERS}
+    config = validate_config(raw)
+    sequence = load_tokenizer(teacher)("1 2 3 4:444", add_special_tokens=False)["input_ids"]
+    assert len(sequence) == 11  # the right answer, then twice a token the teacher does not expect after it
+    completion = Completion(0, sequence[:8], sequence[8:], "444", [0.0] * 3, "length", 0)
+    placement = place(config)
+    pool = TeacherPool(config, placement, FaultLog())
+    try:
+        pool.pool.wait_ready()
+        pool.annotate([completion])
+    finally:
+        pool.shutdown()
+        placement.remove()
+    model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence])).logits[0].log_softmax(-1)  # [11, V]
+    expected = [float(logits[at - 1, sequence[at]]) for at in (8, 9, 10)]
+    print(f"teacher log-probs {completion.teacher_logprobs}, transformers {expected}")
+    assert completion.teacher_logprobs == pytest.approx(expected, abs=1e-3)
+    assert expected[0] > -0.5 > -3 > expected[1]

@@ -41,8 +41,9 @@ def add_distillation(cfg: Config, batch: TrainBatch, completions: list[Completio
         if completion.teacher_logprobs is not None:
             start = len(completion.prompt_token_ids)
             end = start + len(completion.token_ids)
-            teacher[row, start:end] = torch.tensor(completion.teacher_logprobs)
-            scored[row, start:end] = 1.0
+            found = torch.tensor(completion.teacher_logprobs, dtype=teacher.dtype)  # NaN: a token the teacher left
+            teacher[row, start:end] = found.nan_to_num(0.0)
+            scored[row, start:end] = (~found.isnan()).to(scored.dtype)
     counted = batch.completion_mask * scored  # [B, T]
     token_advantages = distill_advantages(batch.sampling_logprobs, teacher, counted, cfg.algorithm.distill.coef)
     if cfg.algorithm.distill.baseline == "group":
