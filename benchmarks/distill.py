@@ -1,30 +1,36 @@
 """On-policy distillation against GRPO alone: a random-init student, the same steps, side by side at each seed.
 
-    .venv/bin/python benchmarks/distill.py [--seeds 0 1 2] [--steps 60] [--teacher-steps 200] [--eval-every 10] \
-        [--teacher DIR] [--out-dir outputs/distill] [--plot docs/distill_curve.png]
+    .venv/bin/python benchmarks/distill.py [--seeds 0 1 2] [--steps 60] [--teacher-from sft|grpo] \
+        [--teacher-steps N] [--eval-every 10] [--teacher DIR] [--out-dir outputs/distill] \
+        [--plot docs/distill_curve.png]
 
-The teacher is the quick start trained to high accuracy: `grpo-dist train configs/quickstart.yaml` (seed 0) for
-`--teacher-steps` steps, its final policy. Then at each seed a random-init student (the quick start's tiny model,
-initialised by the seed: the same tokenizer as the teacher's) trains for `--steps` steps four ways, each a
-`grpo-dist train` process of its own with the quick start's settings otherwise: `grpo` (the quick start as it is),
-`distill` (`algorithm.distill` with the teacher: the per-token reverse-KL advantages alone, less their group's
-leave-one-out mean, the default `baseline: group`), `distill+reward` (`with_rewards: true`: those added to GRPO's)
-and `distill, no baseline` (`baseline: none`: coef x (teacher - student) as it is). Every arm's divergence guard
-warns of a gradient-norm spike instead of rolling back (`health.grad_norm.action: warn`): these runs keep no
-checkpoint, so a rollback would go back to the start. Held-out accuracy (the task's 200 held-out prompts, greedy)
-is evaluated before training and every `--eval-every` steps.
+The teacher is the quick start's tiny model trained to high accuracy, at seed 0. `--teacher-from sft` (the default):
+`grpo-dist sft` of it on the task's solved rows (`--teacher-steps`, default 300, batches of 32): it answers the
+digit, then the end-of-sequence token. `--teacher-from grpo`: `grpo-dist train configs/quickstart.yaml` for
+`--teacher-steps` (default 200), its final policy, which learned to answer through a token decoding drops (the
+beginning-of-sequence token, then the digit): a student distilled from it must learn that too. Then at each seed a
+random-init student (the quick start's tiny model, initialised by the seed: the same tokenizer as the teacher's)
+trains for `--steps` steps four ways, each a `grpo-dist train` process of its own with the quick start's settings
+otherwise: `grpo` (the quick start as it is), `distill` (`algorithm.distill` with the teacher: the per-token
+reverse-KL advantages alone, less their group's leave-one-out mean, the default `baseline: group`),
+`distill+reward` (`with_rewards: true`: those added to GRPO's) and `distill, no baseline` (`baseline: none`:
+coef x (teacher - student) as it is). Every arm's divergence guard warns of a gradient-norm spike instead of
+rolling back (`health.grad_norm.action: warn`): these runs keep no checkpoint, so a rollback would go back to the
+start. Held-out accuracy (the task's 200 held-out prompts, greedy) is evaluated before training and every
+`--eval-every` steps.
 
 Prints one JSON line per run (its held-out accuracy at each evaluation, the reverse KL to the teacher at the first
 and last step, the teacher's seconds per step, the mean step time), then a table for each evaluation: each arm's
 held-out accuracy at each seed, its mean, and the ratio of that mean to grpo's. `--teacher` takes a teacher made
-before (a `final/` directory) instead of training one. With `--plot`, a PNG of held-out accuracy against step
-(each arm's mean over the seeds, with each seed's curve faint). Run by hand; CI never runs it.
+before (a model directory) instead of making one. With `--plot`, a PNG of held-out accuracy against step (each
+arm's mean over the seeds, with each seed's curve faint). Run by hand; CI never runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -64,11 +70,24 @@ def train(raw: dict, out_dir: Path) -> Path:
     return out_dir / raw["run"]["name"]
 
 
-def make_teacher(out_dir: Path, steps: int) -> tuple[Path, float]:
-    """The quick start trained for `steps` at seed 0: its final policy and held-out accuracy."""
-    run_dir = train(quickstart(out_dir, "teacher", 0, steps, eval_every=0), out_dir)
-    accuracy = read_jsonl(run_dir / "eval.jsonl")[-1]["eval/held_out/accuracy"]
-    return run_dir / "final", accuracy
+def make_teacher(out_dir: Path, source: str, steps: int) -> tuple[Path, float]:
+    """The quick start's model at seed 0 trained to high accuracy by `source` (`sft` or `grpo`) for `steps`: the
+    teacher's model directory and its held-out accuracy."""
+    if source == "grpo":
+        run_dir = train(quickstart(out_dir, "teacher", 0, steps, eval_every=0), out_dir)
+        return run_dir / "final", read_jsonl(run_dir / "eval.jsonl")[-1]["eval/held_out/accuracy"]
+    raw = quickstart(out_dir, "teacher-sft", 0, 1, eval_every=0)
+    raw["model"]["path"] = str(out_dir / "teacher-sft-model")
+    raw["sft"] = {"base": str(out_dir / "teacher-sft-base"), "steps": steps, "batch_size": 32, "lr": 3e-3}
+    config = out_dir / "teacher-sft.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(raw))
+    command = [sys.executable, "-m", "grpo_dist", "sft", str(config), "--overwrite"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    said = re.search(r"held-out accuracy after warm-up: ([0-9.]+)", done.stdout)
+    if done.returncode != 0 or said is None:
+        raise RuntimeError(f"grpo-dist sft exited {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return out_dir / "teacher-sft-model", float(said.group(1))
 
 
 def run_arm(arm: str, seed: int, teacher: Path, args: argparse.Namespace) -> dict:
@@ -114,7 +133,8 @@ def table(results: list[dict], steps: int) -> list[str]:
     lines.append(f"{'arm':22}" + "".join(f"seed {seed:<5}" for seed in seeds) + "mean    vs grpo")
     for arm in ARMS:
         cells = "".join(f"{final[arm, seed]:<10.3f}" for seed in seeds)
-        lines.append(f"{arm:22}{cells}{means[arm]:<8.3f}{means[arm] / max(means['grpo'], 1e-9):.2f}x")
+        ratio = f"{means[arm] / means['grpo']:.2f}x" if means["grpo"] > 0 else "-"
+        lines.append(f"{arm:22}{cells}{means[arm]:<8.3f}{ratio}")
     return lines
 
 
@@ -145,16 +165,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=60, help="training steps of each student")
-    parser.add_argument("--teacher-steps", type=int, default=200, help="the quick start's steps that make the teacher")
-    parser.add_argument("--teacher", type=Path, help="a teacher made before (its final/): no teacher is trained")
+    parser.add_argument("--teacher-from", choices=("sft", "grpo"), default="sft", help="how the teacher is trained")
+    parser.add_argument("--teacher-steps", type=int, help="its steps (default: sft 300, grpo 200)")
+    parser.add_argument("--teacher", type=Path, help="a teacher made before (a model directory): none is trained")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--out-dir", default="outputs/distill", help="where the runs and their models go")
     parser.add_argument("--plot", type=Path, help="write the curves here (PNG)")
     args = parser.parse_args()
     out_dir = Path(args.out_dir).resolve()
     if args.teacher is None:
-        teacher, accuracy = make_teacher(out_dir, args.teacher_steps)
-        print(json.dumps({"teacher": str(teacher), "teacher_steps": args.teacher_steps, "held_out": accuracy}))
+        steps = args.teacher_steps or {"sft": 300, "grpo": 200}[args.teacher_from]
+        teacher, accuracy = make_teacher(out_dir, args.teacher_from, steps)
+        print(json.dumps({"teacher": str(teacher), "from": args.teacher_from, "steps": steps, "held_out": accuracy}))
     else:
         teacher = args.teacher.resolve()
     results = []
