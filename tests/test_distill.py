@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import small_config
 
-from grpo_dist.algo import distill_advantages, group_baseline, policy_loss, reverse_kl
+from grpo_dist.algo import AGGREGATIONS, distill_advantages, group_baseline, policy_loss, reverse_kl
 from grpo_dist.batch import collate
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.data import PromptRecord
@@ -55,6 +55,36 @@ def test_token_advantages_add_to_each_sequence_advantage_in_the_loss():
     assert alone.item() + without.item() == pytest.approx(loss.item())  # the two advantages add
     with pytest.raises(ValueError, match="token_advantages has shape"):
         policy_loss(logprobs, logprobs.detach(), sequence, mask, token_advantages=tokens[:, :2])
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_a_tokens_own_advantage_moves_that_token_alone_under_every_aggregation(aggregation, ratio_level):
+    """Sequence advantages 0, one token's advantage positive and another's negative: at ratio 1 the gradient raises
+    the first token's log-prob, lowers the second's and leaves every other token (the masked one too) alone, under
+    each loss aggregation and ratio level (GSPO's becomes GSPO-token's); the two kinds of advantage add in the loss,
+    and a sequence's advantage spread over its tokens trains as it does given per sequence."""
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    tokens = torch.tensor([[0.0, 2.0, 5.0], [0.0, 0.0, -1.0]])  # 5.0 is on a masked token
+    options = {"aggregation": aggregation, "ratio_level": ratio_level, "max_length": 3}
+    loss, _ = policy_loss(logprobs, logprobs.detach(), torch.zeros(2), mask, token_advantages=tokens, **options)
+    loss.backward()
+    grad = logprobs.grad
+    assert grad[0, 1] < 0 < grad[1, 2]  # minimising the loss raises token (0, 1) and lowers token (1, 2)
+    assert grad[0, 0] == grad[0, 2] == grad[1, 0] == grad[1, 1] == 0
+    sequence = torch.tensor([1.0, -2.0])
+    both, _ = policy_loss(logprobs, logprobs.detach(), sequence, mask, token_advantages=tokens, **options)
+    without, _ = policy_loss(logprobs, logprobs.detach(), sequence, mask, **options)
+    assert both.item() == pytest.approx(loss.item() + without.item())
+    # One advantage per sequence given as token advantages trains as the sequence's own does, off ratio 1 too.
+    old = logprobs.detach() + torch.tensor([[0.05, -0.1, 0.0], [0.1, 0.0, -0.05]])  # ratios inside the clip range
+    as_sequence = logprobs.detach().clone().requires_grad_(True)
+    as_tokens = logprobs.detach().clone().requires_grad_(True)
+    policy_loss(as_sequence, old, sequence, mask, **options)[0].backward()
+    spread = sequence[:, None] * mask  # [B, T]
+    policy_loss(as_tokens, old, torch.zeros(2), mask, token_advantages=spread, **options)[0].backward()
+    torch.testing.assert_close(as_tokens.grad, as_sequence.grad)
 
 
 def completion(index: int, tokens: list[int], logprobs: list[float], teacher: list[float] | None, mask=None):

@@ -24,7 +24,9 @@ Conventions and departures:
   denominator does not depend on the mask and an empty sequence never yields NaN.
 - Masked-out positions are replaced by 0 before any exp, so padding garbage (huge, inf or NaN log-probs) never
   reaches the loss or its gradient. A mask entry counts when it is nonzero (float or bool masks both work).
-- GSPO's ratio carries gradient to every token of its sequence (the plain sequence-level variant, not GSPO-token).
+- GSPO's ratio carries gradient to every token of its sequence (the plain sequence-level variant), except with
+  ``token_advantages``: then it is GSPO-token's, the sequence's ratio in value with each token's own gradient, so
+  a token's own advantage moves that token (with one advantage per sequence the two give the same gradient).
 - Dual clip is applied before the TIS weight; the TIS weight multiplies the policy term only, not KL or entropy.
 - ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``sampling_logprobs`` are constants (detached).
 - Clip fractions, ratio statistics, ``is_weight/mean`` and ``is_weight/capped`` (the fraction of tokens whose
@@ -100,7 +102,7 @@ def policy_loss(
         advantages = advantages + token_advantages.detach().to(dtype)  # [B, T]
     aggregate = partial(_aggregate, mask=mask, aggregation=aggregation, max_length=max_length or logprobs.shape[1])
 
-    ratio = _ratio(logprobs, old_logprobs, mask, ratio_level)  # [B, T]
+    ratio = _ratio(logprobs, old_logprobs, mask, ratio_level, per_token=token_advantages is not None)  # [B, T]
     per_token = _clipped_surrogate(ratio, advantages, clip_low, clip_high)  # [B, T]
     stats = _ratio_stats(ratio, advantages, mask, clip_low, clip_high)
     if dual_clip is not None:
@@ -180,11 +182,14 @@ def _check_shapes(logprobs: Tensor, advantages: Tensor, **per_token: Tensor | No
             )
 
 
-def _ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_level: str) -> Tensor:
-    """pi / pi_old per token, or GSPO's exp(masked mean log-ratio) repeated over the sequence. [B, T]"""
+def _ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_level: str, per_token: bool) -> Tensor:
+    """pi / pi_old per token, or GSPO's exp(masked mean log-ratio) repeated over the sequence; with `per_token`
+    GSPO-token's: that value, with each token's gradient its own log-prob's. [B, T]"""
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # [B, T]
     if ratio_level == "sequence":
         sequence_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+        if per_token:
+            return (sequence_log_ratio.detach() + log_ratio - log_ratio.detach()).exp()
         log_ratio = sequence_log_ratio.expand_as(log_ratio)  # [B, T]
     return log_ratio.exp()
 
