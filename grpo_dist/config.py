@@ -42,6 +42,7 @@ from grpo_dist.config_sections import (  # noqa: F401 (re-exported: the sections
     TinyModelConfig,
     WandbConfig,
     _Section,
+    engine_rollout,
 )
 
 

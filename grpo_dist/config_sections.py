@@ -354,6 +354,24 @@ class DistillConfig(_Section):
         return self
 
 
+def engine_rollout(
+    engines: JudgeConfig | DistillConfig, max_new_tokens: int, max_model_len: int, tensor_parallel_size: int = 1
+) -> RolloutConfig:
+    """The rollout settings a judge or teacher engine (a generator actor of that model) is built with, from its
+    section's engine fields."""
+    return RolloutConfig(
+        num_generators=engines.num_engines,
+        max_new_tokens=max_new_tokens,
+        max_model_len=max_model_len,
+        dtype=engines.dtype,
+        gpu_memory_utilization=engines.gpu_memory_utilization,
+        cpu_kv_cache_gib=engines.cpu_kv_cache_gib,
+        num_cpus=engines.num_cpus,
+        num_gpus=engines.num_gpus,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+
+
 class AlgorithmConfig(_Section):
     estimator: Literal["grpo", "dr_grpo", "rloo", "batch_std", "reinforce_pp"] = "grpo"
     """Advantage estimator (see `grpo_dist.algo.group_advantages`)."""

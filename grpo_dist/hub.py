@@ -5,7 +5,9 @@ the Hugging Face cache (HF_HOME; on a cluster, one every node mounts), or downlo
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from grpo_dist.config import ConfigError
 
@@ -70,3 +72,8 @@ def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model", 
         ) from None
     print(f"{key}: {named} is {path}")
     return path
+
+
+def max_positions(directory: str | Path) -> int | None:
+    """The positions a model directory's `config.json` gives (`max_position_embeddings`); None when it gives none."""
+    return json.loads((Path(directory) / "config.json").read_text()).get("max_position_embeddings")

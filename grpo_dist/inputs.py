@@ -8,7 +8,6 @@ a bundled task's data) under `scratch` instead of the run's own paths, and leave
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from grpo_dist import jail
 from grpo_dist.config import Config, ConfigError, EvalSetConfig
 from grpo_dist.data import PromptRecord, encode_prompts, split_task
 from grpo_dist.data.sources import read_source
-from grpo_dist.hub import HUB_ID, snapshot
+from grpo_dist.hub import HUB_ID, max_positions, snapshot
 from grpo_dist.plan import check_plan
 from grpo_dist.rewards.runner import RewardRunner
 from grpo_dist.sandbox import SandboxError
@@ -245,7 +244,7 @@ def check_teacher(cfg: Config, tokenizer: Any, model_path: str, teacher: str) ->
     from transformers import AutoTokenizer
 
     found = Path(teacher)
-    positions = json.loads((found / "config.json").read_text()).get("max_position_embeddings")
+    positions = max_positions(found)
     if positions is not None and cfg.rollout.max_model_len > positions:
         raise ConfigError(
             f"algorithm.distill.teacher: rollout.max_model_len ({cfg.rollout.max_model_len}) is above the teacher's "
@@ -282,7 +281,7 @@ def tokenizer_difference(student: Any, teacher: Any) -> str | None:
 
 def check_lengths(cfg: Config, model_path: str) -> None:
     """The lengths asked for fit each other and the model's positions."""
-    positions = json.loads((Path(model_path) / "config.json").read_text()).get("max_position_embeddings")
+    positions = max_positions(model_path)
     if positions is not None and cfg.rollout.max_model_len > positions:
         raise ConfigError(
             f"rollout.max_model_len ({cfg.rollout.max_model_len}) is above the {positions} positions of the model "

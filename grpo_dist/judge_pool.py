@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 
 from grpo_dist.actors.generator import Generator
-from grpo_dist.config import Config, JudgeConfig, RolloutConfig
+from grpo_dist.config import Config, JudgeConfig, engine_rollout
 from grpo_dist.faults import ActorPool, Bounds, FaultLog
 from grpo_dist.types import ScoreRequest
 
@@ -49,16 +49,7 @@ class JudgePool:
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         judge = self.judge
-        engine = RolloutConfig(
-            num_generators=judge.num_engines,
-            max_new_tokens=judge.max_tokens,
-            max_model_len=judge.max_model_len,
-            dtype=judge.dtype,
-            gpu_memory_utilization=judge.gpu_memory_utilization,
-            cpu_kv_cache_gib=judge.cpu_kv_cache_gib,
-            num_cpus=judge.num_cpus,
-            num_gpus=judge.num_gpus,
-        )
+        engine = engine_rollout(judge, judge.max_tokens, judge.max_model_len)
         options = {"num_cpus": judge.num_cpus, "num_gpus": judge.num_gpus}
         return ray.remote(Generator).options(**options).remote(self.model, engine, self.seed + 1000 + slot)
 

@@ -14,7 +14,6 @@ judgement (no distillation advantage), counted in `distill/unscored`.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -22,8 +21,9 @@ from pathlib import Path
 import ray
 
 from grpo_dist.actors.generator import Generator
-from grpo_dist.config import Config, DistillConfig, RolloutConfig
+from grpo_dist.config import Config, DistillConfig, engine_rollout
 from grpo_dist.faults import ActorPool, Bounds, FaultLog
+from grpo_dist.hub import HUB_ID, max_positions, snapshot
 from grpo_dist.placement import Placement, engine_resources
 from grpo_dist.types import Completion
 
@@ -35,7 +35,7 @@ class TeacherPool:
         self.model = teacher_model(self.distill)
         # vLLM takes a prompt of at most its engine's length less one (a token must fit after it): one more than the
         # generators' length holds their longest sequence whole, where the teacher's positions allow it
-        positions = json.loads((Path(self.model) / "config.json").read_text()).get("max_position_embeddings")
+        positions = max_positions(self.model)
         self.max_model_len = min(cfg.rollout.max_model_len + 1, positions or cfg.rollout.max_model_len + 1)
         self.seed = cfg.run.seed
         self.placement = placement
@@ -55,17 +55,7 @@ class TeacherPool:
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         distill = self.distill
-        engine = RolloutConfig(
-            num_generators=distill.num_engines,
-            max_new_tokens=1,
-            max_model_len=self.max_model_len,
-            dtype=distill.dtype,
-            gpu_memory_utilization=distill.gpu_memory_utilization,
-            cpu_kv_cache_gib=distill.cpu_kv_cache_gib,
-            num_cpus=distill.num_cpus,
-            num_gpus=distill.num_gpus,
-            tensor_parallel_size=distill.tensor_parallel_size,
-        )
+        engine = engine_rollout(distill, 1, self.max_model_len, distill.tensor_parallel_size)
         options = engine_resources(distill.num_cpus, distill.num_gpus, distill.tensor_parallel_size)
         strategy = self.placement.teacher_strategy(slot)
         return (
@@ -104,8 +94,6 @@ class TeacherPool:
 def teacher_model(distill: DistillConfig, files: list[str] | None = None) -> str:
     """The teacher's directory: a local one, or a hub id's snapshot at `algorithm.distill.revision` (only `files`
     when given, as `grpo_dist.hub.snapshot` takes them)."""
-    from grpo_dist.hub import HUB_ID, snapshot
-
     if Path(distill.teacher).is_dir():
         return str(Path(distill.teacher).resolve())
     if HUB_ID.fullmatch(distill.teacher):
