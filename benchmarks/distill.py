@@ -14,10 +14,8 @@ trains for `--steps` steps four ways, each a `grpo-dist train` process of its ow
 otherwise: `grpo` (the quick start as it is), `distill` (`algorithm.distill` with the teacher: the per-token
 reverse-KL advantages alone, less their group's leave-one-out mean, the default `baseline: group`),
 `distill+reward` (`with_rewards: true`: those added to GRPO's) and `distill, no baseline` (`baseline: none`:
-coef x (teacher - student) as it is). Every arm's divergence guard warns of a gradient-norm spike instead of
-rolling back (`health.grad_norm.action: warn`): these runs keep no checkpoint, so a rollback would go back to the
-start. Held-out accuracy (the task's 200 held-out prompts, greedy) is evaluated before training and every
-`--eval-every` steps.
+coef x (teacher - student) as it is). Every arm runs the divergence guard with its defaults. Held-out accuracy
+(the task's 200 held-out prompts, greedy) is evaluated before training and every `--eval-every` steps.
 
 Prints one JSON line per run (its held-out accuracy at each evaluation, the reverse KL to the teacher at the first
 and last step, the teacher's seconds per step, the mean step time), then a table for each evaluation: each arm's
@@ -53,7 +51,6 @@ def quickstart(out_dir: Path, name: str, seed: int, steps: int, eval_every: int)
     raw["eval"] = {"every": eval_every, "sets": [{"name": "held_out"}]}
     raw["wandb"] = {"enabled": False}
     raw["checkpoint"] = {"every_steps": 0}
-    raw["health"] = {"grad_norm": {"action": "warn"}}
     return raw
 
 

@@ -278,33 +278,33 @@ class Cluster:
         self.generators.loaded(self.learner.version)
 
     def _check_served(self) -> None:
-        """Compare what every engine serves with the learner's policy (`grpo_dist.weight_check`). A gap over the
-        bound is a fault: every weight is sent again and checked once more; a gap that stays raises
-        `ServedWeightsDiffer`, naming the generator."""
+        """Compare what every engine serves with the learner's policy (`grpo_dist.weight_check`). A gap over both
+        bounds (`Probe.mismatch`) is a fault: every weight is sent again and checked once more; a gap that stays
+        raises `ServedWeightsDiffer`, naming the generator."""
         check, version = self.weight_check, self.learner.version
         if check is None:
             return
-        gaps = check.gaps(self.learner, self.generators.actors)
-        slot = max(range(len(gaps)), key=gaps.__getitem__)
-        if gaps[slot] > check.max_gap:
+        probe = check.probe(self.learner, self.generators.actors)
+        if probe.mismatch(check.max_gap):
             self.faults.record(
                 "sync_mismatches",
-                f"generator {slot} serves other weights than the learner's after the sync of version {version}: its"
-                f" log-probabilities of the probe differ from the learner's by {gaps[slot]:.3g} per token"
-                f" (sync.probe_max_gap {check.max_gap:g}); sending every weight again",
+                f"generator {probe.worst} serves other weights than the learner's after the sync of version {version}:"
+                f" its log-probabilities of the probe differ from the learner's by {probe.gaps[probe.worst]:.3g} per"
+                f" token (over {probe.bounds(check.max_gap)}); sending every weight again",
             )
             self._sent(self.transport.sync(version, full=True))
-            gaps = check.gaps(self.learner, self.generators.actors)
-            slot = max(range(len(gaps)), key=gaps.__getitem__)
-            if gaps[slot] > check.max_gap:
+            probe = check.probe(self.learner, self.generators.actors)
+            if probe.mismatch(check.max_gap):
                 raise ServedWeightsDiffer(
-                    f"generator {slot} serves other weights than the learner's after the sync of version {version}"
-                    f" and after every weight was sent again: its log-probabilities of the probe differ from the"
-                    f" learner's by {gaps[slot]:.3g} per token, over sync.probe_max_gap {check.max_gap:g}. Its engine"
-                    " does not apply what it is sent; training on would learn from another policy's samples. If the"
-                    " learner and the engines compute in different precisions, raise sync.probe_max_gap"
+                    f"generator {probe.worst} serves other weights than the learner's after the sync of version"
+                    f" {version} and after every weight was sent again: its log-probabilities of the probe differ"
+                    f" from the learner's by {probe.gaps[probe.worst]:.3g} per token, over"
+                    f" {probe.bounds(check.max_gap)}. Its engine does not apply what it is sent; training on would"
+                    " learn from another policy's samples. If the learner and the engines compute in different"
+                    " precisions, raise sync.probe_max_gap"
                 )
-        self.probe_gaps.append(gaps[slot])
+        check.passed(probe)
+        self.probe_gaps.append(probe.gaps[probe.worst])
 
     def _sent(self, report) -> None:
         if report is not None:

@@ -4,9 +4,9 @@ no ray."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -563,8 +563,10 @@ class SyncConfig(_Section):
     probe: bool = True
     """After every sync, check that each engine serves what was sent: its log-probabilities of a fixed probe
     sequence (the first training prompts' tokens, up to 64) against the learner's, the mean absolute difference
-    per token logged as `sync/probe_gap` (the largest over engines). A gap above `probe_max_gap` is a fault: every
-    weight is sent again, and if the gap stays the run stops, naming the engine."""
+    per token logged as `sync/probe_gap` (the largest over engines). A gap above `probe_max_gap`, and above a tenth
+    of how far the learner's own log-probabilities of the probe moved since the engines' last checked version (a
+    diverging policy's large logits widen the numerical gap too; an engine that missed the update is as far as the
+    update moved), is a fault: every weight is sent again, and if the gap stays the run stops, naming the engine."""
     probe_max_gap: float | None = Field(None, gt=0)
     """The largest gap a sync may leave. None: 1e-3 where the learner and the engines both compute in float32 (a
     healthy sync leaves about 2e-7 on a CPU), 0.1 where either uses bf16 or fp16 (where the two sides' rounding
@@ -600,7 +602,12 @@ class FaultsConfig(_Section):
     unscored."""
 
 
-HealthAction = Literal["off", "warn", "rollback", "stop"]
+def _off_as_written(value: Any) -> Any:
+    """YAML reads a bare `off` as false: the action `off` as written in a config file or a dotted override."""
+    return "off" if value is False else value
+
+
+HealthAction = Annotated[Literal["off", "warn", "rollback", "stop"], BeforeValidator(_off_as_written)]
 
 
 class NonFiniteCheck(_Section):
@@ -610,12 +617,14 @@ class NonFiniteCheck(_Section):
 
 
 class GradNormCheck(_Section):
-    action: HealthAction = "rollback"
-    """What a gradient norm spike calls for: `off`, `warn`, `rollback`, `stop`."""
-    factor: float = Field(10.0, gt=1)
+    action: HealthAction = "warn"
+    """What a gradient norm spike calls for: `off`, `warn`, `rollback`, `stop`. A spike alone warns by default:
+    clipping at `learner.max_grad_norm` already bounds what such an update does, and in GRPO the norm jumps when a
+    group first gets signal, the moment the policy starts to learn."""
+    factor: float = Field(1000.0, gt=1)
     """The check fires when the gradient norm (before clipping) is above this many times the median of the last
-    `health.window` steps' (steps whose norm was 0, every advantage 0, left out), and above `learner.max_grad_norm`
-    (a norm under the clipping threshold moves the weights as a usual step does)."""
+    `health.window` steps' (steps whose norm was 0, every advantage 0, left out; judged from the second step on),
+    and above `learner.max_grad_norm` (a norm under the clipping threshold moves the weights as a usual step does)."""
 
 
 class KlCheck(_Section):
@@ -635,11 +644,15 @@ class LogprobGapCheck(_Section):
 
 
 class EntropyCheck(_Section):
-    action: HealthAction = "warn"
-    """What an entropy collapse calls for: `off`, `warn`, `rollback`, `stop`."""
+    action: HealthAction = "rollback"
+    """What an entropy collapse calls for: `off`, `warn`, `rollback`, `stop`. A policy that diverges (a learning
+    rate far too high, an update that wrecked the weights) shows it here first: its entropy falls in one update."""
     fraction: float = Field(0.1, gt=0, lt=1)
     """The check fires when the mean per-token entropy (`entropy`) falls below this fraction of the median of the
-    last `health.window` steps'."""
+    last `health.window` steps' (judged from the second step on): a collapse, sudden or over a few steps."""
+    sudden: float = Field(0.5, gt=0, lt=1)
+    """It fires too when the entropy falls below this fraction of the median of the last 3 steps' (from the second
+    step on): one update that threw the policy off (a healthy run's entropy falls a few percent a step)."""
 
 
 class RewardCheck(_Section):
@@ -671,7 +684,8 @@ class HealthConfig(_Section):
     window: int = Field(20, ge=1)
     """Steps in the running medians the gradient norm, entropy and reward are judged against."""
     min_history: int = Field(5, ge=1)
-    """Steps of history those checks wait for before they judge (the first steps vary most)."""
+    """Steps of history the reward check waits for before it judges (a small reward varies most); the gradient
+    norm and the entropy judge from the second step on."""
     max_rollbacks: int = Field(3, ge=0)
     """Rollbacks a run may make before the next stops it; one check firing again at the step it rolled back from
     stops the run at once (the same cause twice)."""

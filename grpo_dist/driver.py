@@ -129,6 +129,8 @@ def run_steps(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint, c
         sink.event("end", step, "finished")
     except BaseException as stop:  # an error, Ctrl-C or SIGTERM (raised as KeyboardInterrupt by the command line)
         why = "interrupted" if isinstance(stop, KeyboardInterrupt) else first_line(stop)
+        for message in cluster.faults.take_messages():  # printed in the step that stopped, not yet in the history
+            sink.event("fault", step + 1, message)
         sink.event("end", step, f"stopped ({why})")
         if isinstance(stop, KeyboardInterrupt) and step > 0:
             checkpoint_at_stop(cfg, run, cluster, step, *at_step_start)

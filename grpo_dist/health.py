@@ -2,9 +2,20 @@
 
 A check looks at one step's metrics against a bound (`health.kl.max`) or against the run's recent history (the
 median of the last `health.window` steps' gradient norms, entropies, rewards). What it finds is an `Event` naming
-the check, the step, the figures and the action the config gives it (`health.<check>.action`); the driver carries
-the action out (`grpo_dist.recovery.roll_back` for a rollback). The guard's history and counts travel in each
-checkpoint, so a resumed run judges as the uninterrupted one would.
+the check, the step, what it means (a diagnosis: divergence, a reward collapse, ...), the figures and the action
+the config gives it (`health.<check>.action`); the driver carries the action out (`grpo_dist.recovery.judge_step`).
+
+The defaults were chosen from `benchmarks/guard.py`, which runs every shipped CPU recipe and an injected cause for
+each check: silent on the healthy runs, each cause caught within three steps and named. Two lessons shaped them:
+- In GRPO the gradient norm jumps when a group first gets signal, the moment the policy starts to learn (13x its
+  median in the quick start), and clipping at `learner.max_grad_norm` already bounds what such a step does: a spike
+  alone warns, and only three orders of magnitude count as one.
+- A policy that diverges shows it at once: its entropy falls to near zero in one update (at learning rate 50 from
+  2.69 to 0 at the second step). The entropy and gradient-norm checks therefore judge from the run's second step,
+  against whatever history there is; only the reward, noisy while it is small, waits for `health.min_history`.
+
+A figure that fires its check does not join that check's history: the baseline stays the healthy one, and a
+collapse that persists keeps being reported.
 """
 
 from __future__ import annotations
@@ -20,6 +31,20 @@ SEVERITY = {"off": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
 """When several checks fire at one step, the most severe action is taken."""
 HISTORIES = {"grad_norm": "grad_norm", "entropy": "entropy", "reward": "reward/mean"}
 """The checks judged against the run's recent history, and the metric each keeps."""
+RECENT = 3
+"""Steps in the median the entropy's sudden fall (`health.entropy.sudden`) is judged against."""
+FROM_FIRST_STEP = ("grad_norm", "entropy")
+"""The history checks that judge from the run's second step on (one step of history); the reward waits for
+`health.min_history`."""
+DIAGNOSES = {
+    "nonfinite": "non-finite values",
+    "grad_norm": "a gradient spike",
+    "kl": "divergence from the reference",
+    "logprob_gap": "engines and learner apart",
+    "entropy": "divergence (entropy collapse)",
+    "reward": "reward collapse",
+}
+"""What each check's firing means, named first in every line it prints."""
 COUNTED = {"warn": "warnings", "skip": "skipped", "rollback": "rollbacks"}
 """Each counted action, and its `health/*` counter."""
 COUNTS = tuple(COUNTED.values())
@@ -38,12 +63,12 @@ class Event:
         return f"step {self.step}: {self.what()}"
 
     def what(self) -> str:
-        return f"{self.figures} (health.{self.check})"
+        return f"{DIAGNOSES[self.check]}: {self.figures} (health.{self.check})"
 
 
 class Guard:
     """The checks of `health` and the history they judge against. `check(step, metrics)` returns the step's events
-    (empty: healthy); `record(step, metrics)` adds a step that stands to the history."""
+    (empty: healthy); `record(metrics, events)` adds a step that stands to the history."""
 
     def __init__(self, cfg: HealthConfig, clip: float = 0.0) -> None:
         self.cfg = cfg
@@ -72,26 +97,42 @@ class Guard:
         if (gap := metrics.get("logprob_gap")) is not None and gap > cfg.logprob_gap.max:
             figures = f"learner/engine log-prob gap {gap:.4g} per token > {cfg.logprob_gap.max:g}"
             yield Event(step, "logprob_gap", cfg.logprob_gap.action, figures)
-        for check, name in (("entropy", "entropy"), ("reward", "mean reward")):
-            value, median, fraction = metrics.get(HISTORIES[check]), self._median(check), getattr(cfg, check).fraction
-            if value is not None and median is not None and median > 0 and value < fraction * median:
-                figures = self._against(check, name, value, median, f"{fraction:g}x")
-                yield Event(step, check, getattr(cfg, check).action, figures)
+        yield from self._collapses(step, metrics)
 
-    def _median(self, check: str) -> float | None:
-        """The median of the check's recent history, once there is enough of it."""
-        values = self.history[check][-self.cfg.window :]
-        return statistics.median(values) if len(values) >= self.cfg.min_history else None
+    def _collapses(self, step: int, metrics: dict[str, float]):
+        """The entropy against the median of the window (`fraction`) and of the last `RECENT` steps (`sudden`), the
+        reward against the window's: one event per check at most."""
+        cfg = self.cfg
+        for check, name, bounds in (
+            ("entropy", "entropy", ((cfg.entropy.fraction, cfg.window), (cfg.entropy.sudden, RECENT))),
+            ("reward", "mean reward", ((cfg.reward.fraction, cfg.window),)),
+        ):
+            value = metrics.get(HISTORIES[check])
+            for fraction, window in bounds if value is not None else ():
+                median = self._median(check, window)
+                if median is not None and median > 0 and value < fraction * median:
+                    figures = self._against(check, name, value, median, f"{fraction:g}x", window)
+                    yield Event(step, check, getattr(cfg, check).action, figures)
+                    break
 
-    def _against(self, check: str, name: str, value: float, median: float, bound: str) -> str:
-        window = min(len(self.history[check]), self.cfg.window)
-        return f"{name} {value:.4g} against a median of {median:.4g} over the last {window} steps (bound {bound})"
+    def _median(self, check: str, window: int | None = None) -> float | None:
+        """The median of the check's last `window` values (default `health.window`), once there are enough."""
+        values = self.history[check][-(window or self.cfg.window) :]
+        enough = 1 if check in FROM_FIRST_STEP else self.cfg.min_history
+        return statistics.median(values) if len(values) >= enough else None
 
-    def record(self, metrics: dict[str, float]) -> None:
-        """A step that stands (logged): its figures join the history, when finite."""
+    def _against(self, check: str, name: str, value: float, median: float, bound: str, window: int = 0) -> str:
+        steps = min(len(self.history[check]), window or self.cfg.window)
+        over = "the last step" if steps == 1 else f"the last {steps} steps"
+        return f"{name} {value:.4g} against a median of {median:.4g} over {over} (bound {bound})"
+
+    def record(self, metrics: dict[str, float], events: list[Event] = ()) -> None:
+        """A step that stands (logged): its figures join the history, when finite, except those of a check that
+        fired on them (an unhealthy figure sets no baseline)."""
+        fired = {event.check for event in events}
         for check, key in HISTORIES.items():
             value = metrics.get(key)
-            if check == "grad_norm" and value == 0:  # a step without signal (every advantage 0) sets no baseline
+            if check in fired or check == "grad_norm" and value == 0:  # a step without signal sets no baseline
                 continue
             if value is not None and math.isfinite(value):
                 self.history[check] = (self.history[check] + [value])[-self.cfg.window :]

@@ -7,7 +7,9 @@ sampler from before it, the driver's random generators, the divergence guard's h
 learner's DeepSpeed state it is all a resumed run needs to match the uninterrupted one step for step.
 
 A step the divergence guard (`grpo_dist.health`) finds unhealthy is acted on here (`judge_step`): warned of, its
-update dropped, the run stopped, or the learner and generators rolled back to the latest checkpoint (`roll_back`).
+update dropped, the run stopped, or the learner and generators rolled back to the latest checkpoint (`roll_back`),
+unless no rollback can be made (`why_no_rollback`: the same cause twice, too many, or nothing to go back to short
+of throwing the run's progress away), when the run stops saying why.
 """
 
 from __future__ import annotations
@@ -155,38 +157,65 @@ def judge_step(
     for message in cluster.faults.take_messages():
         sink.event("fault", step, message)
     events = guard.check(step, metrics)
+    worst = events[0] if events else None
+    cannot = why_no_rollback(cfg, run, sink, guard, worst) if worst and worst.action == "rollback" else ""
     for event in events:
-        said = f"{event.what()}: {WHAT_IS_DONE[event.action]}"
+        said = f"{event.what()}: {'stopping' if cannot and event is worst else WHAT_IS_DONE[event.action]}"
         tqdm.write(f"health: step {step}: {said}")
         sink.event("health", step, said)
         sink.alert(f"grpo-dist {cfg.run.name}: health.{event.check}", f"step {step}: {said}")
-    worst = events[0] if events else None
+    if cannot:
+        raise RunFailed(f"health: {worst}{cannot}")
     if worst is not None and worst.action == "stop":
         raise RunFailed(f"health: {worst}; stopped (health.{worst.check}.action: stop)")
     if worst is not None and worst.action == "rollback":
         return roll_back(cfg, run, cluster, rollouts, sink, guard, worst)
     for event in events:
         guard.count(event.action)
-    guard.record(metrics)
+    guard.record(metrics, events)
     return None
+
+
+UNDONE_AT_MOST = 2
+"""Before a run's first checkpoint, a rollback goes back to the initial model only from one of its first steps:
+it then undoes the update that showed in the step that fired, and little else. Later it would throw away every step
+so far, which no rollback can restore: the run stops instead, saying so."""
+
+
+def why_no_rollback(cfg: Config, run: RunStore, sink: MetricsSink, guard: Guard, event: Event) -> str:
+    """Why a rollback for `event` cannot be made (the run stops instead), in words to follow the event; empty when
+    it can."""
+    if guard.again(event):
+        return f", again after rolling back from step {event.step}: the same cause twice"
+    if guard.counts["rollbacks"] >= cfg.health.max_rollbacks:
+        return f"; the run already rolled back {cfg.health.max_rollbacks} times (health.max_rollbacks)"
+    if checkpoints.has_latest(run):
+        return ""
+    if sink.first_step > 0:  # resumed from another run's checkpoint: the initial model is not this run's past
+        return (
+            f"; this run has written no checkpoint since it resumed at step {sink.first_step}, so there is nothing "
+            "of its own to roll back to (checkpoint.every_steps)"
+        )
+    if event.step > UNDONE_AT_MOST:
+        every = cfg.checkpoint.every_steps
+        due = f"the first is due at step {every}" if every else "none are written"
+        return (
+            f"; no checkpoint to roll back to yet ({due}: checkpoint.every_steps), and going back to the initial "
+            f"model would throw away steps 1-{event.step - 1}: stopped instead (the policy is saved in interrupted/)"
+        )
+    return ""
 
 
 def roll_back(
     cfg: Config, run: RunStore, cluster: Cluster, rollouts: RolloutQueue, sink: MetricsSink, guard: Guard,
     event: Event,
 ) -> int:  # fmt: skip
-    """The learner and the generators back to the latest checkpoint (or the initial model, before the first of a
-    run that started from it; a run resumed from another run's checkpoint with none of its own yet stops), the
-    batches trained since skipped (the sampler stays past them; a batch drawn ahead is put back), the metrics back
-    to that step, the learning rate times `health.rollback_lr_factor`. The checkpoint is written again with the
-    sampler past the skipped batches, so that a resumed run does not train on them either. Returns the step."""
+    """The learner and the generators back to the latest checkpoint (or the initial model, from one of the run's
+    first steps before it has one: `why_no_rollback` says when a rollback cannot be made), the batches trained since
+    skipped (the sampler stays past them; a batch drawn ahead is put back), the metrics back to that step, the
+    learning rate times `health.rollback_lr_factor`. The checkpoint is written again with the sampler past the
+    skipped batches, so that a resumed run does not train on them either. Returns the step."""
     health = cfg.health
-    if guard.again(event):
-        raise RunFailed(f"health: {event}, again after rolling back from step {event.step}: the same cause twice")
-    if guard.counts["rollbacks"] >= health.max_rollbacks:
-        raise RunFailed(
-            f"health: {event}; the run already rolled back {health.max_rollbacks} times (health.max_rollbacks)"
-        )
     started = time.monotonic()
     rollouts.put_back_ahead()
     if checkpoints.has_latest(run):
@@ -195,14 +224,10 @@ def roll_back(
         checkpoints.load_learner(cluster.learner, checkpoint, state["step"])
         cluster.sync_weights()
         to_step, history = state["step"], state.get("health", {}).get("history")
-    elif sink.first_step > 0:  # resumed from another run's checkpoint: the initial model is not this run's past
-        raise RunFailed(
-            f"health: {event}; this run has written no checkpoint since it resumed at step {sink.first_step}, so "
-            "there is nothing of its own to roll back to (checkpoint.every_steps)"
-        )
+        back_to = f"the checkpoint of step {to_step}"
     else:
         cluster.back_to_initial_model()
-        to_step, history = 0, None
+        to_step, history, back_to = 0, None, "the initial model (step 0: no checkpoint yet)"
     lowered = ""
     if health.rollback_lr_factor != 1:
         rate = cluster.learner.call("scale_lr", health.rollback_lr_factor)[0]
@@ -210,10 +235,11 @@ def roll_back(
     sink.rewind(to_step)
     guard.rolled_back(event, history)
     cluster.faults.count("rollbacks")
-    skipped = f"step {event.step}" if to_step + 1 == event.step else f"steps {to_step + 1}-{event.step}"
-    said = f"rolled back to step {to_step} in {time.monotonic() - started:.1f} s: the batches of {skipped} skipped"
-    tqdm.write(f"health: {said}{lowered}")
-    sink.event("health", event.step, f"{said}{lowered}")
+    undone = event.step - to_step
+    skipped = f"step {event.step}" if undone == 1 else f"steps {to_step + 1}-{event.step} ({undone} steps undone)"
+    said = f"rolled back to {back_to} in {time.monotonic() - started:.1f} s: the batches of {skipped} skipped{lowered}"
+    tqdm.write(f"health: {said}")
+    sink.event("health", event.step, said)
     if to_step > 0:
         checkpoints.save(cfg, run, cluster, to_step, run_state(rollouts, sink, guard))
     return to_step

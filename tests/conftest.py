@@ -165,8 +165,9 @@ def small_config(tmp_path: Path, **sections) -> dict:
     return raw
 
 
-LONGEST = ("test_resume", "test_faults", "test_overlap", "test_checkpoint_safety", "test_storage", "test_agents",
-           "test_watching", "test_learner", "test_submit", "test_recipes", "test_readme", "test_loop")  # fmt: skip
+LONGEST = ("test_resume", "test_faults", "test_learning", "test_overlap", "test_checkpoint_safety", "test_storage",
+           "test_agents", "test_watching", "test_learner", "test_submit", "test_recipes", "test_readme",
+           "test_loop")  # fmt: skip
 """The modules whose tests take longest together, longest first (16.5 to 2 minutes each on 2 cores: `make test`'s
 durations, summed by module): started first, they leave the short modules to fill in at the end. The Makefile turns
 off pytest-xdist's own order (most tests first), which would put these behind modules of many short tests."""

@@ -10,15 +10,20 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from conftest import small_config
 from test_resume import rows, training
 
-from grpo_dist.config import HealthConfig, validate_config
+from grpo_dist.config import ConfigError, HealthConfig, load_config, validate_config
 from grpo_dist.faults import DROP_WEIGHTS, SCALE_LOSS, SCALE_LR, StepFactors
-from grpo_dist.health import Guard
+from grpo_dist.health import Event, Guard
+from grpo_dist.recovery import why_no_rollback
+from grpo_dist.run_dir import open_run
 
 
 def guard_with(history: dict[str, list[float]], **settings) -> Guard:
@@ -38,12 +43,12 @@ HEALTHY = {"loss": 0.1, "grad_norm": 2.5, "entropy": 1.9, "reward/mean": 0.5, "k
         pytest.param({"loss": math.nan}, "nonfinite", "skip", "loss nan", id="nan-loss"),
         pytest.param({"grad_norm": math.inf}, "nonfinite", "skip", "gradient norm inf", id="inf-grad"),
         pytest.param({"learner/skipped": 1.0}, "nonfinite", "skip", "loss 0.1", id="dropped-by-the-optimizer"),
-        # median of [1, 2, 3] = 2; 10 x 2 = 20 < 21
-        pytest.param({"grad_norm": 21.0}, "grad_norm", "rollback", "gradient norm 21 against a median of 2", id="up"),
+        # median of [1, 2, 3] = 2; 1000 x 2 = 2000 < 2001
+        pytest.param({"grad_norm": 2001.0}, "grad_norm", "warn", "gradient norm 2001 against a median of 2", id="up"),
         pytest.param({"kl": 1.5}, "kl", "warn", "KL to the reference 1.5 > 1", id="kl"),
         pytest.param({"logprob_gap": 1.2}, "logprob_gap", "warn", "log-prob gap 1.2 per token > 1", id="gap"),
         # median 2; 0.1 x 2 = 0.2 > 0.19
-        pytest.param({"entropy": 0.19}, "entropy", "warn", "entropy 0.19 against a median of 2", id="entropy"),
+        pytest.param({"entropy": 0.19}, "entropy", "rollback", "entropy 0.19 against a median of 2", id="entropy"),
         # median 0.5; 0.25 x 0.5 = 0.125 > 0.1
         pytest.param({"reward/mean": 0.1}, "reward", "warn", "mean reward 0.1 against a median of 0.5", id="reward"),
     ],
@@ -56,9 +61,21 @@ def test_each_check_fires_past_its_bound_with_its_default_action(changed, check,
     assert figures in event.figures, event.figures
 
 
+def test_a_gradient_spike_at_the_moment_of_learning_is_silent_and_three_orders_of_magnitude_warn():
+    """The quick start at seed 0 (`benchmarks/guard.py`): the norm hovers about 0.44, then 4.94 at step 44 as
+    groups first get signal (11x): silent, and the norm is over the clip. 1000x the median warns only."""
+    guard = Guard(HealthConfig(), clip=1.0)
+    for norm in (0.45, 0.42, 0.44, 0.47, 0.43):
+        guard.record({"grad_norm": norm})
+    assert guard.check(44, {"loss": 0.0, "grad_norm": 4.94}) == []
+    (event,) = guard.check(44, {"loss": 0.0, "grad_norm": 445.0})  # median 0.44; 1000 x 0.44 = 440 < 445
+    assert (event.check, event.action) == ("grad_norm", "warn")
+    assert event.what().startswith("a gradient spike: gradient norm 445 against a median of 0.44")
+
+
 def test_a_spike_must_also_pass_the_clip_and_steps_without_signal_set_no_baseline():
     """A run whose first steps had every advantage 0 (gradient norm 0) and then one with a signal: no spike."""
-    guard = Guard(HealthConfig(min_history=3), clip=1.0)
+    guard = Guard(HealthConfig(grad_norm={"factor": 10.0}), clip=1.0)
     for _ in range(5):
         guard.record({"grad_norm": 0.0})
     assert guard.check(6, {"loss": 0.0, "grad_norm": 0.66}) == []  # no history: the zeros are not one
@@ -69,31 +86,115 @@ def test_a_spike_must_also_pass_the_clip_and_steps_without_signal_set_no_baselin
     assert [event.check for event in guard.check(9, {"loss": 0.0, "grad_norm": 1.5})] == ["grad_norm"]
 
 
-def test_the_history_is_judged_only_once_it_is_long_enough_and_only_while_the_reward_median_is_positive():
-    short = guard_with({"grad_norm": [1.0, 1.0]})  # 2 steps < min_history 3
-    assert short.check(3, {"loss": 0.0, "grad_norm": 1000.0}) == []
+def test_a_diverging_policy_is_named_at_the_second_step_and_the_reward_waits_for_its_history():
+    """Learning rate 50 from the start (the quick start, `benchmarks/guard.py`): step 1's update wrecks the weights,
+    and step 2's entropy is 0 against step 1's 2.69, reward and gradient norm 0. One step of history is enough for
+    the entropy and the gradient norm; the reward, noisy while small, waits for `min_history` steps."""
+    guard = Guard(HealthConfig(), clip=1.0)
+    assert guard.check(1, {"loss": 0.0, "grad_norm": 1.55, "entropy": 2.69, "reward/mean": 0.098}) == []
+    guard.record({"loss": 0.0, "grad_norm": 1.55, "entropy": 2.69, "reward/mean": 0.098})
+    (event,) = guard.check(2, {"loss": 0.0, "grad_norm": 0.0, "entropy": 0.0, "reward/mean": 0.0})
+    assert (event.check, event.action) == ("entropy", "rollback")
+    assert str(event) == (
+        "step 2: divergence (entropy collapse): entropy 0 against a median of 2.69 over the last step (bound 0.1x) "
+        "(health.entropy)"
+    )
+    short = guard_with({"reward/mean": [0.5, 0.5]})  # 2 steps < min_history 3
+    assert short.check(3, {"loss": 0.0, "reward/mean": 0.0}) == []
     negative = guard_with({"reward/mean": [-0.5, -0.4, -0.6]})
     assert negative.check(4, {"loss": 0.0, "grad_norm": 1.0, "reward/mean": -3.0}) == []
-    windowed = guard_with({"grad_norm": [100.0, 100.0, 1.0, 1.0, 1.0]}, window=3)  # the 100s fell out of the window
-    assert [event.check for event in windowed.check(6, {"loss": 0.0, "grad_norm": 11.0})] == ["grad_norm"]
+    windowed = guard_with({"grad_norm": [1e5, 1e5, 1.0, 1.0, 1.0]}, window=3)  # the 1e5s fell out of the window
+    assert [event.check for event in windowed.check(6, {"loss": 0.0, "grad_norm": 1001.0})] == ["grad_norm"]
+
+
+def test_one_update_that_throws_the_policy_off_is_named_and_a_healthy_fall_is_not():
+    """Step 6 of the quick start trained at 300x its learning rate (`benchmarks/guard.py`'s lr_spike): step 7's
+    entropy is 1.035 after 2.55, 2.54, 2.52, under half the last 3 steps' median though far above a tenth of the
+    window's. The steepest fall of the quick start's healthy runs, at the moment of learning, is 0.82x that median."""
+    guard = Guard(HealthConfig(), clip=1.0)
+    for entropy in (2.69, 2.66, 2.59, 2.55, 2.54, 2.52):
+        guard.record({"grad_norm": 0.5, "entropy": entropy, "reward/mean": 0.13})
+    healthy = {"loss": 0.0, "grad_norm": 0.5, "entropy": 0.82 * 2.54, "reward/mean": 0.13}
+    assert guard.check(7, healthy) == []
+    (event,) = guard.check(7, {**healthy, "entropy": 1.035})
+    assert (event.check, event.action) == ("entropy", "rollback")
+    assert event.figures == "entropy 1.035 against a median of 2.54 over the last 3 steps (bound 0.5x)"
+
+
+TRACES = json.loads((Path(__file__).parent / "guard_traces.json").read_text())
+"""Every healthy run of `benchmarks/guard.py` (each shipped CPU recipe with its defaults, the quick start at seeds
+0-4): the figures the guard read at each step (`--traces`)."""
+
+
+@pytest.mark.parametrize("recipe", sorted(TRACES))
+def test_the_defaults_are_silent_on_every_shipped_recipes_recorded_healthy_run(recipe):
+    guard = Guard(HealthConfig(), clip=1.0)  # every recipe's learner.max_grad_norm
+    for step, metrics in enumerate(TRACES[recipe], start=1):
+        events = guard.check(step, metrics)
+        assert events == [], (recipe, step, [str(event) for event in events])
+        guard.record(metrics, events)
+    assert len(guard.history["entropy"]) == min(len(TRACES[recipe]), guard.cfg.window)
+
+
+def test_a_figure_that_fires_sets_no_baseline_so_a_collapse_that_persists_keeps_firing():
+    guard = guard_with(STEADY, entropy={"action": "warn"})
+    for step in (4, 5, 6):
+        collapsed = {**HEALTHY, "entropy": 0.01}
+        events = guard.check(step, collapsed)
+        assert [event.check for event in events] == ["entropy"], step
+        guard.record(collapsed, events)
+    assert guard.history["entropy"] == [2.0, 2.0, 2.0]
+    assert guard.history["grad_norm"] == [1.0, 2.0, 3.0, 2.5, 2.5, 2.5]  # the checks that did not fire took theirs
 
 
 def test_the_most_severe_action_comes_first_and_off_is_silent():
     guard = guard_with(STEADY, kl={"action": "off"})
-    events = guard.check(4, {**HEALTHY, "kl": 5.0, "grad_norm": 100.0, "entropy": 0.01})
-    assert [(event.check, event.action) for event in events] == [("grad_norm", "rollback"), ("entropy", "warn")]
+    events = guard.check(4, {**HEALTHY, "kl": 5.0, "grad_norm": 5000.0, "entropy": 0.01})
+    assert [(event.check, event.action) for event in events] == [("entropy", "rollback"), ("grad_norm", "warn")]
+
+
+def test_off_as_yaml_reads_it_turns_a_check_off(tmp_path):
+    """YAML reads a bare `off` as false: in a config file and in a dotted override it still means the action."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(small_config(tmp_path)) + "health:\n  entropy: {action: off}\n")
+    cfg = load_config(path, ["health.grad_norm.action=off"])
+    assert (cfg.health.entropy.action, cfg.health.grad_norm.action) == ("off", "off")
+    with pytest.raises(ConfigError, match="health.kl.action"):
+        load_config(path, ["health.kl.action=true"])
 
 
 def test_a_rollback_restores_the_checkpoints_history_and_remembers_the_cause_across_a_checkpoint():
     guard = guard_with(STEADY)
-    (event,) = guard.check(4, {**HEALTHY, "grad_norm": 50.0})
+    (event,) = guard.check(4, {**HEALTHY, "entropy": 0.01})
     assert not guard.again(event)
     guard.rolled_back(event, {"grad_norm": [1.0], "entropy": [], "reward/mean": []})
     assert guard.history["grad_norm"] == [1.0]
     resumed = Guard(HealthConfig(min_history=3))
     resumed.load_state_dict(guard.state_dict())
     assert resumed.again(event) and resumed.metrics()["health/rollbacks"] == 1.0
-    assert not resumed.again(type(event)(5, "grad_norm", "rollback", ""))  # another step: not the same cause
+    assert not resumed.again(type(event)(5, "entropy", "rollback", ""))  # another step: not the same cause
+
+
+@pytest.mark.parametrize(
+    ("step", "said"),
+    [
+        pytest.param(2, "", id="step-2-back-to-the-initial-model"),
+        pytest.param(
+            30, "; no checkpoint to roll back to yet (the first is due at step 50: checkpoint.every_steps), and going"
+            " back to the initial model would throw away steps 1-29: stopped instead (the policy is saved in"
+            " interrupted/)", id="step-30-stops",
+        ),
+    ],
+)  # fmt: skip
+def test_before_the_first_checkpoint_a_rollback_undoes_one_of_the_first_steps_only(tmp_path, step, said):
+    cfg, run = open_run(validate_config(small_config(tmp_path, checkpoint={"every_steps": 50})))
+    guard = guard_with(STEADY)
+    event = Event(step, "entropy", "rollback", "entropy 0 against a median of 2")
+    assert why_no_rollback(cfg, run, SimpleNamespace(first_step=0), guard, event) == said
+    guard.rolled_back(event, None)
+    assert why_no_rollback(cfg, run, SimpleNamespace(first_step=0), guard, event) == (
+        f", again after rolling back from step {step}: the same cause twice"
+    )
 
 
 def test_skip_is_an_action_of_the_nonfinite_check_only(tmp_path):
@@ -141,7 +242,7 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
 
     monkeypatch.setenv(SCALE_LOSS, "3:nan,6:1e6:once")
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, health_run(tmp_path, 8)) as run:
+    with training(tmp_path, health_run(tmp_path, 8, grad_norm={"factor": 1000.0, "action": "rollback"})) as run:
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
     logged = rows(run_dir)
@@ -155,9 +256,10 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     health = [line for line in output.splitlines() if line.startswith("health: ")]
     print("\n".join(health))
     assert len(health) == 3, health  # the drop, the spike, the rollback
-    assert health[0].startswith("health: step 3: loss") and health[0].endswith("the update was dropped")
-    assert health[1].startswith("health: step 6: gradient norm") and health[1].endswith("rolling back")
-    assert health[2].startswith("health: rolled back to step 5") and "the batches of step 6 skipped" in health[2]
+    assert health[0].startswith("health: step 3: non-finite values: loss") and health[0].endswith("dropped")
+    assert health[1].startswith("health: step 6: a gradient spike: gradient norm") and health[1].endswith("back")
+    assert health[2].startswith("health: rolled back to the checkpoint of step 5 in ")
+    assert health[2].endswith(": the batches of step 6 skipped")
     assert all(torch.isfinite(tensor).all() for tensor in final_weights(run_dir).values())
     # `grpo-dist status` reads the same from the run's files as the run printed last.
     shown = subprocess.run([sys.executable, "-m", "grpo_dist", "status", str(run_dir)], capture_output=True, text=True)
@@ -187,21 +289,23 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
 
 @pytest.mark.slow
 def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and_figures(tmp_path, monkeypatch):
-    """Without checkpoints, the rollback goes back to the initial model (steps 1 and 2 trained again), where step 3
-    spikes again."""
-    monkeypatch.setenv(SCALE_LOSS, "3:1e6")  # every time step 3 is trained
+    """Without checkpoints, a rollback from step 2 goes back to the initial model (steps 1 and 2 trained again),
+    where step 2 spikes again."""
+    monkeypatch.setenv(SCALE_LOSS, "2:1e6")  # every time step 2 is trained
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, health_run(tmp_path, 5, every_steps=0)) as run:
+    raw = health_run(tmp_path, 5, every_steps=0, grad_norm={"factor": 1000.0, "action": "rollback"})
+    with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
-    assert [row["step"] for row in rows(run_dir)] == [1, 2]
-    assert "health: rolled back to step 0 in" in output and "the batches of steps 1-3 skipped" in output
-    assert len(re.findall(r"^step +2/5 ", output, re.M)) == 2  # trained again from the initial model
+    assert [row["step"] for row in rows(run_dir)] == [1]
+    rolled = "health: rolled back to the initial model (step 0: no checkpoint yet) in "
+    assert rolled in output and "the batches of steps 1-2 (2 steps undone) skipped" in output
+    assert len(re.findall(r"^step +1/5 ", output, re.M)) == 2  # trained again from the initial model
     stop = next(line for line in output.splitlines() if "the same cause twice" in line)
-    assert "step 3: gradient norm" in stop and "(health.grad_norm)" in stop, stop
+    assert "step 2: a gradient spike: gradient norm" in stop and "(health.grad_norm)" in stop, stop
     assert (run_dir / "interrupted").is_dir()
     print(stop)
-    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
 
 
 @pytest.mark.slow

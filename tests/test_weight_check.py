@@ -7,8 +7,8 @@ import pytest
 from conftest import small_config
 
 from grpo_dist.config import validate_config
-from grpo_dist.faults import DROP_WEIGHTS, drops_weights
-from grpo_dist.weight_check import WeightCheck, max_gap, probe_tokens
+from grpo_dist.faults import DROP_WEIGHTS, Bound, drops_weights
+from grpo_dist.weight_check import Probe, WeightCheck, max_gap, probe_tokens
 
 
 def test_the_probe_is_the_first_prompts_joined_and_cut_to_the_engines_length(tmp_path):
@@ -43,3 +43,39 @@ def test_the_hook_drops_the_listed_versions_once_or_every_time(monkeypatch):
     assert [drops_weights(version, dropped) for version in (1, 2, 2, 3, 4, 4)] == [0, 1, 0, 0, 1, 1]
     monkeypatch.delenv(DROP_WEIGHTS)
     assert not drops_weights(4, set())
+
+
+@pytest.mark.parametrize(
+    ("gaps", "moved", "mismatch"),
+    [
+        pytest.param([2e-7], None, False, id="a-healthy-float32-sync"),
+        pytest.param([2e-3], None, True, id="the-first-check-has-the-bound-alone"),
+        # the learner moved 12 per token in one update (learning rate 50); 0.0086 < 0.1 x 12: float32 on large logits
+        pytest.param([2e-7, 0.0086], 12.0, False, id="a-diverging-policy-is-not-the-engines-fault"),
+        # an engine that kept the weights it had is as far as the update moved: 0.05 > 0.1 x 0.05
+        pytest.param([0.05, 1e-7], 0.05, True, id="an-engine-that-missed-the-update"),
+        # the initial weights served at version 2: twice the last update's move away
+        pytest.param([0.08], 0.04, True, id="an-engine-back-at-the-initial-weights"),
+    ],
+)
+def test_a_gap_is_a_mismatch_over_the_bound_and_a_tenth_of_the_learners_own_move(gaps, moved, mismatch):
+    probe = Probe(gaps, expected=[-1.0], moved=moved)
+    assert probe.mismatch(1e-3) is mismatch
+    assert probe.gaps[probe.worst] == max(gaps)
+
+
+def test_each_check_measures_the_move_from_the_last_version_the_engines_were_found_serving():
+    class Learner:
+        def __init__(self) -> None:
+            self.logprobs = [-1.0, -2.0]
+
+        def sequence_logprobs(self, tokens: list[int]) -> list[float]:
+            return self.logprobs
+
+    learner, check = Learner(), WeightCheck([1, 2, 3], 1e-3, Bound(1.0))
+    first = check.probe(learner, [])
+    assert first.moved is None
+    check.passed(first)
+    learner.logprobs = [-1.5, -2.5]  # an update moved each token's log-prob by 0.5
+    assert check.probe(learner, []).moved == 0.5
+    assert check.probe(learner, []).moved == 0.5  # not passed: still measured from the version served
