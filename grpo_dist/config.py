@@ -97,6 +97,14 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _storage_uris_whole(self) -> Config:
+        """A store's URI is printed and joined with keys: it must be one whole URI, which has no blank or quote."""
+        for key, value in (("run.output_dir", self.run.output_dir), ("checkpoint.dir", self.checkpoint.dir or "")):
+            if SCHEME.match(value) and not URI.fullmatch(value):
+                raise ValueError(f"{key}: {shown_uri(value)}: percent-encode it (%20 for a blank, %22 or %27 a quote)")
+        return self
+
+    @model_validator(mode="after")
     def _off_policy_resolved(self) -> Config:
         algorithm, off_policy = self.algorithm, self.rollout.max_staleness >= 1
         if algorithm.old_logprobs == "auto":  # top_p < 1 samples a truncated distribution: every ratio falls below 1
@@ -110,6 +118,18 @@ class Config(_Section):
                 "already taken against the sampling policy (its importance weight) and the clip bounds it; set "
                 "is_cap=null, or old_logprobs=learner for truncated importance sampling"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _jail_settings_from_their_keys(self) -> Config:
+        """`code_tests`'s jail takes its isolation, memory and time budget from the `reward` section alone."""
+        for number, spec in enumerate(self.reward.functions):
+            named = sorted(set(spec.kwargs) & set(JAIL_SETTINGS)) if spec.name in MODEL_CODE_REWARDS else []
+            if named:
+                raise ValueError(
+                    f"reward.functions.{number}.kwargs.{named[0]}: {spec.name}'s jail takes it from "
+                    f"{RESERVED_FIELDS[named[0]]}, not from its kwargs: remove it there and set that key"
+                )
         return self
 
     @model_validator(mode="after")
@@ -300,6 +320,20 @@ MODEL_CODE_REWARDS = ("code_tests",)
 """Built-in rewards that run the model's code, each run jailed (`grpo_dist.rewards.code`)."""
 MODEL_CODE_TOOLS = ("python",)
 """Built-in tools that run the model's code, each call jailed: run by the generator itself, not a tool sandbox."""
+RESERVED_FIELDS = {
+    "isolation": "reward.isolation",
+    "memory_mb": "reward.sandbox_memory_mb",
+    "budget_s": "reward.timeout_s",
+    "timeout_per_test_s": "reward.functions[].kwargs of code_tests",
+}
+"""The names no field of a dataset row may have, each with the config key that sets it: the settings of the jail
+`code_tests` runs the model's code in, which it takes as keyword arguments. A row's fields are passed to the reward
+functions as keyword arguments, and a row must not set how its completions are judged (lift the memory cap, drop
+`require`, stretch the time), so `grpo_dist.inputs` refuses a row that carries one before a run starts, and a reward
+call never passes one on (`grpo_dist.rewards.registry.call_kwargs`)."""
+JAIL_SETTINGS = ("isolation", "memory_mb", "budget_s")
+"""Those of `RESERVED_FIELDS` the reward runner passes `code_tests` from the `reward` section itself: not from a
+reward's kwargs either."""
 
 
 def runs_model_code(rewards: list[str], tools: list[str] = ()) -> bool:
@@ -315,6 +349,8 @@ def uri_join(uri: str, *parts: str) -> str:
 
 URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
 """A URI (`s3://...`, `https://...`) on its own or inside a message, up to the next blank or quote."""
+SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+"""How a URI begins: a value that begins so is read as a URI, whole, even past a blank or a quote."""
 CREDENTIAL_PARAMETER = re.compile(r"key|secret|token|password|passwd|credential|signature|^sig$", re.IGNORECASE)
 """A query parameter whose value is a credential: pyarrow's `access_key`, `secret_key`, `session_token`,
 `access_token`, `account_key`, `sas_token`, `client_secret`; a presigned URL's `X-Amz-Credential`, `X-Amz-Signature`,
@@ -348,9 +384,11 @@ def redact(text: str) -> str:
 
 
 def uri_credentials(value: str) -> list[str]:
-    """What in `value`, when it is a URI, is a credential: a user or password before `@`, and each credential query
-    parameter by name. Empty for a URI without any, and for anything that is not a URI."""
-    if not URI.fullmatch(value):
+    """What in `value`, when it is a URI (it begins with `scheme://`), is a credential: a user or password before
+    `@`, and each credential query parameter by name. Read over the whole value, so a credential holding a character
+    no URI carries (a quote in a password) is found too. Empty for a URI without any, and for anything that is not a
+    URI."""
+    if not SCHEME.match(value):
         return []
     rest = value.partition("://")[2]
     found = ["a user or password before '@'"] if "@" in rest else []
@@ -359,13 +397,22 @@ def uri_credentials(value: str) -> list[str]:
     return found + [f"query parameter {name!r}" for name in names if CREDENTIAL_PARAMETER.search(name)]
 
 
+def shown_uri(value: str) -> str:
+    """`value`, a URI, as a message may show it: redacted; one holding a blank or a quote, where a redaction cannot
+    tell where a credential ends, as its scheme alone."""
+    if URI.fullmatch(value):
+        return redact(value)
+    scheme = value.partition("://")[0]
+    return f"the {scheme}:// URI (not shown: it holds a blank or a quote, which a URI carries only percent-encoded)"
+
+
 def refuse_credentials(value: str, key: str) -> None:
     """Raise `ConfigError` when `value`, given as `key` (a config key, a command-line flag), is a URI carrying
-    credentials; the message shows it redacted."""
+    credentials; the message shows it redacted, or not at all (`shown_uri`)."""
     found = uri_credentials(value)
     if found:
         raise ConfigError(
-            f"{key}: {redact(value)} carries credentials ({', '.join(found)}): remove them; {CREDENTIALS_GO}"
+            f"{key}: {shown_uri(value)} carries credentials ({', '.join(found)}): remove them; {CREDENTIALS_GO}"
         )
 
 
@@ -440,6 +487,8 @@ def _describe(error: dict) -> str:
         return f"{key}: required key is missing"
     value = error.get("input")
     shown = "" if isinstance(value, dict) else f" (got {redact(repr(value))})"
+    if isinstance(value, str) and SCHEME.match(value) and not URI.fullmatch(value):  # a redaction could miss a secret
+        shown = f" (got {shown_uri(value)})"
     return f"{key}: {error['msg']}{shown}"
 
 

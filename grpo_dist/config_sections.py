@@ -4,18 +4,57 @@ no ray."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: a number that is NaN or infinite (`.inf`, `.nan`, `inf` in an override) bounds, weighs and
+    # limits nothing, so every float of a config is finite; `Kwargs` holds the numbers of untyped keyword arguments
+    # to the same rule.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
+
+
+def _non_finite(tree: Any, key: str) -> str | None:
+    """The dotted key (under `key`) of the first number in `tree` that is NaN or infinite, or None."""
+    if isinstance(tree, float):
+        return None if math.isfinite(tree) else key
+    children = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list | tuple) else ()
+    return next((found for name, child in children if (found := _non_finite(child, f"{key}.{name}"))), None)
+
+
+def _finite_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` when every number in them is finite; otherwise a `ValueError` naming the first that is not."""
+    found = _non_finite(kwargs, "kwargs")
+    if found is not None:
+        raise ValueError(f"{found} is not a finite number: every number of a config must be finite")
+    return kwargs
+
+
+Kwargs = Annotated[dict[str, Any], AfterValidator(_finite_kwargs)]
+"""Keyword arguments a config passes on as they are (to a reward function, an environment): any values, every
+number among them finite."""
+
+
+def _one_path_component(name: str) -> str:
+    """`run.name` when it is one plain path component: the run's directory under `run.output_dir`, never above it
+    nor beside another (`.` would be the output directory itself, `../x` a directory outside it)."""
+    if name in ("", ".", "..") or any(character in name for character in "/\\\0"):
+        raise ValueError(
+            "must be one plain path component, the name of the run's directory under run.output_dir: not empty, "
+            "not '.' or '..', and without '/', '\\' or a NUL character; choose a name such as 'grpo-7b'"
+        )
+    return name
 
 
 class RunConfig(_Section):
-    name: str = "grpo"
-    """Run name: the W&B run name and the sub-directory of `output_dir` this run writes to."""
+    name: Annotated[str, AfterValidator(_one_path_component)] = "grpo"
+    """Run name: the W&B run name and the sub-directory of `output_dir` this run writes to (one plain path
+    component: not empty, `.` or `..`, without `/`, `\\` or NUL)."""
     output_dir: str = "outputs"
     """Directory under which `<name>/` holds every file of the run: metrics.jsonl, checkpoints, the final policy
     and the W&B files. A path (with learner ranks on several nodes, one every node mounts at the same path) or an
@@ -222,8 +261,10 @@ class RewardFunctionConfig(_Section):
     function `(prompt, completion, **fields) -> float`."""
     weight: float = 1.0
     """Weight of this function in the combined reward."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments passed on every call."""
+    kwargs: Kwargs = Field(default_factory=dict)
+    """Extra keyword arguments passed on every call; they win over a row's field of the same name. `code_tests`
+    takes `timeout_per_test_s` here; its jail's other settings come from `reward.isolation`,
+    `reward.sandbox_memory_mb` and `reward.timeout_s`."""
 
 
 class JudgeConfig(_Section):
@@ -713,7 +754,7 @@ class EnvironmentConfig(_Section):
     name: str = "tools"
     """The environment each trajectory runs in: `tools` (the plain tool-use loop: tool calls answered by their
     results, done at a turn without one) or the dotted path of your `grpo_dist.agents.Environment` subclass."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: Kwargs = Field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
     tools: list[str] | None = None
     """Tools offered to the model: built-in (`calculator`) or dotted paths of functions; null: the environment's

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_dist import jail
-from grpo_dist.config import Config, ConfigError, EvalSetConfig
+from grpo_dist.config import RESERVED_FIELDS, Config, ConfigError, EvalSetConfig
 from grpo_dist.data import PromptRecord, encode_prompts, split_task
 from grpo_dist.data.sources import read_source
 from grpo_dist.hub import HUB_ID, max_positions, snapshot
@@ -104,6 +104,7 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
             key = "data.eval_path"
         else:
             rows = read_source(spec.path, spec.split, spec.subset, spec.fields or cfg.data.fields, key)
+            check_fields(rows, key, spec.path)
             prompts, _ = encode_prompts(
                 rows,
                 tokenizer,
@@ -321,9 +322,25 @@ def read_prompts(cfg: Config, location: str, tokenizer: Any, held_out: bool = Fa
     data = cfg.data
     split, key = (data.eval_split, "data.eval_path") if held_out else (data.split, "data.path")
     rows = read_source(location, split, data.subset, data.fields, key)
+    check_fields(rows, key, location)
     return encode_prompts(
         rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template, template_tools(cfg)
     )
+
+
+def check_fields(rows: list[dict[str, Any]], key: str, location: str) -> None:
+    """No row of the data at `location` (config key `key`) has a field named as a setting of the jail
+    (`config.RESERVED_FIELDS`): a row's fields are passed to the reward functions as keyword arguments, and a
+    setting belongs to the config. Raises `ConfigError` naming the first such row (its 0-based index) and field."""
+    for index, row in enumerate(rows):
+        reserved = [name for name in RESERVED_FIELDS if name in row]
+        if reserved:
+            raise ConfigError(
+                f"{key}: row {index} (0-based) of {location} has the field {reserved[0]!r}, a name reserved for "
+                f"the config's {RESERVED_FIELDS[reserved[0]]}: a row's fields reach the reward functions as keyword "
+                "arguments, and a row must not set how its completions are judged. Rename or drop that column "
+                f"(reserved names: {', '.join(RESERVED_FIELDS)})"
+            )
 
 
 def template_tools(cfg: Config) -> list[dict] | None:

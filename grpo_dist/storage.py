@@ -35,7 +35,7 @@ import pyarrow
 import pyarrow.fs as pafs
 
 from grpo_dist import manifest
-from grpo_dist.config import ConfigError, redact, uri_credentials, uri_join
+from grpo_dist.config import ConfigError, redact, shown_uri, uri_credentials, uri_join
 
 # The driver's own files of a run directory that are uploaded (the other entries are uploaded by the learner).
 LEARNER_WRITES = ("checkpoints", "final", "interrupted")
@@ -65,7 +65,9 @@ class Store:
             return
         self.where = where
         if found := uri_credentials(where):  # the config refuses them first; this is for any other way in
-            raise StoreError(f"{redact(where)}: carries credentials ({', '.join(found)}); set them in the environment")
+            raise StoreError(
+                f"{shown_uri(where)}: carries credentials ({', '.join(found)}); set them in the environment"
+            )
         try:
             self.fs, root = pafs.FileSystem.from_uri(where)
         except (pyarrow.ArrowException, ValueError, OSError) as err:

@@ -218,3 +218,10 @@ def detaching_reward(prompt: str, completion: str, **_: Any) -> float:
 def flag_reward(prompt: str, completion: str, path: str, **_: Any) -> float:
     """1.0 while the file at `path` exists, 0.0 once a test removes it: a reward that collapses when told to."""
     return float(os.path.exists(path))
+
+
+def fields_seen_reward(prompt: str, completion: str, **fields: Any) -> float:
+    """What a reward is passed: 100 when the row's `answer` reached it, plus 1 for each name of the jail's settings
+    (`config.RESERVED_FIELDS`) that did."""
+    settings = ("isolation", "memory_mb", "budget_s", "timeout_per_test_s")
+    return 100.0 * ("answer" in fields) + sum(name in fields for name in settings)

@@ -66,6 +66,59 @@ def test_every_problem_is_reported_at_once(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "override, key",
+    [
+        pytest.param("reward.timeout_s=.inf", "reward.timeout_s", id="yaml-inf-timeout"),
+        pytest.param("reward.timeout_s=inf", "reward.timeout_s", id="bare-inf-timeout"),
+        pytest.param("algorithm.eps=.nan", "algorithm.eps", id="yaml-nan-eps"),
+        pytest.param("algorithm.eps=nan", "algorithm.eps", id="bare-nan-eps"),
+        pytest.param("reward.functions.1.weight=-.inf", "reward.functions.1.weight", id="minus-inf-weight"),
+        pytest.param("faults.score_timeout_s=.inf", "faults.score_timeout_s", id="inf-bound"),
+        pytest.param("learner.betas=[0.9, .nan]", "learner.betas.1", id="nan-in-a-tuple"),
+        pytest.param("algorithm.is_cap=.inf", "algorithm.is_cap", id="inf-in-a-union"),
+        pytest.param("reward.functions.0.kwargs={scale: [1, .inf]}", "reward.functions.0.kwargs: Value error, "
+                     "kwargs.scale.1 is not a finite number", id="inf-in-kwargs"),
+    ],
+)  # fmt: skip
+def test_a_number_that_is_not_finite_is_refused_naming_its_key(tmp_path, override, key):
+    """`.inf`/`.nan` bound, weigh and limit nothing: refused wherever they are, from a file or an override."""
+    with pytest.raises(ConfigError) as error:
+        load_config(write_config(tmp_path, small_config(tmp_path)), [override])
+    assert f"\n  {key}" in str(error.value) and "finite number" in str(error.value)
+
+
+def test_a_non_finite_number_in_the_file_itself_is_refused(tmp_path):
+    path = write_config(tmp_path, small_config(tmp_path, reward={"timeout_s": float("inf")}))
+    assert "timeout_s: .inf" in path.read_text()  # as YAML writes it
+    with pytest.raises(ConfigError, match=r"reward.timeout_s: Input should be a finite number \(got inf\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../elsewhere", "a/b", "/abs", "a\\b", "a\0b"], ids=["empty", "dot", "dotdot",
+    "parent", "slash", "absolute", "backslash", "nul"]
+)  # fmt: skip
+def test_run_name_must_be_one_plain_path_component(tmp_path, name):
+    with pytest.raises(ConfigError) as error:
+        validate_config(small_config(tmp_path, run={"name": name}))
+    assert "run.name: Value error, must be one plain path component" in str(error.value)
+
+
+def test_a_plain_run_name_is_its_own_directory_under_output_dir(tmp_path):
+    cfg = validate_config(small_config(tmp_path, run={"name": "grpo-7b.v2 run"}))
+    assert cfg.run_dir.parent == tmp_path / "outputs" and cfg.run_dir.name == "grpo-7b.v2 run"
+
+
+@pytest.mark.parametrize("setting, key", [("isolation", "reward.isolation"), ("memory_mb", "reward.sandbox_memory_mb"),
+                                          ("budget_s", "reward.timeout_s")])  # fmt: skip
+def test_the_jail_takes_its_settings_from_the_reward_section_not_kwargs(tmp_path, setting, key):
+    functions = [{"name": "code_tests", "kwargs": {setting: "best_effort", "timeout_per_test_s": 1.0}}]
+    with pytest.raises(ConfigError) as error:
+        validate_config(small_config(tmp_path, reward={"functions": functions}))
+    assert f"reward.functions.0.kwargs.{setting}: code_tests's jail takes it from {key}" in str(error.value)
+
+
+@pytest.mark.parametrize(
     "raw, message",
     [
         pytest.param({"model": {"path": "m"}, "reward": {"functions": [{"name": "math_answer"}]}, "data": {}},

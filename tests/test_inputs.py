@@ -3,6 +3,7 @@ keeps earlier runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -85,6 +86,42 @@ def test_bad_inputs_fail_in_prepare(tmp_path, section, values, message):
     with pytest.raises(ConfigError) as error:
         prepare(cfg)
     assert message in str(error.value)
+
+
+ROWS = [{"prompt": f"{n} {n}:", "answer": str(n)} for n in range(4)]
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("field", ["memory_mb", "isolation", "budget_s", "timeout_per_test_s"])
+def test_a_row_carrying_a_jail_setting_is_refused_naming_the_row_and_field_before_ray_starts(
+    tmp_path, monkeypatch, field
+):
+    """A row's fields reach the rewards as keyword arguments: one named as a setting of the jail (lifting its memory
+    cap, dropping `require`, stretching its time) is refused before anything starts, not passed on."""
+    import ray
+
+    started = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: started.append(args))
+    rows = [dict(row) for row in ROWS]
+    rows[2][field] = {"memory_mb": 1 << 20, "isolation": "best_effort"}.get(field, 1e9)
+    path = write_rows(tmp_path / "train.jsonl", rows)
+    with pytest.raises(ConfigError) as refused:
+        prepare(validate_config(config_with_dataset(tmp_path, path)))
+    assert f"data.path: row 2 (0-based) of {path} has the field {field!r}, a name reserved" in str(refused.value)
+    assert not started
+
+
+def test_an_eval_sets_row_carrying_a_jail_setting_is_refused_naming_its_key(tmp_path):
+    raw = config_with_dataset(tmp_path, write_rows(tmp_path / "train.jsonl", ROWS))
+    held = write_rows(tmp_path / "held.jsonl", [*ROWS[:1], {**ROWS[1], "isolation": "best_effort"}])
+    raw["eval"] = {"sets": [{"name": "held", "path": str(held)}]}
+    with pytest.raises(ConfigError) as refused:
+        prepare(validate_config(raw))
+    assert f"eval.sets.0.path: row 1 (0-based) of {held} has the field 'isolation'" in str(refused.value)
 
 
 def test_a_renamed_prompt_field_is_read(tmp_path):

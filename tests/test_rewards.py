@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_dist.config import RESERVED_FIELDS, RewardConfig, RewardFunctionConfig
 from grpo_dist.rewards import (
     BUILTIN_REWARDS,
     RewardSpec,
@@ -20,6 +21,7 @@ from grpo_dist.rewards import (
     score_one,
     weighted_sum,
 )
+from grpo_dist.rewards.runner import RewardRunner
 from grpo_dist.types import Score, ScoreRequest
 
 FIXTURES = "reward_fixtures"
@@ -243,6 +245,43 @@ def test_spec_kwargs_override_row_fields(executor: concurrent.futures.ThreadPool
         [exact_answer], [1.0], [{"answer": "8"}], "q", "8", {"answer": "7"}, timeout_s=5.0, executor=executor
     )
     assert (scores, errors) == ([1.0], [None])
+
+
+ROW_WITH_SETTINGS = {"answer": "7", "isolation": "best_effort", "memory_mb": 1 << 20, "budget_s": 1e9,
+                     "timeout_per_test_s": 1e9}  # fmt: skip
+"""A row that would lift the jail's memory cap, drop `require` and stretch its time, were its fields passed on."""
+
+
+def test_a_rows_fields_never_set_the_jail_of_code_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jail's settings come from the `reward` section, its per-test time from the config's kwargs (or its own
+    default), never from the row: the call `code_tests` gets is recorded, no jail started."""
+    calls = []
+    monkeypatch.setitem(BUILTIN_REWARDS, "code_tests", lambda prompt, completion, **kwargs: calls.append(kwargs) or 1.0)
+    functions = [RewardFunctionConfig(name="code_tests")]
+    reward = RewardConfig(functions=functions, sandbox=False, isolation="require", sandbox_memory_mb=512, timeout_s=3)
+    runner = RewardRunner(["code_tests"], reward)
+    fields = {"tests": ["assert add(1, 2) == 3"], **ROW_WITH_SETTINGS}
+    try:
+        runner.score([0], [1.0], [{"timeout_per_test_s": 2.0}], "q", "c", fields)
+        runner.score([0], [1.0], [{}], "q", "c", fields)
+    finally:
+        runner.close()
+    settings = {"isolation": "require", "memory_mb": 512, "budget_s": 3.0}
+    assert set(settings) | {"timeout_per_test_s"} == set(RESERVED_FIELDS)
+    row = {"tests": ["assert add(1, 2) == 3"], "answer": "7"}
+    assert calls == [{**row, "timeout_per_test_s": 2.0, **settings}, {**row, **settings}]
+
+
+@pytest.mark.parametrize("sandbox", [True, False], ids=["sandbox", "threads"])
+def test_a_rows_field_named_as_a_setting_never_reaches_a_reward(sandbox: bool) -> None:
+    name = f"{FIXTURES}.fields_seen_reward"
+    reward = RewardConfig(functions=[RewardFunctionConfig(name=name)], sandbox=sandbox, timeout_s=30)
+    runner = RewardRunner([name], reward)
+    try:
+        total, _, errors = runner.score([0], [1.0], [{}], "q", "7", ROW_WITH_SETTINGS)
+    finally:
+        runner.close()
+    assert (total, errors) == (100.0, [None])  # 100: the row's answer reached it; + 0: none of the four settings
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,44 @@ def test_a_uri_with_credentials_is_refused_naming_the_key_without_showing_them(
     assert KEY_ID not in message and SECRET not in message and "bPxRfiCY" not in message
 
 
+@pytest.mark.parametrize(
+    "uri, found",
+    [
+        pytest.param(f"s3://{KEY_ID}:wJal'rXUtn@bucket/runs", "a user or password", id="quote_in_password"),
+        pytest.param(f"s3://{KEY_ID}:wJal\"rXUtn@bucket/runs", "a user or password", id="double_quote_in_password"),
+        pytest.param(f"s3://{KEY_ID}:wJal rXUtn@bucket/runs", "a user or password", id="blank_in_password"),
+        pytest.param("s3://bucket/runs?secret_key=wJal'rXUtn&scheme=http", "query parameter 'secret_key'",
+                     id="quote_in_secret_key"),
+        pytest.param("s3://bucket/my'runs?secret_key=wJalrXUtn", "query parameter 'secret_key'",
+                     id="quote_before_the_query"),
+    ],
+)  # fmt: skip
+def test_a_uri_whose_credentials_hold_a_quote_or_blank_is_refused_without_showing_any_of_it(tmp_path, uri, found):
+    """A redaction ends a URI at a blank or a quote, so past one it would show the rest of a secret: such a URI is
+    refused without being shown at all."""
+    for key, section, field in [("run.output_dir", "run", "output_dir"), ("model.path", "model", "path")]:
+        with pytest.raises(ConfigError) as refused:
+            validate_config(small_config(tmp_path, **{section: {field: uri}}))
+        message = str(refused.value)
+        assert f"{key}: the s3:// URI (not shown: it holds a blank or a quote" in message and found in message
+        assert KEY_ID not in message and "wJal" not in message and "rXUtn" not in message
+    with pytest.raises(StoreError) as refused:
+        Store(uri)
+    assert "carries credentials" in str(refused.value) and "rXUtn" not in str(refused.value)
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/my runs", "s3://bucket/it's"], ids=["blank", "quote"])
+def test_an_object_store_uri_with_a_blank_or_a_quote_is_refused(tmp_path, uri):
+    with pytest.raises(ConfigError, match=r"run.output_dir: the s3:// URI \(not shown: it holds a blank or a quote"):
+        validate_config(small_config(tmp_path, run={"output_dir": uri}))
+
+
+def test_a_flag_whose_credentials_hold_a_quote_is_refused_without_showing_them(capsys):
+    assert main(["train", "CONFIG", "--resume", "s3://bucket/step-1?secret_key=wJal'rXUtn"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: the s3:// URI (not shown" in err and "wJal" not in err and "config file not found" not in err
+
+
 def test_a_uri_with_an_endpoint_but_no_credentials_is_taken(tmp_path):
     uri = "s3://bucket/runs?endpoint_override=127.0.0.1:9000&scheme=http&region=us-east-1"
     assert validate_config(small_config(tmp_path, run={"output_dir": uri})).object_store == uri

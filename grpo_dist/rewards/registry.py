@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_dist.config import RESERVED_FIELDS
 from grpo_dist.rewards.builtin import (
     boxed_format,
     environment,
@@ -59,6 +60,17 @@ class RewardSpec:
     def __post_init__(self) -> None:
         if not math.isfinite(self.weight):
             raise ValueError(f"RewardSpec {self.name!r}: weight must be a finite number, got {self.weight}.")
+
+
+def call_kwargs(
+    fields: dict[str, Any], kwargs: dict[str, Any], settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The keyword arguments of one reward call: the row's `fields`, the config's `kwargs` over them, and the jail's
+    `settings` (`code_tests`: its isolation, memory and time budget) over both. A field named as a setting
+    (`config.RESERVED_FIELDS`) never reaches the call: the input checks refuse such a row before a run starts, and
+    this keeps it from a call all the same."""
+    kept = {name: value for name, value in fields.items() if name not in RESERVED_FIELDS}
+    return {**kept, **kwargs, **(settings or {})}
 
 
 def _unknown_builtin(name: str) -> ValueError:
@@ -166,11 +178,11 @@ def score_one(
 ) -> tuple[float, list[float], list[str | None]]:
     """Score one completion with every function in ``executor``; return ``(combined, scores, errors)``.
 
-    Function ``i`` is called as ``fns[i](prompt, completion, **fields, **kwargs_list[i])`` (its kwargs win over
-    same-named row fields). All calls are submitted at once and each gets ``timeout_s`` seconds from submission,
-    queueing included, so give the executor at least as many threads as calls in flight. A call that raises,
-    times out, exits or returns a non-number or a non-finite one scores NaN, and ``errors[i]`` says why (``None``
-    where function ``i`` succeeded).
+    Function ``i`` is called as ``fns[i](prompt, completion, **call_kwargs(fields, kwargs_list[i]))`` (its kwargs
+    win over same-named row fields; a field named as a setting is dropped). All calls are submitted at once and
+    each gets ``timeout_s`` seconds from submission, queueing included, so give the executor at least as many
+    threads as calls in flight. A call that raises, times out, exits or returns a non-number or a non-finite one
+    scores NaN, and ``errors[i]`` says why (``None`` where function ``i`` succeeded).
     A timed-out call keeps its thread until it returns: Python cannot kill a thread.
     """
     if not len(fns) == len(weights) == len(kwargs_list):
@@ -180,7 +192,7 @@ def score_one(
         )
     deadline = time.monotonic() + timeout_s
     futures = [
-        executor.submit(function, prompt, completion, **{**fields, **kwargs})
+        executor.submit(function, prompt, completion, **call_kwargs(fields, kwargs))
         for function, kwargs in zip(fns, kwargs_list, strict=True)
     ]
     scores, errors = [], []

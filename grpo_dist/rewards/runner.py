@@ -7,7 +7,6 @@ process: each run of the model's code is jailed (`grpo_dist.jail`), and this sid
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,7 +14,7 @@ from typing import Any
 
 from grpo_dist.config import MODEL_CODE_REWARDS, RewardConfig, runs_model_code
 from grpo_dist.rewards.code import MEMORY_MB
-from grpo_dist.rewards.registry import combine, resolve_reward, score_one, to_score
+from grpo_dist.rewards.registry import call_kwargs, combine, resolve_reward, score_one, to_score
 from grpo_dist.sandbox import Limits, Sandbox
 
 log = logging.getLogger("grpo_dist")
@@ -32,13 +31,10 @@ class RewardRunner:
         isolation = reward.isolation
         if isolation == "auto":  # a config validated resolves it; a runner built from a bare RewardConfig does here
             isolation = "require" if runs_model_code(names) else "best_effort"
-        self.jailed = {
-            index: functools.partial(
-                resolve_reward(name), isolation=isolation, memory_mb=min(reward.sandbox_memory_mb, MEMORY_MB)
-            )
-            for index, name in enumerate(names)
-            if name in MODEL_CODE_REWARDS
-        }
+        self.jailed = {index: resolve_reward(name) for index, name in enumerate(names) if name in MODEL_CODE_REWARDS}
+        # The jail's settings (`config.JAIL_SETTINGS`), from the config alone: passed last, over kwargs and fields.
+        memory_mb = min(reward.sandbox_memory_mb, MEMORY_MB)
+        self.jail_settings = {"isolation": isolation, "memory_mb": memory_mb, "budget_s": reward.timeout_s}
         if reward.sandbox:
             limits = Limits(
                 reward.sandbox_memory_mb,
@@ -67,22 +63,23 @@ class RewardRunner:
         completion: str,
         fields: dict[str, Any],
     ) -> tuple[float, list[float], list[str | None]]:
-        """`functions` (indices into `names`) on one completion, called as `f(prompt, completion, **fields,
-        **kwargs)`: (weighted sum, each score, each error or None); a failed call scores NaN, saying why."""
+        """`functions` (indices into `names`) on one completion, called as `f(prompt, completion,
+        **call_kwargs(fields, kwargs))` (a jailed built-in with its jail's settings over both): (weighted sum, each
+        score, each error or None); a failed call scores NaN, saying why."""
         if self.sandbox is None and not self.jailed:
             chosen = [self.functions[index] for index in functions]
             return score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
         scores, errors = [], []
         for index, extra in zip(functions, kwargs, strict=True):
             if index in self.jailed:
-                score, error = self._jailed(index, prompt, completion, {**fields, **extra})
+                score, error = self._jailed(index, prompt, completion, call_kwargs(fields, extra, self.jail_settings))
             elif self.sandbox is None:
                 chosen = [self.functions[index]]
                 _, [score], [error] = score_one(
                     chosen, [1.0], [extra], prompt, completion, fields, self.timeout_s, self.executor
                 )
             else:
-                score, error = self.sandbox.call(index, prompt, completion, {**fields, **extra}, self.timeout_s)
+                score, error = self.sandbox.call(index, prompt, completion, call_kwargs(fields, extra), self.timeout_s)
             scores.append(score)
             errors.append(error)
         return combine(scores, weights), scores, errors
@@ -91,7 +88,7 @@ class RewardRunner:
         """A jailed built-in on one completion, within `reward.timeout_s` (what it has not done by then fails, so
         a completion cannot escape a low score by being slow): (score, None), or (NaN, why it has none)."""
         try:
-            return to_score(self.jailed[index](prompt, completion, budget_s=self.timeout_s, **kwargs)), None
+            return to_score(self.jailed[index](prompt, completion, **kwargs)), None
         except Exception as error:  # a row without tests, no jail on this node: this completion unscored
             return math.nan, f"{type(error).__name__}: {error}"
 
