@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -70,13 +71,13 @@ FAULT_RUN = ["run.steps=12", "checkpoint.every_steps=5", "eval.every=0", "eval.s
 
 
 def runs(out_dir: Path) -> list[Run]:
-    healthy = [Run(f"quickstart-{seed}", "configs/quickstart.yaml", [f"run.seed={seed}"]) for seed in range(5)]
-    healthy += [
+    healthy = [
         Run("warmstart", "configs/warmstart.yaml"),
         Run("lora", "configs/quickstart_lora.yaml"),
         Run("agent", "configs/agent.yaml"),
         Run("distill", "configs/quickstart.yaml", ["run.steps=60", f"algorithm.distill.teacher={out_dir / 'teacher'}"]),
     ]
+    healthy += [Run(f"quickstart-{seed}", "configs/quickstart.yaml", [f"run.seed={seed}"]) for seed in range(5)]
     flag = out_dir / "reward-on"
     flag_reward = [
         "reward.sandbox=false",  # the flag file is outside what a sandbox sees
@@ -167,13 +168,44 @@ def outcome(run: Run, run_dir: Path, code: int, wall_s: float) -> dict:
     result = {"run": run.name, "cause": run.cause, "exit": code, "end": end, "fired": fired}
     if rows:
         rewards = [row["reward/mean"] for row in rows]
-        result["reward_gain"] = round(statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10]), 3)
+        first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+        result.update(reward_first10=round(first, 3), reward_last10=round(last, 3), reward_gain=round(last - first, 3))
         result["steps_logged"] = rows[-1]["step"]
     if evals:
         result["held_out_after"] = evals[-1]["eval/held_out/accuracy"]
     result["verdict"] = verdict(run, fired, end)
+    if not run.cause and rows:
+        result["closest"] = closest(rows)
     result["wall_s"] = round(wall_s, 1)
     return result
+
+
+def closest(rows: list[dict]) -> dict[str, float]:
+    """How near a healthy run came to each check's default bound, its steps replayed through the guard itself: the
+    largest gradient norm over its median (of norms above the clip; 1000 fires), the smallest entropy over the
+    window's median (0.1 fires) and over the last 3 steps' (0.5 fires), the smallest mean reward over the window's
+    median (0.25 fires), the largest KL and log-prob gap (1 fires)."""
+    from grpo_dist.config import HealthConfig
+    from grpo_dist.health import RECENT, Guard
+
+    guard = Guard(HealthConfig(), clip=1.0)
+    ratios: dict[str, list[float]] = {"grad_norm": [], "entropy": [], "entropy_recent": [], "reward": []}
+    for row in rows:
+        medians = {"grad_norm": guard.median("grad_norm"), "entropy": guard.median("entropy"),
+                   "entropy_recent": guard.median("entropy", RECENT), "reward": guard.median("reward")}  # fmt: skip
+        values = {"grad_norm": row["grad_norm"] if row["grad_norm"] > guard.clip else None, "entropy": row["entropy"],
+                  "entropy_recent": row["entropy"], "reward": row["reward/mean"]}  # fmt: skip
+        for key, median in medians.items():
+            if median and values[key] is not None:
+                ratios[key].append(values[key] / median)
+        guard.record(row, guard.check(row["step"], row))
+    found = {
+        "grad_norm_x": max(ratios["grad_norm"], default=0.0),
+        **{f"{key}_x": min(ratios[key], default=math.nan) for key in ("entropy", "entropy_recent", "reward")},
+        "kl": max(row.get("kl", 0.0) for row in rows),
+        "logprob_gap": max(row["logprob_gap"] for row in rows),
+    }
+    return {key: float(f"{value:.3g}") for key, value in found.items()}
 
 
 def verdict(run: Run, fired: list[dict], end: str) -> str:
@@ -210,6 +242,23 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
+def closest_table(results: list[dict]) -> list[str]:
+    """How near each healthy run came to each check's bound (`closest`)."""
+    lines = [
+        "| healthy run | gradient norm / median (fires at 1000) | entropy / median (0.1) | entropy / last 3 (0.5) "
+        "| reward / median (0.25) | largest KL (1) | largest log-prob gap (1) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        if "closest" in result:
+            near = result["closest"]
+            lines.append(
+                f"| {result['run']} | {near['grad_norm_x']} | {near['entropy_x']} | {near['entropy_recent_x']} | "
+                f"{near['reward_x']} | {near['kl']} | {near['logprob_gap']} |"
+            )
+    return lines
+
+
 def summarise(event: dict) -> str:
     """One event in a few words: its step, what fired and what was done."""
     message = event["message"]
@@ -239,11 +288,15 @@ def main() -> None:
     parser.add_argument("--out-dir", default="outputs/guard", help="where the runs, their models and logs go")
     parser.add_argument("--markdown", help="write the table to this file too")
     parser.add_argument("--traces", help="write every run's per-step guard figures to this JSON file")
+    parser.add_argument("--from-files", action="store_true", help="run nothing: the tables from --out-dir's runs")
     parser.add_argument("overrides", nargs="*", help="key=value settings applied to every run")
     args = parser.parse_args()
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     chosen = [run for run in runs(out_dir) if not args.only or run.name in args.only]
+    if args.from_files:
+        report([outcome(run, out_dir / run.name, -1, 0.0) for run in chosen], chosen, out_dir, args)
+        return
     if any(run.name == "distill" for run in chosen) and not (out_dir / "teacher" / "config.json").exists():
         teacher, accuracy = make_teacher(out_dir / "teacher-work", "sft", 300)
         (out_dir / "teacher").unlink(missing_ok=True)
@@ -253,7 +306,12 @@ def main() -> None:
     for run in chosen:
         results.append(run_one(run, out_dir, args.overrides))
         print(json.dumps(results[-1]), flush=True)
-    lines = table(results)
+    report(results, chosen, out_dir, args)
+
+
+def report(results: list[dict], chosen: list[Run], out_dir: Path, args: argparse.Namespace) -> None:
+    """The tables on the console (and in `--markdown`), the counts, the traces (`--traces`)."""
+    lines = [*table(results), "", *closest_table(results)]
     print("\n".join(lines))
     healthy = [result for result in results if not result["cause"]]
     faults = [result for result in results if result["cause"]]
@@ -272,14 +330,15 @@ TRACED = ("loss", "grad_norm", "entropy", "reward/mean", "kl", "logprob_gap", "l
 
 
 def write_traces(path: Path, chosen: list[Run], out_dir: Path) -> None:
-    """Each healthy run's logged steps (every step it judged: nothing fired), the guard's figures only (rounded to 4
-    significant digits): what `tests/test_health.py` replays. A fault run's metrics lack the steps it undid."""
-    traces = {}
+    """Each healthy run's logged steps (every step it judged: nothing fired), the guard's figures only, one row of
+    `TRACED` a step (4 significant digits; null where a run logs no such figure): what `tests/test_health.py`
+    replays. A fault run's metrics lack the steps it undid."""
+    runs = {}
     for run in chosen:
         rows = read_jsonl(out_dir / run.name / "metrics.jsonl") if not run.cause else []
         if rows:
-            traces[run.name] = [{key: float(f"{row[key]:.4g}") for key in TRACED if key in row} for row in rows]
-    path.write_text(json.dumps(traces, separators=(",", ":")) + "\n")
+            runs[run.name] = [[float(f"{row[key]:.4g}") if key in row else None for key in TRACED] for row in rows]
+    path.write_text(json.dumps({"keys": TRACED, "runs": runs}, separators=(",", ":")) + "\n")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class Guard:
         if not math.isfinite(loss) or not math.isfinite(grad_norm) or metrics.get("learner/skipped", 0.0) > 0:
             yield Event(step, "nonfinite", cfg.nonfinite.action, f"loss {loss:.4g}, gradient norm {grad_norm:.4g}")
             return  # the other figures of a step without an update mean nothing
-        median = self._median("grad_norm")
+        median = self.median("grad_norm")
         if median is not None and grad_norm > max(cfg.grad_norm.factor * median, self.clip):
             figures = self._against("grad_norm", "gradient norm", grad_norm, median, f"{cfg.grad_norm.factor:g}x")
             yield Event(step, "grad_norm", cfg.grad_norm.action, figures)
@@ -109,13 +109,13 @@ class Guard:
         ):
             value = metrics.get(HISTORIES[check])
             for fraction, window in bounds if value is not None else ():
-                median = self._median(check, window)
+                median = self.median(check, window)
                 if median is not None and median > 0 and value < fraction * median:
                     figures = self._against(check, name, value, median, f"{fraction:g}x", window)
                     yield Event(step, check, getattr(cfg, check).action, figures)
                     break
 
-    def _median(self, check: str, window: int | None = None) -> float | None:
+    def median(self, check: str, window: int | None = None) -> float | None:
         """The median of the check's last `window` values (default `health.window`), once there are enough."""
         values = self.history[check][-(window or self.cfg.window) :]
         enough = 1 if check in FROM_FIRST_STEP else self.cfg.min_history

@@ -123,17 +123,19 @@ def test_one_update_that_throws_the_policy_off_is_named_and_a_healthy_fall_is_no
 
 TRACES = json.loads((Path(__file__).parent / "guard_traces.json").read_text())
 """Every healthy run of `benchmarks/guard.py` (each shipped CPU recipe with its defaults, the quick start at seeds
-0-4): the figures the guard read at each step (`--traces`)."""
+0-4): the figures the guard read at each step, a row of `keys` a step (`--traces`)."""
 
 
-@pytest.mark.parametrize("recipe", sorted(TRACES))
+@pytest.mark.parametrize("recipe", sorted(TRACES["runs"]))
 def test_the_defaults_are_silent_on_every_shipped_recipes_recorded_healthy_run(recipe):
     guard = Guard(HealthConfig(), clip=1.0)  # every recipe's learner.max_grad_norm
-    for step, metrics in enumerate(TRACES[recipe], start=1):
+    steps = TRACES["runs"][recipe]
+    for step, row in enumerate(steps, start=1):
+        metrics = {key: value for key, value in zip(TRACES["keys"], row, strict=True) if value is not None}
         events = guard.check(step, metrics)
         assert events == [], (recipe, step, [str(event) for event in events])
         guard.record(metrics, events)
-    assert len(guard.history["entropy"]) == min(len(TRACES[recipe]), guard.cfg.window)
+    assert len(guard.history["entropy"]) == min(len(steps), guard.cfg.window)
 
 
 def test_a_figure_that_fires_sets_no_baseline_so_a_collapse_that_persists_keeps_firing():

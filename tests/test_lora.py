@@ -233,7 +233,9 @@ def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and
     for line, version in zip(caught, (2, 4), strict=True):
         found = re.search(rf"generator 0 serves other weights .* version {version}: .* by ([0-9.e-]+) per token", line)
         assert found and float(found[1]) > 1e-3, line  # the base's gap to the policy: far over the bound
-        assert line.endswith("(sync.probe_max_gap 0.001); sending every weight again"), line
+        moved = re.search(r"\(over sync.probe_max_gap 0.001, and 0.1 of the ([0-9.e-]+) per token the learner's", line)
+        assert moved and float(found[1]) > 0.1 * float(moved[1]), line  # and over a tenth of the learner's own move
+        assert line.endswith(" moved since); sending every weight again"), line
     stop = next(line for line in output.splitlines() if line.startswith("grpo-dist: the run stopped: "))
     assert "generator 0 serves other weights than the learner's after the sync of version 4 and after every" in stop
     assert "Traceback" not in output
