@@ -278,6 +278,12 @@ class JudgeConfig(_Section):
     """A regular expression whose first group, in the judge's reply, is its score (the first match)."""
     scale: float = Field(10.0, gt=0)
     """The score is divided by this (a 0-10 verdict becomes 0-1). A reply with no match is unscored."""
+    min_score: float = 0.0
+    """The lowest score, after the division by `scale`: a verdict below it (`Score: -5`) counts as it, and is
+    counted in `judge/clamped`."""
+    max_score: float = 1.0
+    """The highest score, after the division by `scale` (1.0: a 10 on the default prompt's 0-10 scale): a verdict
+    above it (`Score: 1000000`) counts as it, and is counted in `judge/clamped`."""
     max_tokens: int = Field(64, ge=1)
     """Longest judge reply; it is decoded greedily."""
     max_model_len: int = Field(2048, ge=8)
@@ -308,6 +314,15 @@ class JudgeConfig(_Section):
             raise ValueError(f"verdict {self.verdict!r} is not a regular expression: {error}") from None
         if groups < 1:
             raise ValueError(f"verdict {self.verdict!r} has no group: put the score in parentheses, e.g. ([0-9]+)")
+        return self
+
+    @model_validator(mode="after")
+    def _score_range_is_a_range(self) -> JudgeConfig:
+        if self.min_score >= self.max_score:
+            raise ValueError(
+                f"min_score ({self.min_score}) is not below max_score ({self.max_score}): the judge's scores are "
+                "clamped to [min_score, max_score]; give a lower min_score or a higher max_score"
+            )
         return self
 
 

@@ -3,17 +3,18 @@
 The judge engines are generator actors (`grpo_dist.actors.generator.Generator`) of the judge model, started,
 bounded and replaced by the same `ActorPool` as the generators (their start bounded by `faults.start_timeout_s`,
 each dead one replaced up to `reward.judge.max_restarts`, counted in `faults/judge_restarts`). They are never
-synced: the judge is frozen. A batch is split between the engines; each renders its completions into the
-`reward.judge.prompt` template, through the judge's chat template, and decodes greedily. The first match of
-`reward.judge.verdict` in a reply, divided by `scale`, is the score; a reply without one is unscored, with the
-reply's start as the reason. A batch whose engine is lost or gives no verdict within `faults.score_timeout_s` is
-judged again once on a new engine, then left unscored.
+synced: the judge is frozen. A batch is split between the engines, each handed token ids
+(`grpo_dist.judge_prompt`: the `reward.judge.prompt` template through the judge's chat template, the completion, the
+prompt and the row's fields tokenized as text, never as special tokens), and decodes greedily. The first match of
+`reward.judge.verdict` in a reply, divided by `scale` and clamped to [`min_score`, `max_score`] (counted in
+`judge/clamped`), is the score; a reply without one is unscored, with the reply's start as the reason. A batch
+whose engine is lost or gives no verdict within `faults.score_timeout_s` is judged again once on a new engine, then
+left unscored.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import ray
 from grpo_dist.actors.generator import Generator
 from grpo_dist.config import Config, JudgeConfig, engine_rollout
 from grpo_dist.faults import ActorPool, Bounds, FaultLog
+from grpo_dist.judge_prompt import JudgePrompt, VerdictReader
 from grpo_dist.types import ScoreRequest
 
 
@@ -34,7 +36,8 @@ class JudgePool:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model)
-        self.pattern = re.compile(self.judge.verdict)
+        self.prompt = JudgePrompt(self.tokenizer, self.judge)
+        self.verdicts = VerdictReader(self.judge)
         self.seconds = 0.0  # spent judging since `step_metrics` last read it
         self.pool = ActorPool(
             "judge engine",
@@ -54,31 +57,12 @@ class JudgePool:
         return ray.remote(Generator).options(**options).remote(self.model, engine, self.seed + 1000 + slot)
 
     def prompt_tokens(self, request: ScoreRequest) -> list[int]:
-        """[P] what the judge reads of one completion, within its context: a completion too long for it is cut
-        (its start kept), so the template's end and the generation prompt stay."""
-        budget, completion = self.judge.max_model_len - self.judge.max_tokens, request.completion
-        tokens = self._render(request, completion)
-        while len(tokens) > budget and completion:
-            completion = completion[: max(0, len(completion) * budget // len(tokens) - 1)]
-            tokens = self._render(request, completion)
-        return tokens[:budget]
-
-    def _render(self, request: ScoreRequest, completion: str) -> list[int]:
-        fields = {key: value for key, value in request.fields.items() if isinstance(value, str | int | float)}
-        fields.update(prompt=request.prompt, completion=completion)
-        text = self.judge.prompt.format_map(_Blank(fields))
-        if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """[P] what the judge reads of one completion (`JudgePrompt.tokens`)."""
+        return self.prompt.tokens(request)
 
     def verdict(self, reply: str) -> tuple[float, str | None]:
-        """(score, None) from a reply, or (NaN, why) when it holds no verdict."""
-        found = self.pattern.search(reply)
-        if found is None:
-            return math.nan, f"the judge's reply has no verdict matching reward.judge.verdict: {reply[:120]!r}"
-        return float(found.group(1)) / self.judge.scale, None
+        """(score, None) from a reply, clamped to its range, or (NaN, why) when it holds no verdict."""
+        return self.verdicts.read(reply)
 
     def score(self, requests: list[ScoreRequest]) -> list[tuple[float, str | None]]:
         """Each completion's verdict (score, why unscored), in order."""
@@ -90,19 +74,14 @@ class JudgePool:
         return [self.verdict(reply) if reply is not None else lost for reply in found]
 
     def step_metrics(self) -> dict[str, float]:
-        """`judge/seconds`: the time spent judging since the last call."""
-        metrics, self.seconds = {"judge/seconds": self.seconds}, 0.0
+        """`judge/seconds`: the time spent judging since the last call; `judge/clamped`: the verdicts clamped into
+        [min_score, max_score] since then."""
+        metrics = {"judge/seconds": self.seconds, "judge/clamped": float(self.verdicts.take_clamped())}
+        self.seconds = 0.0
         return metrics
 
     def shutdown(self) -> None:
         self.pool.shutdown()
-
-
-class _Blank(dict):
-    """Template fields the row lacks are left as written."""
-
-    def __missing__(self, key: str) -> str:
-        return "{" + key + "}"
 
 
 def judge_model(judge: JudgeConfig) -> str:

@@ -668,6 +668,7 @@ def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray
     assert metrics["judge/seconds"] > 0 and metrics["reward_failures/judge"] == sum(
         "judge" in score.failures for score in scores
     )
+    assert metrics["judge/clamped"] == 0.0  # one digit over 10: within [0, 1]
 
 
 def test_a_batch_of_trajectories_drawn_ahead_loads_back_from_a_checkpoint(tmp_path):
