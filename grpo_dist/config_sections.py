@@ -709,6 +709,10 @@ class EntropyCheck(_Section):
     sudden: float = Field(0.5, gt=0, lt=1)
     """It fires too when the entropy falls below this fraction of the median of the last 3 steps' (from the second
     step on): one update that threw the policy off (a healthy run's entropy falls a few percent a step)."""
+    min_fall: float = Field(0.5, ge=0)
+    """Either bound fires only when the entropy fell by at least this many nats per token from that median: a
+    policy already sharp (a warmed-up agent's entropy goes from 0.6 to 0.1 in 9 healthy steps) is sharpening, not
+    collapsing, as far as the entropy can tell; its divergence shows in the reward and the KL."""
 
 
 class RewardCheck(_Section):

@@ -110,7 +110,8 @@ class Guard:
             value = metrics.get(HISTORIES[check])
             for fraction, window in bounds if value is not None else ():
                 median = self.median(check, window)
-                if median is not None and median > 0 and value < fraction * median:
+                fell = median is not None and median - value >= (cfg.entropy.min_fall if check == "entropy" else 0)
+                if fell and median > 0 and value < fraction * median:
                     figures = self._against(check, name, value, median, f"{fraction:g}x", window)
                     yield Event(step, check, getattr(cfg, check).action, figures)
                     break

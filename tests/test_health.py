@@ -121,6 +121,23 @@ def test_one_update_that_throws_the_policy_off_is_named_and_a_healthy_fall_is_no
     assert event.figures == "entropy 1.035 against a median of 2.54 over the last 3 steps (bound 0.5x)"
 
 
+def test_a_sharp_policy_sharpening_is_not_a_collapse():
+    """The agent demo, warmed up, at its first steps (`benchmarks/guard.py`): its entropy goes from 0.61 to 0.11 in
+    9 healthy steps while its reward rises. At step 9, 0.1073 is under half the last 3 steps' median (0.25), but
+    it fell 0.14 nats, under `min_fall` (0.5): silent. The quick start's lr spike fell 1.5 nats."""
+    guard = Guard(HealthConfig(), clip=1.0)
+    for entropy, reward in zip((0.612, 0.427, 0.691, 0.43, 0.443, 0.352, 0.25, 0.178),
+                               (0.506, 0.65, 0.427, 0.708, 0.708, 0.809, 0.788, 0.755), strict=True):  # fmt: skip
+        metrics = {"loss": 0.0, "grad_norm": 0.9, "entropy": entropy, "reward/mean": reward}
+        assert guard.check(1, metrics) == []
+        guard.record(metrics)
+    assert guard.check(9, {"loss": 0.0, "grad_norm": 1.2, "entropy": 0.1073, "reward/mean": 0.8}) == []
+    assert [event.check for event in guard.check(9, {"loss": 0.0, "grad_norm": 1.2, "entropy": 0.0})] == []
+    strict = Guard(HealthConfig(entropy={"min_fall": 0.0}), clip=1.0)
+    strict.history = {key: list(values) for key, values in guard.history.items()}
+    assert [event.check for event in strict.check(9, {"loss": 0.0, "grad_norm": 1.2, "entropy": 0.1073})] == ["entropy"]
+
+
 TRACES = json.loads((Path(__file__).parent / "guard_traces.json").read_text())
 """Every healthy run of `benchmarks/guard.py` (each shipped CPU recipe with its defaults, the quick start at seeds
 0-4): the figures the guard read at each step, a row of `keys` a step (`--traces`)."""
