@@ -183,13 +183,15 @@ def outcome(run: Run, run_dir: Path, code: int, wall_s: float) -> dict:
 def closest(rows: list[dict]) -> dict[str, float]:
     """How near a healthy run came to each check's default bound, its steps replayed through the guard itself: the
     largest gradient norm over its median (of norms above the clip; 1000 fires), the smallest entropy over the
-    window's median (0.1 fires) and over the last 3 steps' (0.5 fires), the smallest mean reward over the window's
-    median (0.25 fires), the largest KL and log-prob gap (1 fires)."""
+    window's median (0.1 fires) and over the last 3 steps' (0.5 fires), the largest fall of the entropy from either
+    median (either fires only with a fall of 0.5 nats too), the smallest mean reward over the window's median (0.25
+    fires), the largest KL and log-prob gap (1 fires)."""
     from grpo_dist.config import HealthConfig
     from grpo_dist.health import RECENT, Guard
 
     guard = Guard(HealthConfig(), clip=1.0)
     ratios: dict[str, list[float]] = {"grad_norm": [], "entropy": [], "entropy_recent": [], "reward": []}
+    falls: list[float] = []  # the entropy's fall from either median, in nats per token
     for row in rows:
         medians = {"grad_norm": guard.median("grad_norm"), "entropy": guard.median("entropy"),
                    "entropy_recent": guard.median("entropy", RECENT), "reward": guard.median("reward")}  # fmt: skip
@@ -198,10 +200,12 @@ def closest(rows: list[dict]) -> dict[str, float]:
         for key, median in medians.items():
             if median and values[key] is not None:
                 ratios[key].append(values[key] / median)
+        falls += [median - row["entropy"] for median in (medians["entropy"], medians["entropy_recent"]) if median]
         guard.record(row, guard.check(row["step"], row))
     found = {
         "grad_norm_x": max(ratios["grad_norm"], default=0.0),
         **{f"{key}_x": min(ratios[key], default=math.nan) for key in ("entropy", "entropy_recent", "reward")},
+        "entropy_fall": max(falls, default=0.0),
         "kl": max(row.get("kl", 0.0) for row in rows),
         "logprob_gap": max(row["logprob_gap"] for row in rows),
     }
@@ -246,15 +250,16 @@ def closest_table(results: list[dict]) -> list[str]:
     """How near each healthy run came to each check's bound (`closest`)."""
     lines = [
         "| healthy run | gradient norm / median (fires at 1000) | entropy / median (0.1) | entropy / last 3 (0.5) "
-        "| reward / median (0.25) | largest KL (1) | largest log-prob gap (1) |",
-        "|---|---|---|---|---|---|---|",
+        "| entropy's largest fall, nats (0.5 as well) | reward / median (0.25) | largest KL (1) "
+        "| largest log-prob gap (1) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         if "closest" in result:
             near = result["closest"]
             lines.append(
                 f"| {result['run']} | {near['grad_norm_x']} | {near['entropy_x']} | {near['entropy_recent_x']} | "
-                f"{near['reward_x']} | {near['kl']} | {near['logprob_gap']} |"
+                f"{near['entropy_fall']} | {near['reward_x']} | {near['kl']} | {near['logprob_gap']} |"
             )
     return lines
 
