@@ -25,8 +25,8 @@ run (its health lines and faults, how it ended, its reward gain and held-out acc
 the checks that fired, what they did, and the verdict (`silent`, `caught ...`, or `FALSE ALARM` / `MISSED`).
 `--markdown FILE` writes the table there too; `--traces FILE` writes each healthy run's per-step figures the guard
 reads (`tests/guard_traces.json`, which `tests/test_health.py` replays through the guard's defaults). Overrides
-after the options apply to every run. Takes about 45 minutes on 2 cores; `--only quickstart-0 lr50` runs some. Run
-by hand; CI runs the quick start's learning test (`tests/test_learning.py`) and the traces' replay instead.
+after the options apply to every run. Took 93 minutes on 2 cores shared with other work; `--only quickstart-0
+lr50` runs some. Run by hand; CI runs the quick start's learning test (`tests/test_learning.py`) and the traces' replay instead.
 """
 
 from __future__ import annotations

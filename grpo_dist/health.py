@@ -103,18 +103,18 @@ class Guard:
         yield from self._collapses(step, metrics)
 
     def _collapses(self, step: int, metrics: dict[str, float]):
-        """The entropy against the median of the window (`fraction`) and of the last `RECENT` steps (`sudden`), the
-        reward against the window's: one event per check at most."""
+        """The entropy against the median of the window (`fraction`) and of the last `RECENT` steps (`sudden`), with
+        a fall of at least `min_fall`; the reward against the window's: one event per check at most."""
         cfg = self.cfg
-        for check, name, bounds in (
-            ("entropy", "entropy", ((cfg.entropy.fraction, cfg.window), (cfg.entropy.sudden, RECENT))),
-            ("reward", "mean reward", ((cfg.reward.fraction, cfg.window),)),
-        ):
+        entropy_bounds = ((cfg.entropy.fraction, cfg.window), (cfg.entropy.sudden, RECENT))
+        for check, name, min_fall, bounds in (
+            ("entropy", "entropy", cfg.entropy.min_fall, entropy_bounds),
+            ("reward", "mean reward", 0.0, ((cfg.reward.fraction, cfg.window),)),
+        ):  # fmt: skip
             value = metrics.get(HISTORIES[check])
             for fraction, window in bounds if value is not None else ():
                 median = self.median(check, window)
-                fell = median is not None and median - value >= (cfg.entropy.min_fall if check == "entropy" else 0)
-                if fell and median > 0 and value < fraction * median:
+                if median is not None and 0 < median and median - value >= min_fall and value < fraction * median:
                     figures = self._against(check, name, value, median, f"{fraction:g}x", window)
                     yield Event(step, check, getattr(cfg, check).action, figures)
                     break
