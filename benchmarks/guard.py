@@ -26,7 +26,8 @@ the checks that fired, what they did, and the verdict (`silent`, `caught ...`, o
 `--markdown FILE` writes the table there too; `--traces FILE` writes each healthy run's per-step figures the guard
 reads (`tests/guard_traces.json`, which `tests/test_health.py` replays through the guard's defaults). Overrides
 after the options apply to every run. Took 93 minutes on 2 cores shared with other work; `--only quickstart-0
-lr50` runs some. Run by hand; CI runs the quick start's learning test (`tests/test_learning.py`) and the traces' replay instead.
+lr50` runs some. Run by hand; CI runs the quick start's learning test (`tests/test_learning.py`) and the traces'
+replay instead.
 """
 
 from __future__ import annotations
