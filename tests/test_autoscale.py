@@ -80,14 +80,15 @@ def autoscaler_demand(address: str) -> list[dict]:
 @pytest.mark.slow
 def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_speed_removes_it(tmp_path, monkeypatch):
     """The head node has no CPUs, a worker node room for the run as it starts (learner rank, one generator, two
-    reward workers). Each generator holds each group back 0.3 s: a step waits seconds on generation against a
-    fraction of one training, so the run asks for a second generator and Ray's autoscaler for its room. The test
-    plays the autoscaler: it reads the demand and adds a node, where the new generator starts and joins. Then
-    generation is fast again, the generators wait on the learner, and the second generator is removed."""
+    reward workers). Each generator holds each group back 1 s: a step waits 8 s on generation against a second or
+    two of training (more on a loaded machine: the margin is wide), so the run asks for a second generator and Ray's
+    autoscaler for its room. The test plays the autoscaler: it reads the demand and adds a node, where the new
+    generator starts and joins. Then generation is fast again, the generators wait on the learner, and the second
+    generator is removed."""
     from ray.cluster_utils import Cluster
 
     slow = tmp_path / "slow_s"
-    slow.write_text("0.3")
+    slow.write_text("1.0")
     monkeypatch.setenv(SLOW_GENERATION, str(slow))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
