@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 REQUEST = "scale.json"
+LOCK = ".lock"  # what a running run holds locked (`Running`)
 NAMESPACE = "grpo-dist"  # the Ray namespace of the runs' mailboxes
 ASK_TIMEOUT_S = 30.0
 
@@ -47,10 +48,15 @@ def scale(run_dir: str | Path, generators: int) -> Path:
 
 
 def _lock(run_dir: Path) -> int | None:
-    """A descriptor holding the lock on `run_dir` (the directory itself: no file of its own), or None when another
-    process holds it. The lock dies with its descriptor, however its process ends."""
-    lock = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    """A descriptor holding the lock on `run_dir`, or None when another process holds it. The lock dies with its
+    descriptor, however its process ends. It is taken on `LOCK` in the run directory, a file only its owner may open
+    (any user who can read a file or directory can lock it, and would keep the run from starting).
+    `PermissionError` where this user may not open it: another user's run."""
+    path = run_dir / LOCK
+    lock = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        if os.fstat(lock).st_uid == os.geteuid():
+            os.fchmod(lock, 0o600)  # one left readable by an earlier version, or a umask that ignored the mode
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(lock)
@@ -59,8 +65,11 @@ def _lock(run_dir: Path) -> int | None:
 
 
 def is_running(run_dir: Path) -> bool:
-    """Whether a run holds the lock on `run_dir`."""
-    lock = _lock(run_dir)
+    """Whether a run holds the lock on `run_dir` (a run of another user's counts as running: it cannot be told)."""
+    try:
+        lock = _lock(run_dir)
+    except PermissionError:
+        return True
     if lock is None:
         return True
     os.close(lock)

@@ -36,6 +36,7 @@ import pyarrow.fs as pafs
 
 from grpo_dist import manifest
 from grpo_dist.config import ConfigError, redact, shown_uri, uri_credentials, uri_join
+from grpo_dist.control import LOCK
 
 # The driver's own files of a run directory that are uploaded (the other entries are uploaded by the learner).
 LEARNER_WRITES = ("checkpoints", "final", "interrupted")
@@ -263,7 +264,7 @@ class RunStore:
         if not self.staging:
             return
         for entry in sorted(self.work.iterdir()) if self.work.is_dir() else []:
-            if entry.name not in LEARNER_WRITES:
+            if entry.name not in LEARNER_WRITES and entry.name != LOCK:  # the lock is this node's running run's
                 self.store.upload(entry, f"{self.run}/{entry.name}")
 
     def download_run_files(self) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import fcntl
+import shutil
 import signal
+import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +19,7 @@ import yaml
 from conftest import TESTS_DIR, small_config
 from test_resume import grpo_dist, training
 
-from grpo_dist import control
+from grpo_dist import control, jail
 from grpo_dist.config import ConfigError, load_config, validate_config
 from grpo_dist.types import Sampling
 
@@ -70,6 +74,49 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
     running.close()
     refused = grpo_dist("scale", str(tmp_path), "generators=2", stderr=subprocess.PIPE, text=True)
     assert refused.wait(timeout=60) == 2 and "the run is not running (it finished or stopped)" in refused.stderr.read()
+
+
+def test_another_user_cannot_lock_a_run_directory_and_keep_the_run_from_starting(tmp_path):
+    """Any user who can open a file can `flock` it: the lock is on a file only the run's user may open, so another
+    user (`nobody`, here) can neither take it nor read it, and the run starts."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to act as another user")
+    shared = Path(tempfile.mkdtemp(prefix="grpo-lock-test-"))
+    try:
+        run_dir = shared / "run"
+        run_dir.mkdir()
+        shared.chmod(0o755)
+        run_dir.chmod(0o755)  # a run directory others may read, as outputs often are
+        control.Running(run_dir).close()  # a first run made the lock file
+        read_end, write_end = os.pipe()
+        taker = os.fork()
+        if taker == 0:  # another user, holding what locks it could take until it is killed
+            os.setgroups([])
+            os.setgid(jail.NOBODY)
+            os.setuid(jail.NOBODY)
+            held, said = [], b""
+            for path, flags in [(run_dir, os.O_RDONLY | os.O_DIRECTORY), (run_dir / control.LOCK, os.O_RDONLY)]:
+                try:
+                    held.append(os.open(path, flags))
+                    fcntl.flock(held[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    said += f"{path.name}: locked\n".encode()
+                except OSError as error:
+                    said += f"{path.name}: refused: {error.strerror}\n".encode()
+            os.write(write_end, said)
+            time.sleep(60)
+            os._exit(0)
+        os.close(write_end)
+        try:
+            said = os.read(read_end, 4096).decode().splitlines()
+            assert said[1] == ".lock: refused: Permission denied", said  # the directory it may lock, not the file
+            control.Running(run_dir).close()  # the run starts all the same
+        finally:
+            os.kill(taker, signal.SIGKILL)
+            os.waitpid(taker, 0)
+            os.close(read_end)
+        assert stat.S_IMODE((run_dir / control.LOCK).stat().st_mode) == 0o600
+    finally:
+        shutil.rmtree(shared)
 
 
 # The engine settings of every run here: one set of actors serves them all (`shared_actors`).
