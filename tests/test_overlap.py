@@ -3,9 +3,9 @@ goes. The loop tests run the real Ray, vLLM and DeepSpeed stack."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import fcntl
 import shutil
 import signal
 import stat
