@@ -51,6 +51,7 @@ log = logging.getLogger("grpo_dist")
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
 """In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
 START_TIMEOUT_S = 120.0  # importing the reward modules
+ANSWER_LIMIT = 64 << 20  # bytes of one answer; past it the call has none and the sandbox is replaced
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 NOBODY = jail.NOBODY
 
@@ -83,6 +84,7 @@ class Sandbox:
         self.process: subprocess.Popen | None = None
         self.buffer = b""
         self.ended = False  # its answers' pipe closed: the process is gone
+        self.too_long = False  # its answer ran past `ANSWER_LIMIT`
         self.request = ""  # the id of the last request, drawn at random: its answer carries it
         self.home: str | None = None  # its HOME and working directory
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
@@ -136,7 +138,7 @@ class Sandbox:
                 stray.kill()
         psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
         self.process = None
-        self.buffer, self.ended, self.request = b"", False, ""
+        self.buffer, self.ended, self.too_long, self.request = b"", False, False, ""
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
@@ -173,6 +175,9 @@ class Sandbox:
 
     def _lost(self, timeout_s: float, timed_out: bool) -> str:
         """Kill a sandbox that ran past its bound or died in a call; the reason the call has no score."""
+        if self.too_long:
+            self.close()
+            return f"its answer ran past {ANSWER_LIMIT >> 20} MiB (the {self.label} sandbox was replaced)"
         if timed_out:
             why = f"timed out after {timeout_s:g}s"
         else:
@@ -192,19 +197,27 @@ class Sandbox:
         self.process.stdin.flush()
 
     def _line(self, timeout_s: float) -> bytes | None:
-        """The next line it wrote, or None when none came within `timeout_s` or the process ended."""
+        """The next line it wrote, or None when none came within `timeout_s`, the process ended, or the line runs
+        past `ANSWER_LIMIT` bytes (`too_long`). Each chunk is searched alone: reading is linear in the line."""
         deadline = time.monotonic() + timeout_s
         out = self.process.stdout.fileno()
-        while b"\n" not in self.buffer:
+        chunks, size = [self.buffer], len(self.buffer)
+        while b"\n" not in chunks[-1]:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
+            if size > ANSWER_LIMIT:
+                self.too_long = True
                 return None
-            chunk = os.read(out, 1 << 16)
+            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
+                self.buffer = b"".join(chunks)
+                return None
+            chunk = os.read(out, 1 << 20)
             if not chunk:
                 self.ended = True
+                self.buffer = b"".join(chunks)
                 return None
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
+            chunks.append(chunk)
+            size += len(chunk)
+        line, _, self.buffer = b"".join(chunks).partition(b"\n")
         return line
 
     def _receive(self, timeout_s: float) -> dict | None:

@@ -180,3 +180,20 @@ async def wordy_agent(client, row: dict) -> float | dict:
     """Asks the model once; for a row whose `fail` is true, returns a reward that is not a number."""
     await one_call_agent(client, row)
     return {"answer": "correct"} if row.get("fail") else 1.0
+
+
+def flood(megabytes: int) -> str:
+    """Return `megabytes` MB of text."""
+    return "x" * (megabytes << 20)
+
+
+class ThreadNotingEnvironment(CountingEnvironment):
+    """A `CountingEnvironment` that notes the thread each `step` runs on (`stepped_on`)."""
+
+    stepped_on: list[str] = []
+
+    def step(self, turn: Turn) -> Observation:
+        import threading
+
+        ThreadNotingEnvironment.stepped_on.append(threading.current_thread().name)
+        return super().step(turn)

@@ -150,6 +150,43 @@ def test_tools_run_in_sandboxes_a_slow_call_holds_back_only_itself_and_one_past_
         box.close()
 
 
+def test_a_tools_flood_reaches_the_model_cut_and_one_past_the_answer_limit_is_an_error():
+    """A result is read in linear time and cut to what the model reads; one past the sandbox's answer limit is an
+    error, and the sandbox is replaced."""
+    from grpo_dist.agents.tools import RESULT_LIMIT
+    from grpo_dist.sandbox import ANSWER_LIMIT
+
+    box = toolbox(["agent_fixtures.flood", "agent_fixtures.echo"], workers=1, timeout_s=60.0)
+    calls = [ToolCall("flood", {"megabytes": 16}), ToolCall("flood", {"megabytes": (ANSWER_LIMIT >> 20) + 8}),
+             ToolCall("echo", {"text": "after"})]  # fmt: skip
+    try:
+        asyncio.run(box.run(calls))
+    finally:
+        box.close()
+    flooded, past, after = calls
+    assert flooded.error is None and flooded.result.startswith("x" * RESULT_LIMIT + "\n[result cut: 16777216")
+    assert len(flooded.result) < RESULT_LIMIT + 100
+    assert past.result is None and past.error.startswith(f"its answer ran past {ANSWER_LIMIT >> 20} MiB")
+    assert after.result == "echo after"
+
+
+def test_an_environments_step_runs_off_the_event_loop(tokenizer):
+    """The step and the tokenizing of its observation (long ones take seconds) run on a thread of their own, so
+    the generator's event loop goes on serving the engine meanwhile."""
+    import threading
+
+    from agent_fixtures import ThreadNotingEnvironment
+
+    from grpo_dist.agents.episode import AgentLoop
+    from grpo_dist.config import EnvironmentConfig
+
+    config = EnvironmentConfig(name="agent_fixtures.ThreadNotingEnvironment", tool_parser="agent_fixtures.always_echo")
+    ThreadNotingEnvironment.stepped_on.clear()
+    _, worked = failing_and_working(AgentLoop(config, tokenizer, max_new_tokens=8), scripted(tokenizer, ["hi"]))
+    assert worked.episode.turns == 2 and len(ThreadNotingEnvironment.stepped_on) >= 2
+    assert threading.main_thread().name not in ThreadNotingEnvironment.stepped_on  # asyncio.run's loop is main's
+
+
 def test_an_episode_opens_with_the_environments_first_messages_and_tools(tokenizer):
     """The first tokens are the chat template's rendering of what the environment's `reset` returns for the row,
     with its tools (the class's own unless `environment.tools` names others)."""

@@ -22,6 +22,7 @@ the run.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -99,8 +100,8 @@ async def run_episode(
         episode.tool_seconds += time.monotonic() - started
         episode.tool_calls += len(calls)
         episode.tool_errors += sum(call.error is not None for call in calls)
-        done, observed_messages, observed = _guarded(
-            f"{where}.step", _step, environment, Turn(text, calls, number), renderer, episode.rewards
+        done, observed_messages, observed = await asyncio.to_thread(  # a long observation's tokenizing, off the loop
+            _guarded, f"{where}.step", _step, environment, Turn(text, calls, number), renderer, episode.rewards
         )
         if done:
             break

@@ -11,7 +11,7 @@ limited memory, no processes), as many at once as `environment.tool_workers` (mo
 call bounded by `environment.tool_timeout_s` (past it the sandbox is killed with everything it started, and the
 call answered with a time-out error). The built-in `python` tool runs the model's code, so each of its calls runs
 in a jail of its own instead (`grpo_dist.rewards.code`). A tool returns anything; what the model reads is its text
-(a `str` as is, anything else as JSON).
+(a `str` as is, anything else as JSON), at most `RESULT_LIMIT` characters of it.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def python(code: str) -> str:
 
 
 PYTHON_TIMEOUT_S = 10.0  # when called outside a ToolBox, which gives it `environment.tool_timeout_s`
+RESULT_LIMIT = 32768  # characters of a tool's result the model reads (`cut`)
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}
 
 
@@ -158,6 +159,14 @@ def argument_error(spec: ToolSpec, arguments: dict[str, Any]) -> str | None:
     return None
 
 
+def cut(result: str | None) -> str | None:
+    """A tool's result as the model reads it: at most `RESULT_LIMIT` characters, saying where it was cut (the
+    observation is tokenized whole, and no trajectory has room for more)."""
+    if result is None or len(result) <= RESULT_LIMIT:
+        return result
+    return result[:RESULT_LIMIT] + f"\n[result cut: {len(result)} characters, the first {RESULT_LIMIT} shown]"
+
+
 class ToolBox:
     """Runs a trajectory's tool calls in the generator's tool sandboxes (`workers` processes, started when first
     needed), each call bounded by `timeout_s`. Calls of one turn run one after the other; trajectories' calls run
@@ -212,7 +221,8 @@ class ToolBox:
                 return sandbox, None, f"{type(error).__name__}: {error}"
         if sandbox is None:
             sandbox = self._start()
-        return sandbox, *sandbox.call_tool(index, arguments, self.timeout_s)
+        result, error = sandbox.call_tool(index, arguments, self.timeout_s)
+        return sandbox, cut(result), error
 
     def _start(self) -> Sandbox:
         sandbox = Sandbox(self.paths, self.limits, kind="tools")
