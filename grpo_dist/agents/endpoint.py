@@ -195,7 +195,7 @@ class Endpoint:
             why = str(err) if isinstance(err, BadRequest) else f"the body is not JSON ({err})"
             return error_answer(400, why, "invalid_request_error")
         async with session.lock:  # calls of one session one after the other, each extending the last
-            # tokenizing what the agent sent (up to a MiB: seconds) off the loop
+            # tokenizing what the agent sent (up to 64 MiB: seconds) off the loop
             prefix, observed = await asyncio.to_thread(self._prefix, session, messages, tools)
             asked = asked or self.limits.max_new_tokens
             room = self.limits.max_total_tokens - len(prefix)
