@@ -47,6 +47,7 @@ TMP_MB = 64  # the jail's /tmp, its working directory included (each file at mos
 KEYCTL_JOIN_SESSION_KEYRING = 1
 KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}  # keyctl(2) by machine
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 """What a jailed process sees of `/etc` (read-only, where present), besides `/usr` and the interpreter."""
 MERGED_USR = ("bin", "lib", "lib64", "sbin")  # links into /usr on today's distributions; bound if they are not
@@ -86,7 +87,7 @@ class Status:
     def describe(self) -> str:
         if self.namespaces:
             return "model-written code runs isolated by namespaces (bubblewrap): own PID, mount and network views"
-        return f"model-written code runs WITHOUT namespaces ({self.why_not}); only its user, limits and environment"
+        return f"model-written code runs WITHOUT namespaces ({self.why_not}); {best_effort_user()}"
 
 
 def bwrap_path() -> str | None:
@@ -124,10 +125,27 @@ def check(isolation: Isolation, what: str) -> Status:
             "(`apt-get install bubblewrap`) and let the process create namespaces: in a container, run it with "
             "seccomp and AppArmor unconfined (Kubernetes: securityContext.seccompProfile.type: Unconfined and "
             "appArmorProfile.type: Unconfined; the bundled KubeRay manifests do), or on a host that allows "
-            "unprivileged user namespaces. Or set reward.isolation=best_effort to run it with only a user of its "
-            "own, limits and a clean environment (docs/sandbox.md)."
+            f"unprivileged user namespaces. Or set reward.isolation=best_effort to run it {best_effort_user()} "
+            "(docs/sandbox.md)."
         )
     return found
+
+
+def best_effort_user() -> str:
+    """What best effort (no namespaces) gives model-written code on this machine, in words."""
+    if os.geteuid() == 0:
+        return "as the user nobody, with limits and a clean environment"
+    return (
+        "as this process's own user, with limits and a clean environment: it can signal that user's processes and "
+        "read their environments (the run's tokens), all but those of the process that started it"
+    )
+
+
+def hide_from_own_user() -> None:
+    """Make this process undumpable: a process of its user without privileges can then neither read its memory nor
+    its environment (`/proc/<pid>/environ`: the run's tokens) nor trace it. For code run as this process's own user
+    (best effort, not as root)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 def scratch_dir(kind: str) -> str:
@@ -316,6 +334,8 @@ class Jailed:
     def __init__(self, runner: str, args: list[str], isolation: Isolation, output: bool = False) -> None:
         """`output`: its standard output and error come back (`read_output`) instead of being discarded."""
         found = check(isolation, "a program")
+        if not found.namespaces and os.geteuid() != 0:
+            hide_from_own_user()  # the code runs as this user: keep at least this process's tokens from it
         reap_orphans()  # what an earlier jail left still ending when it closed
         self.workdir = scratch_dir("jail")
         self.read_end, write_end = os.pipe()

@@ -266,6 +266,44 @@ def run_tool(code: str, isolation: str) -> ToolCall:
     return call
 
 
+def test_code_run_as_its_callers_own_user_finds_the_callers_environment_closed():
+    """Best effort under a user other than root runs the code as that same user: the process that starts it makes
+    itself undumpable first (`Jailed` does), so the code cannot read its environment, the run's tokens. Here a
+    forked process of another user plays the caller, its child the code."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to become another user")
+    assert "as the user nobody" in jail.Status(False, "refused").describe()
+    read_end, write_end = os.pipe()
+    caller = os.fork()
+    if caller == 0:
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            ctypes.CDLL(None).prctl(jail.PR_SET_DUMPABLE, 1, 0, 0, 0)  # as an ordinary process of its user is
+            said = b""
+            for hidden in (False, True):
+                if hidden:
+                    jail.hide_from_own_user()
+                code = os.fork()
+                if code == 0:
+                    try:
+                        with open(f"/proc/{os.getppid()}/environ", "rb") as environ:
+                            os._exit(0 if environ.read() else 1)  # what the process started with: its tokens
+                    except PermissionError:
+                        os._exit(13)
+                _, status = os.waitpid(code, 0)
+                said += b"%d " % os.waitstatus_to_exitcode(status)
+            os.write(write_end, said)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    said = os.read(read_end, 100).decode().split()
+    os.waitpid(caller, 0)
+    os.close(read_end)
+    assert said == ["0", "13"]  # the environment read before, closed after
+
+
 def test_the_python_tool_runs_the_models_code_and_reaches_nothing_else(isolation, bystander):
     assert run_tool("print(6 * 7)", isolation).result.strip() == "42"
     assert "ZeroDivisionError" in run_tool("1 / 0", isolation).result  # the model reads its traceback
