@@ -351,6 +351,10 @@ class RewardConfig(_Section):
     sandbox_env: list[str] = []
     """Names of environment variables passed on to the reward and tool sandboxes (a remote judge's API key); the
     sandboxes get no other variable of the run's environment."""
+    sandbox_paths: list[str] = []
+    """Absolute paths of directories the reward sandbox sees too, at the same path (data a reward reads, a directory
+    it writes where `nobody` may): besides them it sees only the Python install, its import path read-only and a
+    private /tmp (docs/sandbox.md)."""
     isolation: Literal["auto", "require", "best_effort"] = "auto"
     """How model-written code (the `code_tests` reward, the `python` tool) is isolated. `require`: each run in
     namespaces of its own (bubblewrap), and the reward and tool sandboxes in a network namespace and, under root,
@@ -364,6 +368,13 @@ class RewardConfig(_Section):
     completions is unscored for `max_unscored_steps` steps in a row (training on nothing is not training)."""
     max_unscored_steps: int = Field(3, ge=1)
     """Consecutive steps over `max_unscored_fraction` that stop a run."""
+
+    @model_validator(mode="after")
+    def _sandbox_paths_are_absolute(self) -> RewardConfig:
+        relative = [path for path in self.sandbox_paths if not path.startswith("/")]
+        if relative:
+            raise ValueError(f"sandbox_paths {relative}: give absolute paths (the sandbox sees each at its own path)")
+        return self
 
 
 class DistillConfig(_Section):

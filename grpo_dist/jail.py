@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -53,6 +54,7 @@ SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 MERGED_USR = ("bin", "lib", "lib64", "sbin")  # links into /usr on today's distributions; bound if they are not
 PROBE_TIMEOUT_S = 30.0
 PR_SET_KEEPCAPS = 8
+PR_SET_NO_NEW_PRIVS = 38
 CAP_DAC_READ_SEARCH = 2
 CAPABILITY_VERSION_3 = 0x20080522
 
@@ -191,11 +193,21 @@ def clean_env(home: str) -> dict[str, str]:
     }
 
 
-def wrap(argv: list[str], bwrap: str | None = None) -> list[str]:
+def wrap(
+    argv: list[str],
+    bwrap: str | None = None,
+    readonly: Sequence[str] = (),
+    writable: Sequence[str] = (),
+    network: bool = False,
+    env: dict[str, str] | None = None,
+    tmp: tuple[int, str] = (TMP_MB, "1777"),
+) -> list[str]:
     """`argv` under bubblewrap: the view and namespaces the module docstring lists; as root, `setpriv` then becomes
-    `nobody` with no capabilities inside (a user namespace would map nobody to root's files)."""
+    `nobody` with no capabilities inside (a user namespace would map nobody to root's files). The reward and tool
+    sandboxes (`grpo_dist.sandbox`) add to that view `readonly` and `writable` paths, each at its own path, keep the
+    network where `network`, give their own environment `env` (else `clean_env`), and size and mode their `/tmp`
+    (`tmp`: MB and mode; its `work` directory, the working directory, is writable by anyone in it)."""
     bwrap = bwrap or bwrap_path()
-    prefix = os.path.realpath(sys.base_prefix)
     view = ["--ro-bind", "/usr", "/usr"]
     for name in MERGED_USR:
         path = f"/{name}"
@@ -205,35 +217,16 @@ def wrap(argv: list[str], bwrap: str | None = None) -> list[str]:
             view += ["--ro-bind", path, path]
     for path in SYSTEM_FILES:
         view += ["--ro-bind-try", path, path]
-    if not prefix.startswith("/usr/"):  # its directories made searchable, else Python misses its own library
-        for parent in reversed(Path(prefix).parents[:-1]):
-            view += ["--perms", "0755", "--dir", str(parent)]
-        view += ["--ro-bind", prefix, prefix]
-    view += [
-        "--perms",
-        "1777",
-        "--size",
-        str(TMP_MB << 20),
-        "--tmpfs",
-        "/tmp",
-        "--perms",
-        "1777",
-        "--dir",
-        "/tmp/work",
-        "--dev",
-        "/dev",
-        "--perms",
-        "1777",
-        "--size",
-        str(1 << 20),
-        "--tmpfs",
-        "/dev/shm",
-        "--chdir",
-        "/tmp/work",
-    ]
-    namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-net"]
-    env = ["--clearenv", *[arg for key, value in clean_env("/tmp/work").items() for arg in ("--setenv", key, value)]]
-    guard = ["--die-with-parent", "--new-session"]
+    view += ["--perms", tmp[1], "--size", str(tmp[0] << 20), "--tmpfs", "/tmp", "--perms", "1777", "--dir", "/tmp/work"]
+    view += ["--dev", "/dev", "--perms", "1777", "--size", str(1 << 20), "--tmpfs", "/dev/shm"]
+    prefix = os.path.realpath(sys.base_prefix)
+    bound = [] if prefix.startswith("/usr/") else [(prefix, "--ro-bind")]
+    view += own_paths([*bound, *((path, "--ro-bind") for path in readonly), *((path, "--bind") for path in writable)])
+    namespaces = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    namespaces += [] if network else ["--unshare-net"]
+    given = clean_env("/tmp/work") if env is None else env
+    env = ["--clearenv", *[arg for key, value in given.items() for arg in ("--setenv", key, value)]]
+    guard = ["--die-with-parent", "--new-session", "--chdir", "/tmp/work"]
     if os.geteuid() == 0:
         become = [
             "setpriv",
@@ -261,14 +254,23 @@ def wrap(argv: list[str], bwrap: str | None = None) -> list[str]:
     ]
 
 
-def in_pid_namespace(argv: list[str]) -> list[str]:
-    """`argv` as the first process of a PID namespace of its own where bubblewrap runs (else as it is): whatever it
-    starts, in a session of its own or not, dies with it, even when its parent is killed without closing it. Its
-    view of the machine is unchanged (the reward and tool sandboxes limit themselves)."""
-    if not status().namespaces:
-        return argv
-    user = [] if os.geteuid() == 0 else ["--unshare-user", "--uid", str(os.geteuid()), "--gid", str(os.getegid())]
-    return [bwrap_path(), "--dev-bind", "/", "/", *user, "--unshare-pid", "--die-with-parent", "--", *argv]
+def own_paths(paths: Sequence[tuple[str, str]]) -> list[str]:
+    """Bubblewrap arguments binding each `(path, how)` (`--ro-bind`, `--bind`) at its own path, once: a path within
+    one bound already is left out (its bind would be the same files), and the directories above each are made
+    searchable (else `nobody` misses a path under a private directory such as `/root`)."""
+    args: list[str] = []
+    made: set[str] = set()
+    chosen: list[str] = []
+    for path, how in sorted({os.path.abspath(path): how for path, how in paths}.items()):
+        if any(path == done or path.startswith(done.rstrip("/") + "/") for done in chosen):
+            continue
+        chosen.append(path)
+        for parent in reversed(Path(path).parents[:-1]):
+            if str(parent) not in made:
+                made.add(str(parent))
+                args += ["--perms", "0755", "--dir", str(parent)]
+        args += [how, path, path]
+    return args
 
 
 def _own_keyring() -> None:
@@ -300,6 +302,16 @@ def become_nobody() -> None:
         libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
 
 
+def no_privileges() -> None:
+    """Drop every capability this process holds (a sandbox's call, forked from a server as `nobody` that may keep
+    one), and never gain one again: no new privileges through `exec` either. `OSError` where refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)()) != 0:
+        raise OSError(ctypes.get_errno(), "capset refused")
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS refused")
+
+
 def _as_nobody() -> None:
     """Best effort without namespaces, as root: a keyring of its own, `nobody`, and death with the process that
     started it (a change of user clears that)."""
@@ -309,7 +321,7 @@ def _as_nobody() -> None:
 
 
 RUNNING: set[int] = set()
-"""The bubblewrap processes this process started and reaps itself (`Jailed`, and the sandboxes' `in_pid_namespace`)."""
+"""The bubblewrap processes this process started and reaps itself (`Jailed`, and the reward and tool sandboxes)."""
 
 
 def reap_orphans() -> None:

@@ -1,28 +1,42 @@
 """The sandbox: user reward code runs in a process of its own, never in the driver or a reward worker; an
 environment's tools likewise run in sandboxes of their generator (`kind="tools"`, `grpo_dist.agents.tools`).
 
-Each reward worker (and the driver's pre-flight check) starts one `Sandbox`: a child process (`python -m
-grpo_dist.sandbox_child`) that imports the reward functions and scores one call at a time, asked and answered as JSON
-lines on pipes of its own (what the reward code prints goes to the worker's log). Before it serves a call it
-  - turns the network off where the machine allows it (a network namespace of its own, with no interface up);
-  - limits its memory (address space, `reward.sandbox_memory_mb`) and the CPU time of each call;
-  - may start no process and no thread (`reward.sandbox_processes: false`, the default), by a process limit of
-    zero; run as root, it first becomes the user `nobody`, whom that limit binds, keeping only the capability to
-    read files (so the interpreter and the reward modules stay importable wherever they are installed);
-  - dies with the worker that started it.
-A call that runs past `reward.timeout_s` is answered NaN and the sandbox killed with everything it started (its
-process group, and any process that left it, found by the mark in its environment); so is one whose sandbox died
-(`os._exit`, a crash, a limit), and the next call starts a new one. A function that raises scores NaN with the
-error's name and message as the reason.
+Each reward worker (and the driver's pre-flight check) starts one `Sandbox`: a server process
+(`grpo_dist.sandbox_child`) that imports the reward functions once and answers one call at a time, asked and answered
+as JSON lines on pipes of its own (what the reward code prints goes to the worker's log). Each call runs in a fresh
+process forked from that server, which the call's code never ran in: nothing one completion does (a global or a module
+patched, a thread, a file in its home) outlives its call. Where bubblewrap runs, the server starts under it
+(`jail.wrap`) and sees the machine the way a jail does:
+  - its own mount namespace: `/usr`, the Python install, and the import path read-only, each at its own path (the
+    directories on this process's import path, `grpo_dist`'s own and the editable installs', the worker's working
+    directory, where the user's reward modules are); the directories `reward.sandbox_paths` names; a private `/tmp`
+    (its home and working directory `/tmp/work`, emptied after every call) and `/dev/shm`; nothing else: no Ray
+    session (`/tmp/ray`), no other sandbox's home, no home directory, no `/proc`;
+  - its own PID, IPC, UTS and network namespaces (the network only with `reward.sandbox_network`), as `nobody` with
+    no capabilities (under root) or in a user namespace with none (under another user), from its first instruction;
+  - `python -I`: an import path this side sets (`import_path`), never its working directory or the environment's.
+Each call's process then limits itself: no capability and no new privilege, CPU time (`reward.timeout_s`), no process
+or thread (`reward.sandbox_processes: false`, the default: a process limit of zero, which binds `nobody`); the address
+space (`reward.sandbox_memory_mb`) is the server's. Whatever the call started in its process group is killed when it
+returns.
 
-User code here is the user's: the sandbox keeps it from harm done by mistake and from the secrets it has no use for,
-but the model's own code never runs here (`grpo_dist.jail` runs it). The sandbox gets an environment of its own
-(PATH, LANG, a HOME and working directory of its own, the import path; never the run's tokens: names listed in
-`reward.sandbox_env` are passed on), imports the user's modules only after it became `nobody`, with the worker's
-working directory last on its import path, and every answer it gives is checked here: one JSON line per request,
-carrying the request's id (drawn at random) and, for a reward, one finite number within ±1e30; anything else
-leaves that call unscored and the sandbox replaced. Under `reward.isolation: require` a sandbox the machine
-refuses a network namespace or the change of user does not start (`SandboxError`, saying what was refused).
+Where bubblewrap does not run, `reward.isolation: require` refuses to start a sandbox (`SandboxError`, saying why),
+and `best_effort` starts a plain process: as root it imports `grpo_dist` and its dependencies from the directories of
+the import path that `nobody` cannot write, then turns the network off (a network namespace of its own), becomes
+`nobody` (keeping the capability to read files, so an interpreter installed where only root reads stays importable:
+the calls drop it), and only then adds the rest of the import path and imports the user's modules. Its home is a
+directory of `nobody`'s under a directory of root's that no one else may list (`private_home`), never on the path.
+
+A call that runs past `reward.timeout_s` is answered NaN and the sandbox killed with everything it started (its
+process group, and any process that left it, found by the mark in its environment); so is one whose server died,
+and the next call starts a new one. A call whose process died (`os._exit`, a crash, a limit) or that raised scores
+NaN, saying why. The sandbox gets an environment of its own (PATH, LANG, HOME and TMPDIR; never the run's tokens:
+names listed in `reward.sandbox_env` are passed on), and every answer it gives is checked here: one JSON line per
+request, carrying the request's id (drawn at random, never shown to the call's process) and, for a reward, one
+finite number within ±1e30; anything else leaves that call unscored and the sandbox replaced.
+
+User code here is the user's: the sandbox keeps it, and the model's text it evaluates, from the run's secrets and
+from the machine, but the model's own code never runs here (`grpo_dist.jail` runs it).
 """
 
 from __future__ import annotations
@@ -37,10 +51,13 @@ import secrets
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from grpo_dist import jail
@@ -66,6 +83,7 @@ class Limits:
     network: bool  # keeps the network
     require: bool = False  # refuse to start where the network namespace or the change of user is refused
     env: tuple[str, ...] = ()  # names of variables of the worker's environment passed on (`reward.sandbox_env`)
+    paths: tuple[str, ...] = ()  # directories of the machine it sees too, at their own path (`reward.sandbox_paths`)
 
 
 class SandboxError(RuntimeError):
@@ -86,7 +104,7 @@ class Sandbox:
         self.ended = False  # its answers' pipe closed: the process is gone
         self.too_long = False  # its answer ran past `ANSWER_LIMIT`
         self.request = ""  # the id of the last request, drawn at random: its answer carries it
-        self.home: str | None = None  # its HOME and working directory
+        self.home: str | None = None  # the directory its home is made in on this machine (`private_home`)
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
         if reap and sys.platform.startswith("linux"):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -145,22 +163,34 @@ class Sandbox:
 
     def _start(self) -> None:
         self.close()
-        self.home = jail.scratch_dir(f"{self.kind}-sandbox")
-        if os.geteuid() == 0:
-            os.chown(self.home, NOBODY, NOBODY)
+        found = jail.status()
+        if self.limits.require and not found.namespaces:
+            raise SandboxError(
+                f"the {self.label} sandbox needs bubblewrap under reward.isolation=require, but {found.why_not} "
+                "(docs/sandbox.md)"
+            )
+        self.home, home = private_home(self.kind, jailed=found.namespaces)
+        path, later = import_path(jailed=found.namespaces)
+        argv = [sys.executable, "-I", "-c", BOOT, *path]
+        env = sandbox_env("/tmp/work" if found.namespaces else home, self.limits.env)
+        if found.namespaces:
+            tmp_mb, writable = self.limits.memory_mb, list(self.limits.paths)
+            readonly = [sys.prefix, *path, *installs()]
+            argv = jail.wrap(argv, readonly=readonly, writable=writable, network=self.limits.network, env=env,
+                             tmp=(tmp_mb, "0555"))  # fmt: skip
         self.process = subprocess.Popen(
-            jail.in_pid_namespace([sys.executable, "-m", "grpo_dist.sandbox_child"]),
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=sandbox_env(self.home, self.limits.env),
-            cwd=self.home,
+            env=env,
+            cwd=home,
             start_new_session=True,
             preexec_fn=die_with_parent,
         )
         jail.RUNNING.add(self.process.pid)
-        self.process.stdin.write(
-            json.dumps({"functions": self.names, "kind": self.kind, "limits": asdict(self.limits)}).encode() + b"\n"
-        )
+        setup = {"functions": self.names, "kind": self.kind, "limits": asdict(self.limits), "path": later}
+        setup["jailed"], setup["scratch"] = found.namespaces, ["/tmp/work", "/dev/shm"] if found.namespaces else [home]
+        self.process.stdin.write(json.dumps(setup).encode() + b"\n")
         self.process.stdin.flush()
         line = self._line(START_TIMEOUT_S)
         ready = json.loads(line) if line is not None else None
@@ -172,6 +202,8 @@ class Sandbox:
             self.close()
             raise SandboxError(ready["error"])
         self.notes = ready["notes"]
+        if not found.namespaces:
+            self.notes.append(f"the {self.label} sandbox runs without namespaces ({found.why_not})")
 
     def _lost(self, timeout_s: float, timed_out: bool) -> str:
         """Kill a sandbox that ran past its bound or died in a call; the reason the call has no score."""
@@ -237,9 +269,14 @@ class Sandbox:
         return answer
 
 
+BOOT = "import sys; sys.path[:0] = sys.argv[1:]; from grpo_dist.sandbox_child import serve; serve()"
+"""The sandbox's program (`python -I -c BOOT DIRECTORY...`): its import path is the directories it is given, before
+the interpreter's own, never its working directory or a variable of its environment."""
+RAY_SESSIONS = "/tmp/ray"
+
+
 def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
-    """A sandbox's whole environment: what Python needs, the import path (this process's, the working directory
-    last so nothing planted there shadows an installed module), and the variables named in `passed`."""
+    """A sandbox's whole environment: what Python needs, and the variables named in `passed`."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
         "LANG": "C.UTF-8",
@@ -249,9 +286,71 @@ def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         **dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1"),
     }
-    env["PYTHONPATH"] = os.pathsep.join([*map(os.path.abspath, filter(None, sys.path)), os.getcwd()])
     env.update({name: os.environ[name] for name in passed if name in os.environ})
     return env
+
+
+def import_path(jailed: bool) -> tuple[list[str], list[str]]:
+    """A sandbox's import path: this process's (where `grpo_dist` and the user's modules are found), then the
+    working directory last (so nothing there shadows an installed module), each existing directory once; never `/`,
+    the temporary directory or one above it, nor the Ray session directory (but what Ray unpacked there for the job,
+    `runtime_resources`). As two parts: what it imports before, and after, it becomes `nobody`: as root without
+    namespaces, a directory `nobody` may write comes after (what a plain process imports as root is root's alone)."""
+    entries = []
+    for entry in [*filter(None, sys.path), os.getcwd()]:
+        entry = os.path.abspath(entry)
+        covers_tmp = entry == "/" or (tempfile.gettempdir() + "/").startswith(entry.rstrip("/") + "/")
+        in_sessions = entry.startswith(RAY_SESSIONS + "/") and "/runtime_resources/" not in entry + "/"
+        if os.path.exists(entry) and entry not in entries and not covers_tmp and not in_sessions:
+            entries.append(entry)
+    if jailed or os.geteuid() != 0:
+        return entries, []
+    later = [entry for entry in entries if writable_by_nobody(entry)]
+    return [entry for entry in entries if entry not in later], later
+
+
+def installs() -> list[str]:
+    """The directories of `grpo_dist` and of every editable install this process imports from (found by a finder
+    of their own, never on the import path)."""
+    import grpo_dist
+
+    found = [os.path.dirname(grpo_dist.__file__)]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("__editable__") and isinstance(getattr(module, "MAPPING", None), dict):
+            found += [path for path in module.MAPPING.values() if isinstance(path, str) and os.path.exists(path)]
+    return found
+
+
+def writable_by_nobody(path: str) -> bool:
+    """Whether `nobody` may change what `path` holds: it or a directory above it is `nobody`'s, `path` is open to
+    anyone's writing (or its group's, where that group is `nobody`'s), or a directory above it is, without the
+    sticky bit that keeps others' entries in place (`/tmp` has it)."""
+    place = Path(os.path.realpath(path))
+    for depth, directory in enumerate([place, *place.parents]):
+        try:
+            found = directory.stat()
+        except OSError:
+            return True
+        open_to_it = found.st_mode & stat.S_IWOTH or (found.st_mode & stat.S_IWGRP and found.st_gid == NOBODY)
+        if found.st_uid == NOBODY or (open_to_it and (depth == 0 or not found.st_mode & stat.S_ISVTX)):
+            return True
+    return False
+
+
+def private_home(kind: str, jailed: bool) -> tuple[str, str]:
+    """A new directory for a sandbox on this machine, its own and root's (mode 0700 from `tempfile.mkdtemp`), and the
+    home made in it: in a jail the home is its own `/tmp/work`, and this directory its unused working directory;
+    without one, as root, a directory of `nobody`'s with a name drawn at random, under this one opened to be passed
+    through but not listed (0711), so no other `nobody` process finds it and none is ever on an import path."""
+    made = jail.scratch_dir(f"{kind}-sandbox")
+    if jailed:
+        return made, made
+    home = os.path.join(made, secrets.token_hex(8))
+    os.mkdir(home, 0o700)
+    if os.geteuid() == 0:
+        os.chmod(made, 0o711)
+        os.chown(home, NOBODY, NOBODY)
+    return made, home
 
 
 def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | None]:

@@ -1,25 +1,34 @@
-"""The sandbox process itself (`python -m grpo_dist.sandbox_child`, started by `grpo_dist.sandbox.Sandbox`): it
-takes its limits, turns the network off, becomes `nobody` where it runs as root, imports the reward functions or
-tools it is named, then answers one JSON request at a time (docs/sandbox.md). Nothing imports this module: it is the
-top of its own process, the one place that resolves user rewards and tools by name inside a sandbox."""
+"""The sandbox's server (`python -I -c sandbox.BOOT`, started by `grpo_dist.sandbox.Sandbox`): it takes its setup,
+limits its memory, turns the network off and becomes `nobody` where no jail did that before it started, imports the
+reward functions or tools it is named, then answers one JSON request at a time, each in a fresh process forked for
+that call (docs/sandbox.md). The server never runs a call's code; the call's process never sees the request's id or
+the pipes the answers leave by: it writes its answer to a pipe of its own, which the server relays. Nothing imports
+this module: it is the top of its own process, the one place that resolves user rewards and tools inside a sandbox."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import json
 import math
 import os
-from typing import Any
+import select
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from grpo_dist import jail
 from grpo_dist.agents.tools import resolve_tool
 from grpo_dist.rewards.registry import resolve_reward, to_score
-from grpo_dist.sandbox import Limits
+from grpo_dist.sandbox import Limits, exit_reason
 from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
+PR_SET_DUMPABLE = 4
+MAX_ANSWER_BYTES = 16 << 20  # what one call may write as its answer
 
 
 def _refused(error: BaseException, limits: Limits) -> str:
@@ -30,7 +39,8 @@ def _refused(error: BaseException, limits: Limits) -> str:
         isinstance(error, BlockingIOError) or (isinstance(error, RuntimeError) and "new thread" in str(error))
     ):
         return " (the sandbox allows no processes or threads: reward.sandbox_processes)"
-    if not limits.network and isinstance(error, OSError) and error.errno in (errno.ENETUNREACH, errno.EADDRNOTAVAIL):
+    unreachable = (errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNREFUSED)  # in a network namespace of its own
+    if not limits.network and isinstance(error, OSError) and error.errno in unreachable:
         return " (the sandbox allows no network: reward.sandbox_network)"
     return ""
 
@@ -60,56 +70,181 @@ def answer_to(answers: Any, request: str | None, message: dict) -> None:
     answers.flush()
 
 
-def _serve() -> None:
+def serve() -> None:
+    """Set up as `Sandbox._start` asks, say it is ready (or why not), then answer every request until its end."""
     import resource
 
     # The requests and answers keep the pipes; the reward code gets no input and prints to the log.
     requests, answers = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
-
     answer = functools.partial(answer_to, answers, None)
 
     setup = json.loads(requests.readline())
     limits = Limits(**setup["limits"])
-    notes = [note for note in [None if limits.network else _network_off(), _become_nobody()] if note]
+    notes = [] if setup["jailed"] else [n for n in [None if limits.network else _network_off(), _become_nobody()] if n]
     if limits.require and notes:
         answer({"error": f"{'; '.join(notes)}, and reward.isolation=require (docs/sandbox.md)"})
         return
     jail.die_with_parent()  # after the change of user, which clears it
     memory = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resolve = resolve_reward if setup.get("kind", "rewards") == "rewards" else resolve_tool
-    functions = []
-    for name in setup["functions"]:  # imported as nobody, so a module planted on the path runs as nobody too
-        try:
-            functions.append(resolve(name))
-        except ValueError as err:
-            answer({"error": str(err)})
-            return
-    if not limits.processes:
-        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no process and no thread beyond this one
+    sys.path += setup["path"]  # only now: what `nobody` may write is imported as `nobody`
+    try:
+        functions = _imported(setup["functions"], setup.get("kind", "rewards"))
+    except ValueError as err:
+        answer({"error": str(err)})
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0)  # no call's process may read or trace this one
     answer({"ready": True, "notes": notes})
+    label = "reward" if setup.get("kind", "rewards") == "rewards" else "tool"
+    keep = (requests.fileno(), answers.fileno())
     for line in requests:
         request = json.loads(line)
-        answer = functools.partial(answer_to, answers, request["id"])
-        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-        resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(used + limits.cpu_s), hard))
+        request_id = request.pop("id")
+        found = in_a_fresh_process(functools.partial(_call, functions, request, limits), limits, keep, label)
+        answer_to(answers, request_id, found)
+        _empty(setup["scratch"])
+
+
+def _imported(names: list[str], kind: str) -> list[Callable[..., Any]]:
+    """The functions `names`, each warmed up where it says how (its `sandbox_warmup`: a callable taking nothing,
+    run once here so that no call's process imports or builds again what it needs, e.g. `math_answer`'s sympy);
+    `ValueError` naming what does not resolve or warm up."""
+    functions = [(resolve_reward if kind == "rewards" else resolve_tool)(name) for name in names]
+    for name, function in zip(names, functions, strict=True):
+        warmup = getattr(function, "sandbox_warmup", None)
         try:
-            if "tool" in request:
-                found = functions[request["tool"]](**request["arguments"])
-                answer({"result": found if isinstance(found, str) else json.dumps(found, default=str)})
+            if callable(warmup):
+                warmup()
+        except Exception as error:
+            raise ValueError(f"{name}'s sandbox_warmup raised {type(error).__name__}: {error}") from error
+    return functions
+
+
+def _call(functions: list[Callable[..., Any]], request: dict, limits: Limits) -> dict:
+    """One request's answer, as the call's process gives it: its result or value, or the error it raised."""
+    try:
+        if "tool" in request:
+            found = functions[request["tool"]](**request["arguments"])
+            return {"result": found if isinstance(found, str) else json.dumps(found, default=str)}
+        function = functions[request["call"]]
+        score = to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
+        if abs(score) > REWARD_LIMIT:
+            raise ValueError(f"returned {score:g}, beyond ±{REWARD_LIMIT:g} (rewards.REWARD_LIMIT)")
+        return {"value": score}
+    except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
+        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return {"error": said + _refused(error, limits)}
+
+
+def in_a_fresh_process(call: Callable[[], dict], limits: Limits, keep: tuple[int, ...], label: str) -> dict:
+    """`call()` in a process forked for it, which limits itself first (`_limited`); its answer as the server relays
+    it (`relayed`). The file descriptors `keep` are closed in it. What it started in its process group is killed."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _limited(call, write_end, keep, limits)
+    os.close(write_end)
+    output, code = _collected(pid, read_end)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # it started nothing that is still there
+    return relayed(output, code, label)
+
+
+def _limited(call: Callable[[], dict], write_end: int, keep: tuple[int, ...], limits: Limits) -> NoReturn:
+    """The call's process: a process group of its own, no capability and no new privilege, its CPU time, no process
+    or thread unless allowed; then the call, its answer one JSON line on `write_end`."""
+    import resource
+
+    try:
+        for descriptor in keep:
+            os.close(descriptor)
+        os.setpgid(0, 0)
+        jail.die_with_parent()
+        jail.no_privileges()
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        seconds = math.ceil(limits.cpu_s)
+        bound = seconds + 1 if hard == resource.RLIM_INFINITY else min(seconds + 1, hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (min(seconds, bound), bound))
+        if not limits.processes:
+            resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no process and no thread beyond this one
+        data = memoryview(json.dumps(call()).encode() + b"\n")
+        while data:
+            data = data[os.write(write_end, data) :]
+    except BaseException:  # a process that could not limit itself or answer: `relayed` says so
+        os._exit(70)
+    os._exit(0)
+
+
+def _collected(pid: int, read_end: int) -> tuple[bytes, int]:
+    """What the call's process `pid` wrote on `read_end` until it closed it (or, when a process it started still
+    holds it, until it ended), at most `MAX_ANSWER_BYTES`; and its exit status."""
+    ended = os.pidfd_open(pid)
+    data = b""
+    try:
+        while len(data) <= MAX_ANSWER_BYTES:
+            ready = select.select([read_end, ended], [], [])[0]
+            if read_end not in ready:  # it ended; take what it left
+                os.set_blocking(read_end, False)
+                try:
+                    while chunk := os.read(read_end, 1 << 16):
+                        data += chunk
+                except BlockingIOError:
+                    pass
+                break
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(ended)
+        os.close(read_end)
+    return data, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def relayed(output: bytes, code: int, label: str) -> dict:
+    """The answer the server relays for a call whose process wrote `output` and exited with `code`: its one JSON
+    object, or an error saying how it ended or how it broke the protocol (`sandbox.checked_answer` checks it all)."""
+    if code == 70 and not output:
+        return {"error": f"the {label} sandbox's call could not limit itself or answer"}
+    if code != 0:
+        return {"error": exit_reason(code, label)}
+    lines = output.split(b"\n")
+    why = None
+    try:
+        found = json.loads(lines[0], parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    except (ValueError, UnicodeDecodeError) as error:
+        why = f"not JSON: {str(error)[:80]}"
+    else:
+        if not isinstance(found, dict) or "id" in found:
+            why = "not one answer"
+    if why is None and (len(lines) != 2 or lines[1] or len(output) > MAX_ANSWER_BYTES):
+        why = "more than one answer to one request"
+    return found if why is None else {"error": f"the {label} sandbox answered out of protocol ({why})"}
+
+
+def _empty(directories: list[str]) -> None:
+    """Remove what the last call left in `directories` (its home, its /dev/shm), also what it made unreadable;
+    anything that stays is said in the log."""
+    import shutil
+
+    for directory in directories:
+        for root, folders, _ in os.walk(directory):
+            for folder in folders:
+                with contextlib.suppress(OSError):  # what stays is said below
+                    os.chmod(os.path.join(root, folder), 0o700)
+        for entry in os.scandir(directory):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
             else:
-                function = functions[request["call"]]
-                score = to_score(function(request["prompt"], request["completion"], **request["kwargs"]))
-                if abs(score) > REWARD_LIMIT:
-                    raise ValueError(f"returned {score:g}, beyond ±{REWARD_LIMIT:g} (rewards.REWARD_LIMIT)")
-                answer({"value": score})
-        except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
-            said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-            answer({"error": said + _refused(error, limits)})
-
-
-if __name__ == "__main__":
-    _serve()
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+        left = os.listdir(directory)
+        if left:
+            print(f"grpo_dist sandbox: {directory} keeps {left[:5]} after its call", file=sys.stderr, flush=True)

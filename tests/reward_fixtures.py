@@ -192,19 +192,69 @@ def secret_reward(prompt: str, completion: str, name: str = "WANDB_API_KEY", **_
 
 
 def planting_reward(prompt: str, completion: str, module: str, **_: Any) -> float:
-    """Plants `module` in every writable directory of its import path: importing it records who imported it."""
-    import os
+    """Plants `module` (and `sitecustomize`, and a package `grpo_dist`) in every directory of its import path, its
+    home, its temporary directory and its working directory that it can write: importing any of them records who
+    imported it, in a file named by the effective user id in each directory the planted code can write."""
+    import tempfile
 
+    code = (
+        "import os, tempfile\nIMPORTED_BY = os.geteuid()\n"
+        "for place in (os.path.dirname(os.path.abspath(__file__)), tempfile.gettempdir(), '/tmp'):\n"
+        "    try:\n        open(os.path.join(place, f'planted-ran-as-{IMPORTED_BY}'), 'w').close()\n"
+        "    except OSError:\n        pass\n\n"
+        "def probe(prompt, completion, **_):\n    return float(IMPORTED_BY)\n"
+    )
     planted = 0.0
-    for directory in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    places = [*sys.path, os.environ.get("HOME", ""), tempfile.gettempdir(), os.getcwd()]
+    for directory in filter(None, places):
+        for name in (f"{module}.py", "sitecustomize.py", os.path.join("grpo_dist", "__init__.py")):
+            try:
+                os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
+                with open(os.path.join(directory, name), "w") as file:
+                    file.write(code)
+                planted = 1.0
+            except OSError:
+                continue
+    return planted
+
+
+def patching_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Leaves its mark on what the next call would use: a module-level flag, this module's functions (itself and
+    `length_reward`), a builtin, and a thread; then scores as `length_reward`. 1000 when it finds the mark of an
+    earlier call."""
+    import builtins
+    import threading
+
+    module = sys.modules[__name__]
+    if getattr(module, "PATCHED", False) or getattr(builtins, "patched_by_a_reward", False):
+        return 1000.0
+    score = length_reward(prompt, completion)
+    module.PATCHED = True
+    builtins.patched_by_a_reward = True
+    module.length_reward = lambda *args, **kwargs: 1000.0
+    module.patching_reward = lambda *args, **kwargs: 1000.0
+    try:
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    except RuntimeError:
+        pass  # no thread without reward.sandbox_processes
+    return score
+
+
+def seeing_reward(prompt: str, completion: str, paths: list[str], **_: Any) -> float:
+    """How many of `paths` it can see (a directory listed or a file read), and 100 for each file of `/tmp` named
+    like another sandbox's home (`grpo-`)."""
+    seen = 0.0
+    for path in paths:
         try:
-            with open(os.path.join(directory, f"{module}.py"), "w") as file:
-                file.write("import os\nIMPORTED_BY = os.geteuid()\n\ndef probe(prompt, completion, **_):\n"
-                           "    return float(IMPORTED_BY)\n")  # fmt: skip
-            planted = 1.0
+            os.listdir(path) if os.path.isdir(path) else open(path).read()
+            seen += 1
         except OSError:
             continue
-    return planted
+    try:
+        seen += 100 * sum(name.startswith("grpo-") for name in os.listdir("/tmp"))
+    except OSError:
+        pass
+    return seen
 
 
 def detaching_reward(prompt: str, completion: str, **_: Any) -> float:

@@ -390,25 +390,86 @@ def test_the_sandbox_gets_no_secret_unless_named():
             runner.close()
 
 
-def test_a_module_planted_on_the_import_path_never_runs_as_root(tmp_path, monkeypatch):
-    """The worker's working directory is writable by anyone (the worst case): the reward plants a module there,
-    and the next sandbox that imports it does so as `nobody`, after installed modules on the path."""
+@pytest.fixture
+def open_directory():
+    """A directory anyone may write, where `nobody` reaches it (pytest's own are under a directory only root reads)."""
+    made = Path(tempfile.mkdtemp(prefix="grpo-open-"))
+    made.chmod(0o777)
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+def test_code_planted_where_a_reward_writes_never_runs_as_root(isolation, open_directory, monkeypatch):
+    """The worker's working directory is writable by anyone (the worst case): a reward plants a module, a
+    `sitecustomize` and a package `grpo_dist` in every directory of its import path, its home, its temporary and
+    working directories it can write. In namespaces it can write none of the machine's (the sandbox's are its own
+    and emptied after the call); without, what it planted in the working directory is imported by the next sandbox
+    only as `nobody`, after the installed modules. The planted code, run, leaves a mark naming its user."""
     if os.geteuid() != 0:
         pytest.skip("the change of user happens under root")
-    tmp_path.chmod(0o777)
+    tmp_path = open_directory
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    runner = runner_of(["reward_fixtures.planting_reward"])
+    runner = runner_of(["reward_fixtures.planting_reward", "reward_fixtures.length_reward"], isolation=isolation)
     try:
         assert runner.score([0], [1.0], [{"module": "planted_probe"}], "q", "abc", {})[0] == 1.0
+        assert runner.score([1], [1.0], [{}], "q", "abcd", {})[0] == 4.0  # the next call in the same sandbox
     finally:
         runner.close()
-    assert (tmp_path / "planted_probe.py").exists()
-    probe = runner_of(["planted_probe.probe"])
+    planted = (tmp_path / "planted_probe.py").exists()
+    assert planted == (isolation == "best_effort")
     try:
-        assert probe.score([0], [1.0], [{}], "q", "abc", {})[0] == float(NOBODY)
+        probe = runner_of(["planted_probe.probe"], isolation=isolation)
+    except Exception as error:
+        assert isolation == "require" and "planted_probe" in str(error)  # nothing planted to import
+    else:
+        try:
+            assert probe.score([0], [1.0], [{}], "q", "abc", {})[0] == float(NOBODY)
+        finally:
+            probe.close()
+    marks = [*tmp_path.glob("planted-ran-as-*"), *Path(tempfile.gettempdir()).glob("planted-ran-as-*")]
+    assert "planted-ran-as-0" not in {mark.name for mark in marks}, marks
+    for mark in Path(tempfile.gettempdir()).glob("planted-ran-as-*"):
+        mark.unlink()
+
+
+def test_nothing_a_call_does_outlives_it(isolation):
+    """A call patches its module (a flag, its own function, another reward's), a builtin, and starts a thread: the
+    next calls, in the same sandbox, score as if it never ran."""
+    runner = runner_of(["reward_fixtures.patching_reward", "reward_fixtures.length_reward"], isolation=isolation)
+    try:
+        for completion in ("abc", "abcd"):
+            assert runner.score([0], [1.0], [{}], "q", completion, {})[0] == len(completion)
+        assert runner.score([1], [1.0], [{}], "q", "abcde", {})[0] == 5.0
     finally:
-        probe.close()
+        runner.close()
+
+
+def test_a_reward_reads_no_root_file_no_other_sandbox_and_in_namespaces_no_ray_session(isolation):
+    """A file only root reads, another sandbox's home; in namespaces also the Ray session directory and any entry
+    of the machine's `/tmp` (`best_effort` shares the machine's `/tmp`, where other homes cannot be listed)."""
+    if os.geteuid() != 0:
+        pytest.skip("a file only root reads")
+    secret = Path("/root/secret-grpo-sandbox-test")
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    made_ray = not os.path.exists("/tmp/ray")
+    os.makedirs("/tmp/ray/session_latest", exist_ok=True)
+    other = runner_of(["reward_fixtures.length_reward"], isolation=isolation)
+    try:
+        paths = [str(secret), other.sandbox.home] + (["/tmp/ray", "/tmp/ray/session_latest"] if isolation == "require"
+                                                      else [])  # fmt: skip
+        runner = runner_of(["reward_fixtures.seeing_reward"], isolation=isolation)
+        try:
+            seen = runner.score([0], [1.0], [{"paths": paths}], "q", "abc", {})[0]
+        finally:
+            runner.close()
+        assert seen % 100 == 0 and (isolation == "best_effort" or seen == 0), seen
+    finally:
+        other.close()
+        secret.unlink()
+        if made_ray:
+            shutil.rmtree("/tmp/ray")
 
 
 @pytest.mark.serial  # looks for `sleep 600` anywhere on the machine

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -75,7 +74,7 @@ def runner_of(names: list[str], **reward) -> RewardRunner:
         ("threading_reward", "processes", "can't start new thread"),
         ("sleeping_reward", "timeout", "timed out after 2s (the reward sandbox was killed"),
         ("hungry_reward", "memory", "MemoryError (the sandbox limits its memory to 1024 MB"),
-        ("networking_reward", "network", "Network is unreachable (the sandbox allows no network"),
+        ("networking_reward", "network", "(the sandbox allows no network"),  # refused or unreachable: no route out
         ("quitting_reward", "sandbox_died", "the reward sandbox exited with code 3"),
     ],
 )
@@ -94,15 +93,13 @@ def test_a_misbehaving_reward_fails_its_completion_saying_why_and_the_next_call_
     assert sandboxed_processes() == []
 
 
-def test_with_processes_allowed_what_a_reward_starts_dies_with_the_sandbox():
+def test_with_processes_allowed_what_a_reward_starts_dies_with_its_call():
+    """A call's process and what it started in its process group are killed when it answers (what leaves the group
+    dies with the sandbox: `test_hostile.test_a_process_a_reward_detaches_dies_with_the_sandbox`)."""
     runner = runner_of([f"{FIXTURES}.forking_reward"], sandbox_processes=True)
     try:
         assert runner.score([0], [1.0], [{}], "q", "abc", {})[0] == 1.0
-        deadline, started = time.monotonic() + 30, []
-        while not started and time.monotonic() < deadline:  # its exec may still be setting up its name and environment
-            started = [p for p in sandboxed_processes() if p.name() == "sleep"]
-            time.sleep(0.1)
-        assert len(started) == 1  # `sleep 600`, started by the reward and left running
+        assert [p for p in sandboxed_processes() if p.name() == "sleep"] == []  # `sleep 600`, which it left running
     finally:
         runner.close()
     assert sandboxed_processes() == []
@@ -171,7 +168,8 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
     }
     raw = small_config(tmp_path, run={"steps": 3})
     model_code = {"name": "code_tests", "weight": 0.0, "kwargs": {"tests": ["assert len(str(x)) >= 0"] * 2}}
-    raw["reward"].update(functions=[misbehaving, model_code], timeout_s=3, sandbox_memory_mb=1024)
+    raw["reward"].update(functions=[misbehaving, model_code], timeout_s=3, sandbox_memory_mb=1024,
+                         sandbox_paths=[str(claims)])  # fmt: skip
     jails_before = set(bwrap_pids())  # other tests' actors, idle in a shared cluster, may hold some
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]

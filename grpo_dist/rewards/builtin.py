@@ -36,6 +36,14 @@ def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
     return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
 
 
+def _warm_math_answer() -> None:
+    """One call on a fixed answer: what math-verify and sympy import and build on their first call."""
+    math_answer("", "1", answer="1")
+
+
+math_answer.sandbox_warmup = _warm_math_answer  # run once by a sandbox's server, so that no call's process does it
+
+
 def _as_math(text: str) -> str:
     """Wrap a bare gold answer in ``$...$`` so math-verify parses it as LaTeX (``"7"`` -> ``"$7$"``)."""
     text = text.strip()

@@ -43,6 +43,7 @@ class RewardRunner:
                 reward.sandbox_network,
                 isolation == "require",
                 tuple(reward.sandbox_env),
+                tuple(reward.sandbox_paths),
             )
             self.sandbox = Sandbox(names, limits, reap)
             for note in self.sandbox.notes:

@@ -1,0 +1,73 @@
+"""What a fresh process per reward call costs: the quick start's reward functions (`regex_format` and
+`math_answer`, configs/quickstart.yaml) called through a reward sandbox, calls per second, side by side with the same
+calls through the sandbox of another checkout (`--baseline`, e.g. one from before the fork server, whose sandbox served
+every call in one long-lived process), in one run, and the ratio.
+
+    .venv/bin/python benchmarks/sandbox_calls.py [--calls 200] [--baseline /path/to/other/checkout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUICKSTART = [("regex_format", {"pattern": "[0-9]"}), ("math_answer", {})]  # configs/quickstart.yaml
+PROMPT, ANSWER = "7 3 9 5:", "5"
+COMPLETIONS = ["5", "3", " 5 ", "55", "", "the answer is 5"]
+
+
+def calls_per_s(calls: int) -> dict[str, float]:
+    """Calls per second of each quick start function through one sandbox (`calls` calls each, after one warm-up),
+    in the checkout this process imports `grpo_dist` from."""
+    from grpo_dist.sandbox import Limits, Sandbox
+
+    sandbox = Sandbox([name for name, _ in QUICKSTART], Limits(memory_mb=4096, cpu_s=10.0, processes=False,
+                                                              network=False))  # fmt: skip
+    found = {}
+    try:
+        for index, (name, kwargs) in enumerate(QUICKSTART):
+            kwargs = {**kwargs, "answer": ANSWER}
+            sandbox.call(index, PROMPT, "5", kwargs, 60.0)
+            started = time.perf_counter()
+            for number in range(calls):
+                score, error = sandbox.call(index, PROMPT, COMPLETIONS[number % len(COMPLETIONS)], kwargs, 60.0)
+                assert error is None, error
+            found[name] = calls / (time.perf_counter() - started)
+    finally:
+        sandbox.close()
+    return found
+
+
+def measured_in(checkout: str, calls: int) -> dict[str, float]:
+    """`calls_per_s` in a process importing `grpo_dist` from `checkout`."""
+    script = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import sandbox_calls; " \
+             f"print(json.dumps(sandbox_calls.calls_per_s({calls})))"  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": checkout}
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=checkout, capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200, help="calls timed per function")
+    parser.add_argument("--baseline", help="another checkout of grpo-dist, measured the same way beside this one")
+    args = parser.parse_args()
+    here = str(Path(__file__).resolve().parent.parent)
+    this = measured_in(here, args.calls)
+    other = measured_in(args.baseline, args.calls) if args.baseline else None
+    print(f"{'function':<14}{'this checkout':>16}" + (f"{'baseline':>12}{'ratio':>8}" if other else ""))
+    for name, rate in this.items():
+        row = f"{name:<14}{rate:>12.1f}/s"
+        if other:
+            row += f"{other[name]:>10.1f}/s{rate / other[name]:>8.2f}"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
