@@ -1,7 +1,8 @@
-"""What a fresh process per reward call costs: the quick start's reward functions (`regex_format` and
-`math_answer`, configs/quickstart.yaml) called through a reward sandbox, calls per second, side by side with the same
-calls through the sandbox of another checkout (`--baseline`, e.g. one from before the fork server, whose sandbox served
-every call in one long-lived process), in one run, and the ratio.
+"""What a reward sandbox costs per call: the quick start's reward functions (`regex_format` and `math_answer`,
+configs/quickstart.yaml: built-ins, called in the sandbox's server) and a user reward (`length_reward`, here: each
+call in a fresh process forked for it) called through a reward sandbox, calls per second, side by side with the same
+calls through the sandbox of another checkout (`--baseline`, e.g. one from before the fork server, whose sandbox
+served every call in one long-lived process), in one run, and the ratio.
 
     .venv/bin/python benchmarks/sandbox_calls.py [--calls 200] [--baseline /path/to/other/checkout]
 """
@@ -17,8 +18,14 @@ import time
 from pathlib import Path
 
 QUICKSTART = [("regex_format", {"pattern": "[0-9]"}), ("math_answer", {})]  # configs/quickstart.yaml
+USER = [("sandbox_calls.length_reward", {})]  # a user reward: each call in a fresh process
 PROMPT, ANSWER = "7 3 9 5:", "5"
 COMPLETIONS = ["5", "3", " 5 ", "55", "", "the answer is 5"]
+
+
+def length_reward(prompt: str, completion: str, **_) -> float:
+    """A user reward as small as they come: what a call costs beyond the function."""
+    return min(1.0, len(completion) / 10)
 
 
 def calls_per_s(calls: int) -> dict[str, float]:
@@ -26,11 +33,12 @@ def calls_per_s(calls: int) -> dict[str, float]:
     in the checkout this process imports `grpo_dist` from."""
     from grpo_dist.sandbox import Limits, Sandbox
 
-    sandbox = Sandbox([name for name, _ in QUICKSTART], Limits(memory_mb=4096, cpu_s=10.0, processes=False,
+    functions = QUICKSTART + USER
+    sandbox = Sandbox([name for name, _ in functions], Limits(memory_mb=4096, cpu_s=10.0, processes=False,
                                                               network=False))  # fmt: skip
     found = {}
     try:
-        for index, (name, kwargs) in enumerate(QUICKSTART):
+        for index, (name, kwargs) in enumerate(functions):
             kwargs = {**kwargs, "answer": ANSWER}
             sandbox.call(index, PROMPT, "5", kwargs, 60.0)
             started = time.perf_counter()

@@ -1,8 +1,10 @@
 """The sandbox's server (`python -I -c sandbox.BOOT`, started by `grpo_dist.sandbox.Sandbox`): it takes its setup,
 limits its memory, turns the network off and becomes `nobody` where no jail did that before it started, imports the
 reward functions or tools it is named, then answers one JSON request at a time, each in a fresh process forked for
-that call (docs/sandbox.md). The server never runs a call's code; the call's process never sees the request's id or
-the pipes the answers leave by: it writes its answer to a pipe of its own, which the server relays. Nothing imports
+that call (docs/sandbox.md): the server never runs a user function's code; the call's process never sees the
+request's id or the pipes the answers leave by: it writes its answer to a pipe of its own, which the server relays.
+The built-in rewards and tools (`BUILTIN_REWARDS`, `BUILTIN_TOOLS`: this package's, which keep no state and run no
+text as code) are called in the server itself, as a fork would cost each call some milliseconds. Nothing imports
 this module: it is the top of its own process, the one place that resolves user rewards and tools inside a sandbox."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import gc
 import json
 import math
 import os
@@ -21,14 +24,14 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from grpo_dist import jail
-from grpo_dist.agents.tools import resolve_tool
-from grpo_dist.rewards.registry import resolve_reward, to_score
-from grpo_dist.sandbox import Limits, exit_reason
+from grpo_dist.agents.tools import BUILTIN_TOOLS, resolve_tool
+from grpo_dist.rewards.registry import BUILTIN_REWARDS, resolve_reward, to_score
+from grpo_dist.sandbox import ANSWER_LIMIT, Limits, exit_reason
 from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 PR_SET_DUMPABLE = 4
-MAX_ANSWER_BYTES = 16 << 20  # what one call may write as its answer
+MAX_ANSWER_BYTES = ANSWER_LIMIT - (1 << 10)  # what one call may write: room left for the id the server adds
 
 
 def _refused(error: BaseException, limits: Limits) -> str:
@@ -97,11 +100,17 @@ def serve() -> None:
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0)  # no call's process may read or trace this one
     answer({"ready": True, "notes": notes})
-    label = "reward" if setup.get("kind", "rewards") == "rewards" else "tool"
+    kind = setup.get("kind", "rewards")
+    label = "reward" if kind == "rewards" else "tool"
+    own = [name in (BUILTIN_REWARDS if kind == "rewards" else BUILTIN_TOOLS) for name in setup["functions"]]
     keep = (requests.fileno(), answers.fileno())
+    gc.freeze()  # what is here now is never collected: a call's process copies no page to scan it
     for line in requests:
         request = json.loads(line)
         request_id = request.pop("id")
+        if own[request.get("call", request.get("tool", 0))]:  # a built-in: here, as it keeps no state
+            answer_to(answers, request_id, _call(functions, request, limits))
+            continue
         found = in_a_fresh_process(functools.partial(_call, functions, request, limits), limits, keep, label)
         answer_to(answers, request_id, found)
         _empty(setup["scratch"])
@@ -213,6 +222,8 @@ def relayed(output: bytes, code: int, label: str) -> dict:
     object, or an error saying how it ended or how it broke the protocol (`sandbox.checked_answer` checks it all)."""
     if code == 70 and not output:
         return {"error": f"the {label} sandbox's call could not limit itself or answer"}
+    if len(output) > MAX_ANSWER_BYTES:
+        return {"error": f"its answer ran past {ANSWER_LIMIT >> 20} MiB"}
     if code != 0:
         return {"error": exit_reason(code, label)}
     lines = output.split(b"\n")
@@ -224,7 +235,7 @@ def relayed(output: bytes, code: int, label: str) -> dict:
     else:
         if not isinstance(found, dict) or "id" in found:
             why = "not one answer"
-    if why is None and (len(lines) != 2 or lines[1] or len(output) > MAX_ANSWER_BYTES):
+    if why is None and (len(lines) != 2 or lines[1]):
         why = "more than one answer to one request"
     return found if why is None else {"error": f"the {label} sandbox answered out of protocol ({why})"}
 
