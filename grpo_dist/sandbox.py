@@ -13,7 +13,12 @@ lines on pipes of its own (what the reward code prints goes to the worker's log)
 A call that runs past `reward.timeout_s` is answered NaN and the sandbox killed with everything it started (its
 process group, and any process that left it, found by the mark in its environment); so is one whose sandbox died
 (`os._exit`, a crash, a limit), and the next call starts a new one. A function that raises scores NaN with the
-error's name and message as the reason.
+error's name and message as the reason. Each failure carries its kind (`types.Failure`), told by how the call
+ended and the error's type, never by a message the completion may shape. The completion's doing, which the reward
+worker scores the floor: past its time or its CPU time (`timeout`), raised (`raised`, `memory`), its process ended by
+a signal of its own or an exit (`crashed`). Not the completion's, left unscored: a process, a thread or the network
+refused by a setting (`processes`, `network`), `Unscorable` raised (`unscorable`), the process killed from outside
+(SIGKILL, SIGTERM), gone before the call, or answering out of protocol (`sandbox_died`).
 
 User code here is the user's: the sandbox keeps it from harm done by mistake and from the secrets it has no use for,
 but the model's own code never runs here (`grpo_dist.jail` runs it). The sandbox gets an environment of its own
@@ -45,7 +50,7 @@ from typing import Any
 
 from grpo_dist import jail
 from grpo_dist.jail import die_with_parent
-from grpo_dist.types import REWARD_LIMIT
+from grpo_dist.types import REWARD_LIMIT, Failure
 
 log = logging.getLogger("grpo_dist")
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
@@ -90,20 +95,22 @@ class Sandbox:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._start()
 
-    def call(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float):
+    def call(
+        self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float
+    ) -> tuple[float, Failure | None]:
         """Function `index` on one completion: (score, None), or (NaN, why it has none)."""
         if self.process is None or self.process.poll() is not None:
             self._start()
         request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
         try:
             self._send(request)
-        except (BrokenPipeError, OSError):
-            return math.nan, self._lost(timeout_s, timed_out=False)
+        except (BrokenPipeError, OSError):  # it died before this call could reach it
+            return math.nan, Failure("sandbox_died", self._lost(timeout_s, timed_out=False).reason)
         answer = self._receive(timeout_s)
         if answer is None:
             return math.nan, self._lost(timeout_s, timed_out=not self.ended)
         if "error" in answer:
-            return math.nan, answer["error"]
+            return math.nan, Failure(answer.get("kind", "sandbox_died"), answer["error"])
         return answer["value"], None
 
     def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
@@ -113,10 +120,10 @@ class Sandbox:
         try:
             self._send({"tool": index, "arguments": arguments})
         except (BrokenPipeError, OSError):
-            return None, self._lost(timeout_s, timed_out=False)
+            return None, self._lost(timeout_s, timed_out=False).reason
         answer = self._receive(timeout_s)
         if answer is None:
-            return None, self._lost(timeout_s, timed_out=not self.ended)
+            return None, self._lost(timeout_s, timed_out=not self.ended).reason
         return answer.get("result"), answer.get("error")
 
     def close(self) -> None:
@@ -171,16 +178,17 @@ class Sandbox:
             raise SandboxError(ready["error"])
         self.notes = ready["notes"]
 
-    def _lost(self, timeout_s: float, timed_out: bool) -> str:
-        """Kill a sandbox that ran past its bound or died in a call; the reason the call has no score."""
+    def _lost(self, timeout_s: float, timed_out: bool) -> Failure:
+        """Kill a sandbox that ran past its bound or died in a call; why the call has no score."""
         if timed_out:
-            why = f"timed out after {timeout_s:g}s"
-        else:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=5)
-            why = exit_reason(self.process.poll(), self.label)
+            self.close()
+            return Failure("timeout", f"timed out after {timeout_s:g}s (the {self.label} sandbox was killed with "
+                           "everything it started)")  # fmt: skip
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        code = self.process.poll()
         self.close()
-        return f"{why} (the {self.label} sandbox was killed with everything it started)" if timed_out else why
+        return Failure(ended_kind(code), exit_reason(code, self.label))
 
     def _send(self, message: dict) -> None:
         if self.buffer or select.select([self.process.stdout.fileno()], [], [], 0)[0]:
@@ -243,16 +251,17 @@ def sandbox_env(home: str, passed: tuple[str, ...] = ()) -> dict[str, str]:
 
 def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | None]:
     """One answer line as the sandbox gave it: (the answer, None), or ({}, why it is out of protocol). An answer is
-    a JSON object with the request's `id` and either an `error` (text) or, for a reward, a `value` (a finite number
-    within `REWARD_LIMIT`) or, for a tool, a `result` (text)."""
+    a JSON object with the request's `id` and either an `error` (text) and its `kind` (one the sandbox tells, of
+    `ANSWERED_KINDS`) or, for a reward, a `value` (a finite number within `REWARD_LIMIT`) or, for a tool, a `result`
+    (text)."""
     try:
         answer = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
     except (ValueError, UnicodeDecodeError) as error:
         return {}, f"not JSON: {str(error)[:80]}"
     if not isinstance(answer, dict) or answer.get("id") != request:
         return {}, f"not the answer to request {request}"
-    if isinstance(answer.get("error"), str) and set(answer) == {"id", "error"}:
-        return answer, None
+    if isinstance(answer.get("error"), str) and set(answer) == {"id", "error", "kind"}:
+        return (answer, None) if answer["kind"] in ANSWERED_KINDS else ({}, f"no failure of kind {answer['kind']!r}")
     wanted = "value" if kind == "rewards" else "result"
     if set(answer) != {"id", wanted}:
         return {}, f"an answer holds `id` and `{wanted}` or `error`, got {sorted(answer)}"
@@ -264,13 +273,18 @@ def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | No
     return {"id": request, "value": float(value)}, None
 
 
+def _signal(code: int) -> str | None:
+    """The name of the signal that ended a process with exit status `code`; None when it exited."""
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:  # bubblewrap's way of saying a signal
+        code = 128 - code
+    return signal.Signals(-code).name if code < 0 else None
+
+
 def exit_reason(code: int | None, label: str = "reward") -> str:
     if code is None:
         return "no answer"
-    if code > 128 and code - 128 in signal.Signals._value2member_map_:  # bubblewrap's way of saying a signal
-        code = 128 - code
-    if code < 0:
-        name = signal.Signals(-code).name
+    name = _signal(code)
+    if name is not None:
         why = {
             "SIGKILL": "killed (SIGKILL: out of memory, or killed from outside)",
             "SIGXCPU": "out of CPU time",
@@ -291,17 +305,19 @@ def _marked_children(owner: int) -> list:
     return marked
 
 
-FAILURE_KINDS = ("timeout", "sandbox_died", "memory", "processes", "network", "raised")
-"""Why a reward call has no score, as counted in `reward_failures/why/<kind>`."""
+ANSWERED_KINDS = ("raised", "memory", "processes", "network", "unscorable")
+"""The kinds of failure a sandbox may answer (it tells them by the error's type and its limits, `sandbox_child`); a
+time-out or the process's end is seen here."""
+OUTSIDE_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""Signals that come from outside the sandbox (SIGKILL too from the kernel's out-of-memory killer, which the address
+space limit keeps a sandbox from calling on itself): the machine's doing, not the call's."""
 
 
-def failure_kind(reason: str) -> str:
-    """The kind of a failed call's reason (one of `FAILURE_KINDS`)."""
-    if reason.startswith("timed out"):
-        return "timeout"
-    if reason.startswith("the reward sandbox"):
+def ended_kind(code: int | None) -> str:
+    """The kind of failure of a call whose sandbox ended with exit status `code` in it: `timeout` when it ran out of
+    CPU time (SIGXCPU), `sandbox_died` when killed from outside (`OUTSIDE_SIGNALS`) or gone without a status, else
+    `crashed` (a crash signal of its own, SIGSEGV or SIGABRT, or an exit: the call ended it)."""
+    name = None if code is None else _signal(code)
+    if code is None or name in OUTSIDE_SIGNALS:
         return "sandbox_died"
-    for kind in ("memory", "processes", "network"):
-        if f"(the sandbox allows no {kind}" in reason or f"(the sandbox limits its {kind}" in reason:
-            return kind
-    return "raised"
+    return "timeout" if name == "SIGXCPU" else "crashed"

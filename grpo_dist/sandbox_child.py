@@ -15,24 +15,28 @@ from typing import Any
 
 from grpo_dist import jail
 from grpo_dist.agents.tools import resolve_tool
-from grpo_dist.rewards.registry import resolve_reward, to_score
+from grpo_dist.rewards.registry import raised, resolve_reward, to_score
 from grpo_dist.sandbox import Limits
 from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 
 
-def _refused(error: BaseException, limits: Limits) -> str:
-    """What a limit of the sandbox had to do with `error`, to add to its message."""
+def _failed(error: BaseException, limits: Limits) -> dict[str, str]:
+    """The answer to a call that raised `error`: its message, with what a limit of the sandbox had to do with it,
+    and its kind (`types.FAILURE_KINDS`), told by the error's type and the limits, never by its message alone."""
+    failure = raised(error)
+    kind, note = failure.kind, ""
     if isinstance(error, MemoryError):
-        return f" (the sandbox limits its memory to {limits.memory_mb} MB: reward.sandbox_memory_mb)"
-    if not limits.processes and (
-        isinstance(error, BlockingIOError) or (isinstance(error, RuntimeError) and "new thread" in str(error))
+        note = f" (the sandbox limits its memory to {limits.memory_mb} MB: reward.sandbox_memory_mb)"
+    elif not limits.processes and (
+        isinstance(error, BlockingIOError)
+        or (isinstance(error, RuntimeError) and str(error) == "can't start new thread")
     ):
-        return " (the sandbox allows no processes or threads: reward.sandbox_processes)"
-    if not limits.network and isinstance(error, OSError) and error.errno in (errno.ENETUNREACH, errno.EADDRNOTAVAIL):
-        return " (the sandbox allows no network: reward.sandbox_network)"
-    return ""
+        kind, note = "processes", " (the sandbox allows no processes or threads: reward.sandbox_processes)"
+    elif not limits.network and isinstance(error, OSError) and error.errno in (errno.ENETUNREACH, errno.EADDRNOTAVAIL):
+        kind, note = "network", " (the sandbox allows no network: reward.sandbox_network)"
+    return {"error": failure.reason + note, "kind": kind}
 
 
 def _network_off() -> str | None:
@@ -107,8 +111,7 @@ def _serve() -> None:
                     raise ValueError(f"returned {score:g}, beyond ±{REWARD_LIMIT:g} (rewards.REWARD_LIMIT)")
                 answer({"value": score})
         except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
-            said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-            answer({"error": said + _refused(error, limits)})
+            answer(_failed(error, limits))
 
 
 if __name__ == "__main__":

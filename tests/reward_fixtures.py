@@ -110,6 +110,27 @@ def hungry_reward(prompt: str, completion: str, **_: Any) -> float:
     return float(len(bytearray(64 << 30)))
 
 
+def out_of_memory_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Raises what an allocation past the memory limit raises, without asking the machine for the memory."""
+    raise MemoryError
+
+
+def crashing_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Crashes its process (SIGSEGV), as a C parser overflowing its stack on a completion would."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)
+    return 0.0
+
+
+def unscorable_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Cannot judge any completion, and says it is not the completion's fault."""
+    from grpo_dist.types import Unscorable
+
+    raise Unscorable("the row has no `answer`")
+
+
 def networking_reward(prompt: str, completion: str, port: int = 0, **_: Any) -> float:
     """Connects to a local server (`port`, or one given in the environment)."""
     import os
