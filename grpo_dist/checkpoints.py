@@ -29,7 +29,7 @@ from grpo_dist.console import bar
 from grpo_dist.data import PromptRecord
 from grpo_dist.rollouts.rollout import Rollout
 from grpo_dist.storage import RunStore, Store, StoreError, discard
-from grpo_dist.types import Completion, Episode, Score
+from grpo_dist.types import Completion, Episode, Failure, Score
 
 LATEST = "latest"
 STATE = "run_state.pt"
@@ -309,7 +309,7 @@ def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:
     return [f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in changed]
 
 
-RUN_STATE_CLASSES = [Rollout, PromptRecord, Completion, Episode, Score]
+RUN_STATE_CLASSES = [Rollout, PromptRecord, Completion, Episode, Score, Failure]
 """What the driver's run state holds besides plain data: the batch drawn ahead."""
 
 

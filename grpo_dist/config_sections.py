@@ -261,6 +261,11 @@ class RewardFunctionConfig(_Section):
     function `(prompt, completion, **fields) -> float`."""
     weight: float = 1.0
     """Weight of this function in the combined reward."""
+    floor: float = 0.0
+    """The score of a call the completion made fail (it ran past `reward.timeout_s`, raised, ran out of memory or
+    ended its sandbox), under `reward.on_failure: floor`: this function's lowest score, so that breaking the grader
+    never pays better than a wrong answer. Every built-in scores from 0 up (`environment`: what the environment
+    gave); set a user function's lowest score here when it can go below 0."""
     kwargs: Kwargs = Field(default_factory=dict)
     """Extra keyword arguments passed on every call; they win over a row's field of the same name. `code_tests`
     takes `timeout_per_test_s` here; its jail's other settings come from `reward.isolation`,
@@ -337,13 +342,19 @@ class RewardConfig(_Section):
     num_workers: int = Field(2, ge=1)
     """Reward worker actors scoring completions in parallel."""
     timeout_s: float = Field(10.0, gt=0)
-    """A call running longer leaves its completion unscored (excluded from its group's statistics); in the sandbox
-    it is also the call's CPU time limit, and the sandbox is killed with everything it started."""
+    """A call running longer fails (see `on_failure`); in the sandbox it is also the call's CPU time limit, and the
+    sandbox is killed with everything it started."""
+    on_failure: Literal["floor", "unscored"] = "floor"
+    """A call the completion made fail (it ran past `timeout_s`, raised, ran out of memory, ended its sandbox):
+    `floor` scores it its function's `floor`, as a wrong answer is scored; `unscored` leaves the completion unscored
+    (advantage 0, out of its group's statistics), which pays a completion for breaking its grader. A failure of the
+    machine (a reward worker lost, the sandbox killed from outside or not starting, a process or the network refused
+    by a setting, `Unscorable` raised) leaves it unscored either way. Counted in `reward_failures/why/<kind>`."""
     sandbox: bool = True
     """Run the reward functions (and `eval.reward`) in a sandbox process of each reward worker, never in the driver
     or the worker itself: no network, limited memory and CPU time, no processes or threads, killed on its bound."""
     sandbox_memory_mb: int = Field(4096, ge=256)
-    """Address space of the reward sandbox; a reward asking for more gets a MemoryError (its completion unscored)."""
+    """Address space of the reward sandbox; a reward asking for more gets a MemoryError (a failure: `on_failure`)."""
     sandbox_processes: bool = False
     """Let reward code start processes and threads (killed with the sandbox when a call runs past its bound)."""
     sandbox_network: bool = False
@@ -365,7 +376,8 @@ class RewardConfig(_Section):
     """CPUs reserved per reward worker."""
     max_unscored_fraction: float = Field(0.9, gt=0, le=1)
     """A run stops, printing each failing function's first error, when more than this fraction of a step's
-    completions is unscored for `max_unscored_steps` steps in a row (training on nothing is not training)."""
+    completions is unscored for `max_unscored_steps` steps in a row (training on nothing is not training); a
+    function scoring its floor on more than this fraction is said once (more likely broken than broken by them)."""
     max_unscored_steps: int = Field(3, ge=1)
     """Consecutive steps over `max_unscored_fraction` that stop a run."""
 

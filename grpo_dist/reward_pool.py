@@ -5,12 +5,14 @@ A worker that dies (user code calling `os._exit`, a crashing C extension) or sco
 again on the new worker up to `faults.rescore_attempts` times; after that those completions are unscored. A worker
 reporting half its threads stuck in calls past `reward.timeout_s` is replaced before it runs out of threads.
 
-`RewardFailures` counts each function's failures per step (`reward_failures/<name>`) and their reasons by kind
-(`reward_failures/why/<kind>`: timeout, sandbox_died, memory, processes, network, raised), prints the first error
-of each kind with the function's name, and stops a run that is scoring (almost) nothing. A completion whose
-functions all scored but whose weighted sum is out of range is counted in `reward_failures/weighted_sum`; a
-trajectory whose environment or agent raised (`ScoreRequest.failure`) is unscored without a call, the first such
-failure of the run printed.
+`RewardFailures` counts each function's failures per step (`reward_failures/<name>`) and their kinds
+(`reward_failures/why/<kind>`, `types.FAILURE_KINDS`), and the completions that scored a floor for a call they made
+fail (`reward_failures/floored`: timeout, raised, memory, crashed, under `reward.on_failure: floor`); it prints the
+first error of each kind with the function's name, says once when a function scores its floor on most completions
+of a step (more likely broken than broken by them), and stops a run that is scoring (almost) nothing: only unscored
+completions count toward that stop, never floored ones. A completion whose functions all scored but whose weighted
+sum is out of range is counted in `reward_failures/weighted_sum`; a trajectory whose environment or agent raised
+(`ScoreRequest.failure`) is unscored without a call, the first such failure of the run printed.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from grpo_dist.config import Config
 from grpo_dist.faults import ActorPool, Bounds, FaultLog, RunFailed, split
 from grpo_dist.placement import Placement
 from grpo_dist.rewards.registry import WEIGHTED_SUM
-from grpo_dist.sandbox import FAILURE_KINDS, failure_kind
-from grpo_dist.types import Score, ScoreRequest
+from grpo_dist.types import FAILURE_KINDS, Failure, Score, ScoreRequest
 
 TRAJECTORY = "a trajectory"
 """Where `RewardFailures` keeps the first failed trajectory's reason, beside each reward function's first error."""
@@ -40,7 +41,10 @@ class RewardPool:
         self.bounds = Bounds.of(cfg)
         self.names = [spec.name for spec in cfg.reward.functions]
         self.isolation = {"sandbox/namespaces": float(jail.status().namespaces)} if cfg.model_code_runs else {}
-        self.failures = RewardFailures(self.names, cfg.reward.max_unscored_fraction, cfg.reward.max_unscored_steps)
+        reward = cfg.reward
+        self.failures = RewardFailures(
+            self.names, reward.max_unscored_fraction, reward.max_unscored_steps, floor=reward.on_failure == "floor"
+        )
         self.pool = ActorPool(
             "reward worker",
             "reward_worker_restarts",
@@ -112,8 +116,10 @@ class RewardPool:
         return [score for slot in sorted(scored) for score in scored[slot]]
 
     def _lost(self) -> Score:
-        why = f"the reward worker died or hung while running these functions: {', '.join(self.names)}"
-        return Score(math.nan, [math.nan] * len(self.names), {name: why for name in self.names})
+        why = Failure(
+            "worker_lost", f"the reward worker died or hung while running these functions: {', '.join(self.names)}"
+        )
+        return Score(math.nan, [math.nan] * len(self.names), dict.fromkeys(self.names, why))
 
     def step_metrics(self) -> dict[str, float]:
         """This step's `reward_failures/*` (see `RewardFailures.end_step`), the judge's `judge/seconds`, and where
@@ -139,15 +145,17 @@ def _verdict(score: float, why: str | None) -> dict:
 
 class RewardFailures:
     """Per-step failure counts of each reward function, the first error of each kind printed with the function's
-    name, and a stop when more than `max_fraction` of the completions are unscored `max_steps` steps in a row."""
+    name, and a stop when more than `max_fraction` of the completions are unscored `max_steps` steps in a row.
+    `floor`: a call the completion made fail scored its function's floor (`reward.on_failure: floor`)."""
 
-    def __init__(self, names: list[str], max_fraction: float, max_steps: int) -> None:
-        self.names, self.max_fraction, self.max_steps = names, max_fraction, max_steps
+    def __init__(self, names: list[str], max_fraction: float, max_steps: int, floor: bool = True) -> None:
+        self.names, self.max_fraction, self.max_steps, self.floor = names, max_fraction, max_steps, floor
         self.counts: Counter[str] = Counter()
-        self.why: Counter[str] = Counter()  # failed calls by the kind of their reason (`sandbox.FAILURE_KINDS`)
+        self.floored: Counter[str] = Counter()  # calls that scored their function's floor, by function
+        self.why: Counter[str] = Counter()  # failed calls by kind (`types.FAILURE_KINDS`)
         self.first: dict[str, str] = {}  # function -> its first error
-        self.printed: set[tuple[str, str]] = set()  # (function, kind of error)
-        self.unscored = self.total = 0
+        self.printed: set[tuple[str, str]] = set()  # (function, kind of failure and its error's first word)
+        self.unscored = self.floored_completions = self.total = 0
         self.bad_steps = 0
 
     def observe(self, scores: list[Score], failed_trajectories: list[str] = ()) -> None:
@@ -158,15 +166,21 @@ class RewardFailures:
                 tqdm.write(f"a trajectory failed: {why} (it is unscored; later failures are counted in agent/failed)")
             self.first.setdefault(TRAJECTORY, why)
         for score in scores:
-            for name, error in score.failures.items():
+            for name, failure in score.failures.items():
                 self.counts[name] += 1
+                floored_call = self.floor and failure.floored
+                self.floored[name] += floored_call
                 if name != WEIGHTED_SUM:  # not a call that failed
-                    self.why[failure_kind(error)] += 1
-                self.first.setdefault(name, error)
-                kind = (name, error.split(":")[0].split(" ")[0])
+                    self.why[failure.kind] += 1
+                self.first.setdefault(name, failure.reason)
+                kind = (name, f"{failure.kind} {failure.reason.split(':')[0].split(' ')[0]}")
                 if kind not in self.printed:
                     self.printed.add(kind)
-                    tqdm.write(f"reward {name} failed: {error} (later failures are counted in reward_failures/{name})")
+                    scored = "it scored the function's floor" if floored_call else "its completion is unscored"
+                    tqdm.write(f"reward {name} failed ({failure.kind}): {failure} ({scored}; later failures are "
+                               f"counted in reward_failures/{name})")  # fmt: skip
+            floored = self.floor and any(failure.floored for failure in score.failures.values())
+            self.floored_completions += floored and math.isfinite(score.total)
         self.unscored += sum(not math.isfinite(score.total) for score in scores)
         self.total += len(scores)
 
@@ -175,9 +189,12 @@ class RewardFailures:
         scored but whose weighted sum is out of range); raises `RunFailed` after too many steps scoring nothing."""
         metrics = {f"reward_failures/{name}": float(self.counts[name]) for name in [*self.names, WEIGHTED_SUM]}
         metrics.update({f"reward_failures/why/{kind}": float(self.why[kind]) for kind in FAILURE_KINDS})
+        metrics["reward_failures/floored"] = float(self.floored_completions)
+        self._say_mostly_floored()
         fraction = self.unscored / max(1, self.total)
         self.bad_steps = self.bad_steps + 1 if fraction > self.max_fraction else 0
-        self.counts, self.why, self.unscored, self.total = Counter(), Counter(), 0, 0
+        self.counts, self.floored, self.why = Counter(), Counter(), Counter()
+        self.unscored = self.floored_completions = self.total = 0
         if self.bad_steps >= self.max_steps:
             errors = "; ".join(f"{name}: {error}" for name, error in self.first.items()) or "none recorded"
             raise RunFailed(
@@ -186,6 +203,17 @@ class RewardFailures:
                 f"First error of each reward function (and of a failed trajectory): {errors}"
             )
         return metrics
+
+    def _say_mostly_floored(self) -> None:
+        """Say once per function when it scored its floor on more than `max_fraction` of this step's completions: a
+        reward failing on nearly every completion is more likely broken than broken by them (its first error)."""
+        for name, floored in self.floored.items():
+            if floored > self.max_fraction * max(1, self.total) and (name, "mostly floored") not in self.printed:
+                self.printed.add((name, "mostly floored"))
+                tqdm.write(
+                    f"warning: reward {name} failed on {floored} of {self.total} completions this step, each scored "
+                    f"its floor (reward.on_failure): check the function; its first error: {self.first.get(name)}"
+                )
 
 
 def _count(span: tuple[int, int]) -> int:

@@ -19,6 +19,12 @@ Each call's process then limits itself: no capability and no new privilege, CPU 
 or thread (`reward.sandbox_processes: false`, the default: a process limit of zero, which binds `nobody`); the address
 space (`reward.sandbox_memory_mb`) is the server's. Whatever the call started in its process group is killed when it
 returns.
+Each failure carries its kind (`types.Failure`), told by how the call ended and the error's type, never by a
+message the completion may shape. The completion's doing, which the reward worker scores the floor: past its time or
+its CPU time (`timeout`), raised (`raised`, `memory`), its process ended by a signal of its own, an exit or an answer
+out of protocol (`crashed`). Not the completion's, left unscored: a process, a thread or the network refused by a
+setting (`processes`, `network`), `Unscorable` raised (`unscorable`), the call's process or the sandbox killed from
+outside (SIGKILL, SIGTERM), gone before the call, or the server itself out of protocol (`sandbox_died`).
 
 Where bubblewrap does not run, `reward.isolation: require` refuses to start a sandbox (`SandboxError`, saying why),
 and `best_effort` starts a plain process: as root it imports `grpo_dist` and its dependencies from the directories of
@@ -62,7 +68,7 @@ from typing import Any
 
 from grpo_dist import jail
 from grpo_dist.jail import die_with_parent
-from grpo_dist.types import REWARD_LIMIT
+from grpo_dist.types import REWARD_LIMIT, Failure
 
 log = logging.getLogger("grpo_dist")
 SANDBOX_MARK = "GRPO_DIST_SANDBOX"
@@ -110,20 +116,22 @@ class Sandbox:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
         self._start()
 
-    def call(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float):
+    def call(
+        self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float
+    ) -> tuple[float, Failure | None]:
         """Function `index` on one completion: (score, None), or (NaN, why it has none)."""
         if self.process is None or self.process.poll() is not None:
             self._start()
         request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
         try:
             self._send(request)
-        except (BrokenPipeError, OSError):
-            return math.nan, self._lost(timeout_s, timed_out=False)
+        except (BrokenPipeError, OSError):  # it died before this call could reach it
+            return math.nan, Failure("sandbox_died", self._lost(timeout_s, timed_out=False).reason)
         answer = self._receive(timeout_s)
         if answer is None:
             return math.nan, self._lost(timeout_s, timed_out=not self.ended)
         if "error" in answer:
-            return math.nan, answer["error"]
+            return math.nan, Failure(answer.get("kind", "sandbox_died"), answer["error"])
         return answer["value"], None
 
     def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
@@ -133,10 +141,10 @@ class Sandbox:
         try:
             self._send({"tool": index, "arguments": arguments})
         except (BrokenPipeError, OSError):
-            return None, self._lost(timeout_s, timed_out=False)
+            return None, self._lost(timeout_s, timed_out=False).reason
         answer = self._receive(timeout_s)
         if answer is None:
-            return None, self._lost(timeout_s, timed_out=not self.ended)
+            return None, self._lost(timeout_s, timed_out=not self.ended).reason
         return answer.get("result"), answer.get("error")
 
     def close(self) -> None:
@@ -205,19 +213,21 @@ class Sandbox:
         if not found.namespaces:
             self.notes.append(f"the {self.label} sandbox runs without namespaces ({found.why_not})")
 
-    def _lost(self, timeout_s: float, timed_out: bool) -> str:
-        """Kill a sandbox that ran past its bound or died in a call; the reason the call has no score."""
-        if self.too_long:
+    def _lost(self, timeout_s: float, timed_out: bool) -> Failure:
+        """Kill a sandbox that ran past its bound or died in a call; why the call has no score."""
+        if self.too_long:  # the server's own answer (a call's is bounded before it relays it): not the call's doing
             self.close()
-            return f"its answer ran past {ANSWER_LIMIT >> 20} MiB (the {self.label} sandbox was replaced)"
+            return Failure("sandbox_died", f"its answer ran past {ANSWER_LIMIT >> 20} MiB (the {self.label} sandbox "
+                           "was replaced)")  # fmt: skip
         if timed_out:
-            why = f"timed out after {timeout_s:g}s"
-        else:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=5)
-            why = exit_reason(self.process.poll(), self.label)
+            self.close()
+            return Failure("timeout", f"timed out after {timeout_s:g}s (the {self.label} sandbox was killed with "
+                           "everything it started)")  # fmt: skip
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=5)
+        code = self.process.poll()
         self.close()
-        return f"{why} (the {self.label} sandbox was killed with everything it started)" if timed_out else why
+        return Failure(ended_kind(code), exit_reason(code, self.label))
 
     def _send(self, message: dict) -> None:
         if self.buffer or select.select([self.process.stdout.fileno()], [], [], 0)[0]:
@@ -355,16 +365,17 @@ def private_home(kind: str, jailed: bool) -> tuple[str, str]:
 
 def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | None]:
     """One answer line as the sandbox gave it: (the answer, None), or ({}, why it is out of protocol). An answer is
-    a JSON object with the request's `id` and either an `error` (text) or, for a reward, a `value` (a finite number
-    within `REWARD_LIMIT`) or, for a tool, a `result` (text)."""
+    a JSON object with the request's `id` and either an `error` (text) and its `kind` (one the sandbox tells, of
+    `ANSWERED_KINDS`) or, for a reward, a `value` (a finite number within `REWARD_LIMIT`) or, for a tool, a `result`
+    (text)."""
     try:
         answer = json.loads(line, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
     except (ValueError, UnicodeDecodeError) as error:
         return {}, f"not JSON: {str(error)[:80]}"
     if not isinstance(answer, dict) or answer.get("id") != request:
         return {}, f"not the answer to request {request}"
-    if isinstance(answer.get("error"), str) and set(answer) == {"id", "error"}:
-        return answer, None
+    if isinstance(answer.get("error"), str) and set(answer) == {"id", "error", "kind"}:
+        return (answer, None) if answer["kind"] in ANSWERED_KINDS else ({}, f"no failure of kind {answer['kind']!r}")
     wanted = "value" if kind == "rewards" else "result"
     if set(answer) != {"id", wanted}:
         return {}, f"an answer holds `id` and `{wanted}` or `error`, got {sorted(answer)}"
@@ -376,13 +387,18 @@ def checked_answer(line: bytes, request: str, kind: str) -> tuple[dict, str | No
     return {"id": request, "value": float(value)}, None
 
 
+def _signal(code: int) -> str | None:
+    """The name of the signal that ended a process with exit status `code`; None when it exited."""
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:  # bubblewrap's way of saying a signal
+        code = 128 - code
+    return signal.Signals(-code).name if code < 0 else None
+
+
 def exit_reason(code: int | None, label: str = "reward") -> str:
     if code is None:
         return "no answer"
-    if code > 128 and code - 128 in signal.Signals._value2member_map_:  # bubblewrap's way of saying a signal
-        code = 128 - code
-    if code < 0:
-        name = signal.Signals(-code).name
+    name = _signal(code)
+    if name is not None:
         why = {
             "SIGKILL": "killed (SIGKILL: out of memory, or killed from outside)",
             "SIGXCPU": "out of CPU time",
@@ -403,17 +419,20 @@ def _marked_children(owner: int) -> list:
     return marked
 
 
-FAILURE_KINDS = ("timeout", "sandbox_died", "memory", "processes", "network", "raised")
-"""Why a reward call has no score, as counted in `reward_failures/why/<kind>`."""
+ANSWERED_KINDS = ("raised", "memory", "processes", "network", "unscorable", "timeout", "crashed", "sandbox_died")
+"""The kinds of failure a sandbox may answer: those a call's process tells by the error's type and its limits
+(`sandbox_child.CALL_KINDS`), and those the server tells by how the call's process ended (`sandbox_child.relayed`).
+A time-out of the whole sandbox, or its end, is seen here."""
+OUTSIDE_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+"""Signals that come from outside the sandbox (SIGKILL too from the kernel's out-of-memory killer, which the address
+space limit keeps a sandbox from calling on itself): the machine's doing, not the call's."""
 
 
-def failure_kind(reason: str) -> str:
-    """The kind of a failed call's reason (one of `FAILURE_KINDS`)."""
-    if reason.startswith("timed out"):
-        return "timeout"
-    if reason.startswith("the reward sandbox"):
+def ended_kind(code: int | None) -> str:
+    """The kind of failure of a call whose sandbox ended with exit status `code` in it: `timeout` when it ran out of
+    CPU time (SIGXCPU), `sandbox_died` when killed from outside (`OUTSIDE_SIGNALS`) or gone without a status, else
+    `crashed` (a crash signal of its own, SIGSEGV or SIGABRT, or an exit: the call ended it)."""
+    name = None if code is None else _signal(code)
+    if code is None or name in OUTSIDE_SIGNALS:
         return "sandbox_died"
-    for kind in ("memory", "processes", "network"):
-        if f"(the sandbox allows no {kind}" in reason or f"(the sandbox limits its {kind}" in reason:
-            return kind
-    return "raised"
+    return "timeout" if name == "SIGXCPU" else "crashed"

@@ -25,27 +25,34 @@ from typing import Any, NoReturn
 
 from grpo_dist import jail
 from grpo_dist.agents.tools import BUILTIN_TOOLS, resolve_tool
-from grpo_dist.rewards.registry import BUILTIN_REWARDS, resolve_reward, to_score
-from grpo_dist.sandbox import ANSWER_LIMIT, Limits, exit_reason
+from grpo_dist.rewards.registry import BUILTIN_REWARDS, raised, resolve_reward, to_score
+from grpo_dist.sandbox import ANSWER_LIMIT, Limits, ended_kind, exit_reason
 from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 PR_SET_DUMPABLE = 4
 MAX_ANSWER_BYTES = ANSWER_LIMIT - (1 << 10)  # what one call may write: room left for the id the server adds
+UNREACHABLE = (errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNREFUSED)  # in a network namespace of its own
+LIMITED = b"+"  # what a call's process writes once it is limited, before the call's code runs
+CALL_KINDS = ("raised", "memory", "processes", "network", "unscorable")
+"""The kinds of failure a call's process may answer (`_failed`); anything else it says is out of protocol."""
 
 
-def _refused(error: BaseException, limits: Limits) -> str:
-    """What a limit of the sandbox had to do with `error`, to add to its message."""
+def _failed(error: BaseException, limits: Limits) -> dict[str, str]:
+    """The answer to a call that raised `error`: its message, with what a limit of the sandbox had to do with it,
+    and its kind (`types.FAILURE_KINDS`), told by the error's type and the limits, never by its message alone."""
+    failure = raised(error)
+    kind, note = failure.kind, ""
     if isinstance(error, MemoryError):
-        return f" (the sandbox limits its memory to {limits.memory_mb} MB: reward.sandbox_memory_mb)"
-    if not limits.processes and (
-        isinstance(error, BlockingIOError) or (isinstance(error, RuntimeError) and "new thread" in str(error))
+        note = f" (the sandbox limits its memory to {limits.memory_mb} MB: reward.sandbox_memory_mb)"
+    elif not limits.processes and (
+        isinstance(error, BlockingIOError)
+        or (isinstance(error, RuntimeError) and str(error) == "can't start new thread")
     ):
-        return " (the sandbox allows no processes or threads: reward.sandbox_processes)"
-    unreachable = (errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNREFUSED)  # in a network namespace of its own
-    if not limits.network and isinstance(error, OSError) and error.errno in unreachable:
-        return " (the sandbox allows no network: reward.sandbox_network)"
-    return ""
+        kind, note = "processes", " (the sandbox allows no processes or threads: reward.sandbox_processes)"
+    elif not limits.network and isinstance(error, OSError) and error.errno in UNREACHABLE:
+        kind, note = "network", " (the sandbox allows no network: reward.sandbox_network)"
+    return {"error": failure.reason + note, "kind": kind}
 
 
 def _network_off() -> str | None:
@@ -143,8 +150,7 @@ def _call(functions: list[Callable[..., Any]], request: dict, limits: Limits) ->
             raise ValueError(f"returned {score:g}, beyond ±{REWARD_LIMIT:g} (rewards.REWARD_LIMIT)")
         return {"value": score}
     except BaseException as error:  # anything the user code raises, even SystemExit, is that call's failure
-        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        return {"error": said + _refused(error, limits)}
+        return _failed(error, limits)
 
 
 def in_a_fresh_process(call: Callable[[], dict], limits: Limits, keep: tuple[int, ...], label: str) -> dict:
@@ -156,7 +162,9 @@ def in_a_fresh_process(call: Callable[[], dict], limits: Limits, keep: tuple[int
         os.close(read_end)
         _limited(call, write_end, keep, limits)
     os.close(write_end)
-    output, code = _collected(pid, read_end)
+    output, code, cpu_s = _collected(pid, read_end)
+    if code == -signal.SIGKILL and cpu_s >= math.ceil(limits.cpu_s):  # its hard CPU limit: it ignored SIGXCPU
+        code = -signal.SIGXCPU
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -181,6 +189,7 @@ def _limited(call: Callable[[], dict], write_end: int, keep: tuple[int, ...], li
         resource.setrlimit(resource.RLIMIT_CPU, (min(seconds, bound), bound))
         if not limits.processes:
             resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))  # no process and no thread beyond this one
+        os.write(write_end, LIMITED)  # from here on, however it ends is the call's doing (`relayed`)
         data = memoryview(json.dumps(call()).encode() + b"\n")
         while data:
             data = data[os.write(write_end, data) :]
@@ -189,11 +198,11 @@ def _limited(call: Callable[[], dict], write_end: int, keep: tuple[int, ...], li
     os._exit(0)
 
 
-def _collected(pid: int, read_end: int) -> tuple[bytes, int]:
+def _collected(pid: int, read_end: int) -> tuple[bytes, int, float]:
     """What the call's process `pid` wrote on `read_end` until it closed it (or, when a process it started still
-    holds it, until it ended), at most `MAX_ANSWER_BYTES`; and its exit status."""
+    holds it, until it ended), at most `MAX_ANSWER_BYTES` (then it is killed); its exit status and CPU seconds."""
     ended = os.pidfd_open(pid)
-    data = b""
+    data = bytearray()
     try:
         while len(data) <= MAX_ANSWER_BYTES:
             ready = select.select([read_end, ended], [], [])[0]
@@ -214,18 +223,23 @@ def _collected(pid: int, read_end: int) -> tuple[bytes, int]:
     finally:
         os.close(ended)
         os.close(read_end)
-    return data, os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    _, status, usage = os.wait4(pid, 0)
+    return bytes(data), os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime
 
 
 def relayed(output: bytes, code: int, label: str) -> dict:
     """The answer the server relays for a call whose process wrote `output` and exited with `code`: its one JSON
-    object, or an error saying how it ended or how it broke the protocol (`sandbox.checked_answer` checks it all)."""
-    if code == 70 and not output:
-        return {"error": f"the {label} sandbox's call could not limit itself or answer"}
+    object, or an error saying how it ended or how it broke the protocol, with its kind (`sandbox.checked_answer`
+    checks it all). A process that never said it was limited (`LIMITED`) failed before the call's code ran: the
+    machine's doing; once it did, however it ends is the call's (`ended_kind`), out of protocol included."""
+    if not output.startswith(LIMITED):
+        return {"error": f"the {label} sandbox's call could not limit itself ({exit_reason(code, label)})",
+                "kind": "sandbox_died"}  # fmt: skip
+    output = output[len(LIMITED) :]
     if len(output) > MAX_ANSWER_BYTES:
-        return {"error": f"its answer ran past {ANSWER_LIMIT >> 20} MiB"}
+        return {"error": f"its answer ran past {ANSWER_LIMIT >> 20} MiB", "kind": "crashed"}
     if code != 0:
-        return {"error": exit_reason(code, label)}
+        return {"error": exit_reason(code, label), "kind": ended_kind(code)}
     lines = output.split(b"\n")
     why = None
     try:
@@ -235,9 +249,13 @@ def relayed(output: bytes, code: int, label: str) -> dict:
     else:
         if not isinstance(found, dict) or "id" in found:
             why = "not one answer"
+        elif "error" in found and found.get("kind") not in CALL_KINDS:
+            why = f"no failure of kind {str(found.get('kind'))[:40]!r} comes from a call"
     if why is None and (len(lines) != 2 or lines[1]):
         why = "more than one answer to one request"
-    return found if why is None else {"error": f"the {label} sandbox answered out of protocol ({why})"}
+    if why is not None:
+        return {"error": f"the {label} sandbox's call answered out of protocol ({why})", "kind": "crashed"}
+    return found
 
 
 def _empty(directories: list[str]) -> None:

@@ -10,6 +10,43 @@ is unscored. Rewards reach the advantages as float32 tensors (largest 3.4e38): w
 difference and leave-one-out scaling the estimators make (at most 4 x F x the limit, for F reward functions) stays
 finite, with room for F up to about 1e7."""
 
+FLOORED_KINDS = ("timeout", "raised", "memory", "crashed")
+"""Reward calls the completion made fail: it ran past `reward.timeout_s` (wall clock, or the sandbox's CPU time), the
+function raised (or returned no finite number), ran out of the sandbox's memory, or ended its sandbox process (a
+crash, an exit). Under `reward.on_failure: floor` (the default) such a call scores its function's floor."""
+UNSCORED_KINDS = ("sandbox_died", "worker_lost", "processes", "network", "unscorable")
+"""Reward calls that failed for the machine or the setup, never the completion: the sandbox killed from outside
+(SIGKILL, SIGTERM), failing to start or answering out of protocol; the reward worker lost; a process, thread or the
+network refused by the sandbox's settings; the reward raising `Unscorable`. Such a call leaves its completion
+unscored."""
+FAILURE_KINDS = FLOORED_KINDS + UNSCORED_KINDS
+"""Why a reward call has no score of its own, as counted in `reward_failures/why/<kind>`."""
+
+
+class Unscorable(Exception):
+    """Raised by a reward function that cannot judge a completion for a reason that is not the completion's (a row
+    without the field it reads, a judge without a verdict, an outside service down): the completion is unscored,
+    never given the floor a completion that breaks its grader gets."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one reward call has no score of its own."""
+
+    kind: str
+    """One of `FAILURE_KINDS`, set where the failure was seen (never read from its message, which the completion
+    may shape); `weighted_sum` for a completion whose scores are all there but sum out of range."""
+    reason: str
+    """What happened, as printed: the exception and its message, the time limit, how the sandbox ended."""
+
+    @property
+    def floored(self) -> bool:
+        """Whether the completion caused it (`FLOORED_KINDS`), so that it may score its function's floor."""
+        return self.kind in FLOORED_KINDS
+
+    def __str__(self) -> str:
+        return self.reason
+
 
 @dataclass
 class Completion:
@@ -105,11 +142,13 @@ class Score:
     """The reward of one completion: reward worker -> driver."""
 
     total: float
-    """Weighted sum of the functions' values (float64); NaN (the completion is unscored) when any function failed,
-    the sum overflows or a value is beyond `grpo_dist.rewards.REWARD_LIMIT`, or its trajectory failed."""
+    """Weighted sum of the functions' values (float64); NaN (the completion is unscored) when a function failed
+    for the machine (`UNSCORED_KINDS`, or any failure under `reward.on_failure: unscored`), the sum overflows or a
+    value is beyond `grpo_dist.rewards.REWARD_LIMIT`, or its trajectory failed."""
     per_function: list[float]
-    """Value of each configured reward function, in config order; NaN where it failed."""
-    failures: dict[str, str] = field(default_factory=dict)
-    """Why the completion is unscored: each failing function's configured name -> its exception, time-out or the
-    worker's loss, or `weighted_sum` -> why the sum of scores that are all there is out of range. Empty when it is
-    scored, and for a failed trajectory (`Episode.failure` says why)."""
+    """Value of each configured reward function, in config order: its floor where the completion made its call fail
+    (`FLOORED_KINDS`, under `reward.on_failure: floor`), NaN where it failed otherwise."""
+    failures: dict[str, Failure] = field(default_factory=dict)
+    """Each failing function's configured name -> why its call failed (floored or not, as `per_function` says), or
+    `weighted_sum` -> why the sum of scores that are all there is out of range. Empty when every call scored, and
+    for a failed trajectory (`Episode.failure` says why)."""

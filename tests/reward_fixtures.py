@@ -110,6 +110,27 @@ def hungry_reward(prompt: str, completion: str, **_: Any) -> float:
     return float(len(bytearray(64 << 30)))
 
 
+def out_of_memory_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Raises what an allocation past the memory limit raises, without asking the machine for the memory."""
+    raise MemoryError
+
+
+def crashing_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Crashes its process (SIGSEGV), as a C parser overflowing its stack on a completion would."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(60)
+    return 0.0
+
+
+def unscorable_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Cannot judge any completion, and says it is not the completion's fault."""
+    from grpo_dist.types import Unscorable
+
+    raise Unscorable("the row has no `answer`")
+
+
 def networking_reward(prompt: str, completion: str, port: int = 0, **_: Any) -> float:
     """Connects to a local server (`port`, or one given in the environment)."""
     import os
@@ -156,6 +177,25 @@ def float32_overflow_reward(prompt: str, completion: str, **_: Any) -> float:
 
 def huge_int_reward(prompt: str, completion: str, **_: Any) -> int:
     return 10**400  # no float holds it
+
+
+def blaming_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Answers, on every file descriptor it has, that its sandbox died (the machine's doing: unscored, where a
+    failure of its own scores the floor), then exits at once."""
+    import json
+
+    line = json.dumps({"error": "the reward sandbox died", "kind": "sandbox_died"}).encode() + b"\n"
+    for fd in range(3, 256):
+        try:
+            os.write(fd, line)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def setup_failing_reward(prompt: str, completion: str, **_: Any) -> float:
+    """Exits with the status a call's process uses when it cannot limit itself (the machine's doing)."""
+    os._exit(70)
 
 
 def forging_reward(prompt: str, completion: str, **_: Any) -> float:

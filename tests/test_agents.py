@@ -700,7 +700,9 @@ def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray
             assert score.per_function == [pytest.approx(expected), correct] and not score.failures
             assert score.total == pytest.approx(0.5 * expected + correct)
         else:
-            assert "no verdict matching reward.judge.verdict" in score.failures["judge"] and math.isnan(score.total)
+            failure = score.failures["judge"]  # the judge's failure, not the completion's: no floor
+            assert "no verdict matching reward.judge.verdict" in failure.reason and failure.kind == "unscorable"
+            assert math.isnan(score.total)
     assert sum(not math.isnan(score.total) for score in scores) >= 2  # the model writes verdicts for products
     assert metrics["judge/seconds"] > 0 and metrics["reward_failures/judge"] == sum(
         "judge" in score.failures for score in scores

@@ -28,6 +28,7 @@ from grpo_dist.agents.protocol import ToolCall
 from grpo_dist.agents.tools import ToolBox, tool_spec
 from grpo_dist.sandbox import NOBODY, PR_SET_CHILD_SUBREAPER
 from grpo_dist.sandbox import Limits as SandboxLimits
+from grpo_dist.types import Failure
 
 SECRET = "wandb-secret-3f9a"  # the run's token, in this process's environment for every test here
 TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(-1, 1) == 0"]
@@ -76,7 +77,7 @@ def bystander():
     process.wait()
 
 
-def score(completion: str, isolation: str, tests=TESTS, timeout_s=30.0, **kwargs) -> tuple[float, str | None]:
+def score(completion: str, isolation: str, tests=TESTS, timeout_s=30.0, **kwargs) -> tuple[float, Failure | None]:
     runner = runner_of(["code_tests"], timeout_s=timeout_s, isolation=isolation)
     try:
         total, _, errors = runner.score([0], [1.0], [{"timeout_per_test_s": 2.0, **kwargs}], "add", completion,
@@ -221,8 +222,9 @@ def keyring_key(payload: str) -> int:
 
 
 def test_a_row_without_tests_leaves_its_completion_unscored_saying_why(isolation):
+    """The row's fault, not the completion's: `unscorable`, which no floor replaces."""
     total, error = score(solves_if("True"), isolation, tests=[])
-    assert math.isnan(total) and "holds no test" in error
+    assert math.isnan(total) and "holds no test" in error.reason and error.kind == "unscorable"
 
 
 def test_require_stops_a_run_before_anything_starts_where_namespaces_are_refused(tmp_path, monkeypatch):
@@ -346,22 +348,26 @@ def test_the_python_tool_runs_the_models_code_and_reaches_nothing_else(isolation
 
 
 @pytest.mark.parametrize(
-    "name, said",
+    "name, kind, said",
     [
-        ("nan_reward", "expected a finite number"),
-        ("inf_reward", "expected a finite number"),
-        ("float32_overflow_reward", "beyond ±1e+30"),
-        ("huge_int_reward", "OverflowError"),
-        ("string_reward", "expected a float"),
-        ("forging_reward", "out of protocol"),
-        ("garbage_reward", "out of protocol (not JSON"),
+        ("nan_reward", "raised", "expected a finite number"),
+        ("inf_reward", "raised", "expected a finite number"),
+        ("float32_overflow_reward", "raised", "beyond ±1e+30"),
+        ("huge_int_reward", "raised", "OverflowError"),
+        ("string_reward", "raised", "expected a float"),
+        ("forging_reward", "crashed", "out of protocol"),
+        ("garbage_reward", "crashed", "out of protocol (not JSON"),
+        ("blaming_reward", "crashed", "out of protocol (no failure of kind 'sandbox_died' comes from a call)"),
+        ("setup_failing_reward", "crashed", "exited with code 70"),
     ],
 )
-def test_a_reward_answer_out_of_protocol_leaves_only_its_completion_unscored(name, said):
+def test_a_reward_answer_out_of_protocol_fails_only_its_own_call(name, kind, said):
+    """A value that is no score is the call's failure (`raised`: the reward worker gives it the floor); so is an
+    answer out of protocol from the call's process (`crashed`): the server, which no call's code ran in, checks it."""
     runner = runner_of([f"reward_fixtures.{name}", "reward_fixtures.length_reward"])
     try:
         total, _, errors = runner.score([0], [1.0], [{}], "q", "abc", {})
-        assert math.isnan(total) and said in errors[0], errors
+        assert math.isnan(total) and said in errors[0].reason and errors[0].kind == kind, errors
         for completion in ("abcd", "abcde"):  # every later call answered by its own function, nothing left over
             assert runner.score([1], [1.0], [{}], "q", completion, {}) == (len(completion), [len(completion)], [None])
     finally:

@@ -112,10 +112,16 @@ def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
     assert [set(REQUIRED_METRICS) - set(row) for row in rows] == [set()] * 3
     # Each batch was sampled by the weights of the step before it: syncs take effect on the next batch.
     assert [row["rollout/weight_version"] for row in rows] == [0, 1, 2]
-    # first_char_reward raises for some completions; they are counted as unscored, not fatal, and named.
-    assert sum(row["reward/unscored"] for row in rows) > 0
+    # first_char_reward raises for some completions: each such call scores its floor (reward.on_failure: floor),
+    # is counted and named, and leaves nothing unscored.
+    assert sum(row["reward_failures/floored"] for row in rows) > 0
     failures = [row["reward_failures/reward_fixtures.first_char_reward"] for row in rows]
-    assert failures == [row["reward/unscored"] for row in rows]
+    assert (
+        failures
+        == [row["reward_failures/floored"] for row in rows]
+        == [row["reward_failures/why/raised"] for row in rows]
+    )
+    assert {row["reward/unscored"] for row in rows} == {0.0}
     assert {row["reward_failures/math_answer"] for row in rows} == {0.0}
     assert {row[f"faults/{name}"] for row in rows for name in ("generator_restarts", "learner_restarts")} == {0.0}
 

@@ -22,7 +22,7 @@ from grpo_dist.rewards import (
     weighted_sum,
 )
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.types import Score, ScoreRequest
+from grpo_dist.types import Failure, Score, ScoreRequest
 
 FIXTURES = "reward_fixtures"
 
@@ -217,13 +217,18 @@ def test_a_sum_out_of_range_is_the_completions_failure_counted_in_reward_failure
     finally:
         worker.runner.close()
     assert math.isnan(overflowing.total) and overflowing.per_function == [1e308, 1e308]
-    assert overflowing.failures == {"weighted_sum": "the weighted sum of the rewards overflows"}
+    assert overflowing.failures == {
+        "weighted_sum": Failure("weighted_sum", "the weighted sum of the rewards overflows")
+    }
     assert (empty.total, empty.failures) == (0.0, {})
     failures = RewardFailures([f"{FIXTURES}.length_reward"] * 2, max_fraction=0.9, max_steps=3)
     failures.observe([overflowing, empty])
     metrics = failures.end_step()
     assert metrics["reward_failures/weighted_sum"] == 1.0 and metrics["reward_failures/why/raised"] == 0.0
-    assert "reward weighted_sum failed: the weighted sum of the rewards overflows" in capsys.readouterr().out
+    assert (
+        "reward weighted_sum failed (weighted_sum): the weighted sum of the rewards overflows"
+        in capsys.readouterr().out
+    )
 
 
 def test_reward_spec_rejects_nan_weight() -> None:
@@ -285,18 +290,26 @@ def test_a_rows_field_named_as_a_setting_never_reaches_a_reward(sandbox: bool) -
 
 
 @pytest.mark.parametrize(
-    ("name", "kwargs", "message"),
+    ("name", "kwargs", "kind", "message"),
     [
-        pytest.param("raising_reward", {}, "RuntimeError: reward server unreachable", id="raises"),
-        pytest.param("slow_reward", {"delay_s": 1.0}, "timed out after 0.2s", id="times_out"),
-        pytest.param("nan_reward", {}, "ValueError: returned nan, expected a finite number", id="returns_nan"),
-        pytest.param("inf_reward", {}, "ValueError: returned inf, expected a finite number", id="returns_inf"),
-        pytest.param("exiting_reward", {}, "SystemExit: 3", id="calls_sys_exit"),
-        pytest.param("string_reward", {}, "TypeError: returned str '1.0', expected a float", id="returns_string"),
+        pytest.param("raising_reward", {}, "raised", "RuntimeError: reward server unreachable", id="raises"),
+        pytest.param("slow_reward", {"delay_s": 1.0}, "timeout", "timed out after 0.2s", id="times_out"),
+        pytest.param(
+            "nan_reward", {}, "raised", "ValueError: returned nan, expected a finite number", id="returns_nan"
+        ),
+        pytest.param(
+            "inf_reward", {}, "raised", "ValueError: returned inf, expected a finite number", id="returns_inf"
+        ),
+        pytest.param("exiting_reward", {}, "raised", "SystemExit: 3", id="calls_sys_exit"),
+        pytest.param(
+            "string_reward", {}, "raised", "TypeError: returned str '1.0', expected a float", id="returns_string"
+        ),
+        pytest.param("out_of_memory_reward", {}, "memory", "MemoryError", id="memory"),
+        pytest.param("unscorable_reward", {}, "unscorable", "Unscorable: the row has no `answer`", id="unscorable"),
     ],
 )
 def test_score_one_failure_gives_nan_and_error(
-    executor: concurrent.futures.ThreadPoolExecutor, name: str, kwargs: dict, message: str
+    executor: concurrent.futures.ThreadPoolExecutor, name: str, kwargs: dict, kind: str, message: str
 ) -> None:
     fns = [exact_answer, resolve_reward(f"{FIXTURES}.{name}")]
     combined, scores, errors = score_one(
@@ -304,7 +317,7 @@ def test_score_one_failure_gives_nan_and_error(
     )
     assert math.isnan(combined)
     assert scores[0] == 1.0 and math.isnan(scores[1])
-    assert errors == [None, message]
+    assert errors == [None, Failure(kind, message)]
 
 
 def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_replaced() -> None:
@@ -316,7 +329,9 @@ def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_repla
     worker = RewardWorker(RewardConfig(functions=[slow], timeout_s=0.1, sandbox=False), judges=["math_answer"])
     request = ScoreRequest("q", "7", {})
     scores, exhausted = worker.score([request] * 3)
-    assert not exhausted and scores[0].failures == {f"{FIXTURES}.slow_reward": "timed out after 0.1s"}
+    assert not exhausted and scores[0].failures == {
+        f"{FIXTURES}.slow_reward": Failure("timeout", "timed out after 0.1s")
+    }
     _, exhausted = worker.score([request])
     assert exhausted  # 4 of 8 threads stuck
 
@@ -326,16 +341,149 @@ def test_a_run_scoring_nothing_stops_naming_each_functions_first_error(capsys) -
     from grpo_dist.reward_pool import RewardFailures
 
     failures = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=2)
-    bad, good = Score(math.nan, [math.nan, 1.0], {"a": "ValueError: x"}), Score(1.0, [1.0, 1.0])
+    bad, good = Score(math.nan, [math.nan, 1.0], {"a": Failure("sandbox_died", "x")}), Score(1.0, [1.0, 1.0])
     failures.observe([bad, bad, good])  # 2 of 3 unscored: over 0.5
     counts = failures.end_step()
     assert counts["reward_failures/a"] == 2.0 and counts["reward_failures/b"] == 0.0
-    assert counts["reward_failures/why/raised"] == 2.0 and counts["reward_failures/why/timeout"] == 0.0
-    assert capsys.readouterr().out.count("reward a failed: ValueError: x") == 1  # the first of its kind only
+    assert counts["reward_failures/why/sandbox_died"] == 2.0 and counts["reward_failures/why/timeout"] == 0.0
+    assert capsys.readouterr().out.count("reward a failed (sandbox_died): x") == 1  # the first of its kind only
     failures.observe([good, good])
     failures.end_step()  # a good step ends the streak
     failures.observe([bad])
     failures.end_step()
     failures.observe([bad, good, bad])
-    with pytest.raises(RunFailed, match=r"for 2 steps in a row.*a: ValueError: x"):
+    with pytest.raises(RunFailed, match=r"for 2 steps in a row.*a: x"):
         failures.end_step()
+
+
+@pytest.mark.parametrize("on_failure", ["floor", "unscored"])
+@pytest.mark.parametrize(
+    ("name", "kwargs", "kind"),
+    [
+        pytest.param("raising_reward", {}, "raised", id="raises"),
+        pytest.param("slow_reward", {"delay_s": 1.0}, "timeout", id="times_out"),
+        pytest.param("out_of_memory_reward", {}, "memory", id="memory"),
+    ],
+)
+def test_a_call_the_completion_made_fail_scores_the_floor_unless_told_to_leave_it_unscored(
+    on_failure: str, name: str, kwargs: dict, kind: str
+) -> None:
+    """`reward.on_failure: floor` (the default): the failing function scores its floor, which enters the weighted
+    sum like a score; `unscored`: the completion is unscored, as a failure of the machine leaves it."""
+    from grpo_dist.actors.reward_worker import RewardWorker
+
+    failing = RewardFunctionConfig(name=f"{FIXTURES}.{name}", kwargs=kwargs, weight=2.0, floor=-1.0)
+    functions = [failing, RewardFunctionConfig(name="exact_answer")]
+    reward = RewardConfig(functions=functions, sandbox=False, timeout_s=0.2, on_failure=on_failure)
+    worker = RewardWorker(reward, judges=[])
+    try:
+        [score], _ = worker.score([ScoreRequest("q", "7", {"answer": "7"})])
+    finally:
+        worker.runner.close()
+    assert score.failures[f"{FIXTURES}.{name}"].kind == kind
+    if on_failure == "floor":  # 2 x -1 (its floor) + 1 x 1 (exact_answer) = -1
+        assert (score.total, score.per_function) == (-1.0, [-1.0, 1.0])
+    else:
+        assert math.isnan(score.total) and math.isnan(score.per_function[0]) and score.per_function[1] == 1.0
+
+
+def test_the_floor_is_the_default_and_zero_for_every_function() -> None:
+    reward = RewardConfig(functions=[RewardFunctionConfig(name="math_answer")])
+    assert (reward.on_failure, reward.functions[0].floor) == ("floor", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "floored"),
+    [("timeout", True), ("raised", True), ("memory", True), ("crashed", True), ("sandbox_died", False),
+     ("worker_lost", False), ("processes", False), ("network", False), ("unscorable", False)],
+)  # fmt: skip
+def test_only_a_failure_of_the_completions_making_takes_the_floor(kind: str, floored: bool) -> None:
+    from grpo_dist.rewards.registry import with_floors
+
+    [score] = with_floors([math.nan], [Failure(kind, "why")], [0.5])
+    assert score == 0.5 if floored else math.isnan(score)
+    assert with_floors([0.25], [None], [0.5]) == [0.25]  # a call that scored keeps its score
+
+
+def test_floored_completions_are_counted_by_kind_never_stop_a_run_and_are_said_once(capsys) -> None:
+    """Four completions of four, each with a failed call scored 0 (the floor): counted in `reward_failures/floored`
+    and by kind, `unscored` stays 0, so no stop however long it lasts; the first error of each kind is printed, and
+    the function failing on more than `max_fraction` of a step's completions is said once per run."""
+    from grpo_dist.faults import RunFailed
+    from grpo_dist.reward_pool import RewardFailures
+
+    failures = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=2)
+    timed_out = Score(1.0, [0.0, 1.0], {"a": Failure("timeout", "timed out after 10s")})
+    raised_ = Score(1.0, [0.0, 1.0], {"a": Failure("raised", "RecursionError: maximum recursion depth exceeded")})
+    for _ in range(3):
+        failures.observe([timed_out, timed_out, raised_, raised_])
+        metrics = failures.end_step()  # never raises: nothing is unscored
+    assert metrics["reward_failures/floored"] == 4.0 and metrics["reward_failures/a"] == 4.0
+    assert (metrics["reward_failures/why/timeout"], metrics["reward_failures/why/raised"]) == (2.0, 2.0)
+    out = capsys.readouterr().out
+    assert out.count("reward a failed (timeout): timed out after 10s (it scored the function's floor") == 1
+    assert out.count("reward a failed (raised): RecursionError") == 1
+    assert out.count("warning: reward a failed on 4 of 4 completions this step, each scored its floor") == 1
+    unscored = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=1, floor=False)  # reward.on_failure: unscored
+    unscored.observe([Score(math.nan, [math.nan, 1.0], {"a": Failure("timeout", "timed out after 10s")})])
+    with pytest.raises(RunFailed, match="unscored for 1 steps in a row"):
+        unscored.end_step()
+
+
+HOSTILE_ANSWERS = [
+    pytest.param("9^9^9^9", "a tower of powers", id="tower"),
+    pytest.param("\\boxed{9^{9^{9^{9}}}}", "a tower of powers", id="braced_tower"),
+    pytest.param("\\boxed{9**9**9**9}", "a tower of powers", id="python_tower"),
+    pytest.param("\\boxed{10^{10}!}", "a tower of powers", id="factorial_exponent"),
+    pytest.param("\\boxed{9^{999999}}", "a power of more than 100000 digits", id="huge_power"),
+    pytest.param("\\boxed{(10^{10})!}", "the factorial of '(10^{10})'", id="factorial_of_a_power"),
+    pytest.param("\\boxed{100000000!}", "the factorial of '100000000'", id="huge_factorial"),
+    pytest.param("(" * 3000 + "1" + ")" * 3000, "brackets nested 3000 deep", id="3000_parentheses"),
+    pytest.param("\\boxed{" + "{" * 20 + "7" + "}" * 20 + "}", "brackets nested 21 deep", id="nested_braces"),
+    pytest.param("\\boxed{" + "1+" * 5000 + "1}", "a \\boxed{} of more than 1000 characters", id="long_boxed"),
+    pytest.param("7 " * 100_001, "longer than 200000 characters", id="long"),
+]
+
+
+@pytest.mark.parametrize(("completion", "why"), HOSTILE_ANSWERS)
+def test_math_answer_refuses_what_would_cost_its_parser_seconds_as_wrong(completion: str, why: str) -> None:
+    """Each of these runs math-verify past a 10 s `reward.timeout_s` (or sympy out of memory); the bounds refuse it
+    before any parsing, so it scores 0, a wrong answer, not a failure. The alarm only keeps a regression from
+    hanging the suite: the assertion is on the refusal and the score, never on a time."""
+    import signal
+
+    from grpo_dist.rewards.bounds import refusal
+
+    def overran(*_: object) -> None:
+        raise AssertionError("math_answer was not refused before parsing")
+
+    previous = signal.signal(signal.SIGALRM, overran)
+    signal.alarm(5)
+    try:
+        assert why in (refusal(completion) or "")
+        assert math_answer("q", completion, answer="7") == 0.0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer"),
+    [
+        pytest.param("The answer is **7**.", "7", id="markdown_bold"),
+        pytest.param("**Answer:** $2^{10}$", "1024", id="power"),
+        pytest.param("So 5! = 120, and \\boxed{120}", "120", id="small_factorial"),
+        pytest.param("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", id="nested_latex"),
+        pytest.param("Wow\\! \\boxed{e^{-x^2}}", "e^{-x^2}", id="symbolic_tower"),
+        pytest.param(
+            "\\boxed{\\left(\\frac{1}{2}, \\frac{\\sqrt{3}}{2}\\right)}",
+            "(\\frac{1}{2}, \\frac{\\sqrt{3}}{2})",
+            id="pair",
+        ),
+    ],
+)
+def test_the_bounds_let_every_natural_answer_through(completion: str, answer: str) -> None:
+    from grpo_dist.rewards.bounds import refusal
+
+    assert refusal(completion) is None
+    assert math_answer("q", completion, answer=answer) == 1.0

@@ -11,7 +11,7 @@ import torch
 from grpo_dist import safe_load
 from grpo_dist.checkpoints import RUN_STATE_CLASSES
 from grpo_dist.rollouts.rollout import Rollout
-from grpo_dist.types import Completion, Score
+from grpo_dist.types import Completion, Failure, Score
 
 
 class RunsACommand:
@@ -37,7 +37,12 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
 
 def test_the_run_states_own_classes_load(tmp_path):
     completion = Completion(0, [1, 2], [3], "3", [-0.5], "stop", 2)
-    state = {"step": 4, "ahead": {"batch": (5, Rollout([], [completion], [Score(1.0, [1.0])]))}, "random": {}}
+    floored = Score(0.0, [0.0], {"f": Failure("timeout", "timed out after 10s")})  # a failed call scored its floor
+    state = {
+        "step": 4,
+        "ahead": {"batch": (5, Rollout([], [completion] * 2, [Score(1.0, [1.0]), floored]))},
+        "random": {},
+    }
     path = tmp_path / "run_state.pt"
     torch.save(state, path)
     assert safe_load.load(path, RUN_STATE_CLASSES) == state

@@ -1,6 +1,8 @@
 """User reward code in the sandbox: each way reward code misbehaves (starting processes or threads, never returning,
 asking for far too much memory, using the network, ending its process) fails only its own completion, saying why and
-counted by kind; the sandbox is back for the next call; nothing it started outlives it. A real run with such a
+counted by kind: what the call did itself (timeout, memory, crashed) scores the floor, what was refused by a setting
+or done from outside leaves the completion unscored; the sandbox is back for the next call; nothing it started
+outlives it. A real run with such a
 reward goes on to its end and leaves no process behind. The bundled `code_tests` reward runs the model's code jailed
 (`test_hostile.py` attacks it)."""
 
@@ -10,9 +12,11 @@ import ctypes
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import psutil
 import pytest
@@ -21,7 +25,8 @@ from test_resume import training
 
 from grpo_dist.config import RewardConfig, RewardFunctionConfig
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, exit_reason, failure_kind
+from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, ended_kind, exit_reason
+from grpo_dist.types import ScoreRequest
 
 FIXTURES = "reward_fixtures"
 
@@ -75,7 +80,9 @@ def runner_of(names: list[str], **reward) -> RewardRunner:
         ("sleeping_reward", "timeout", "timed out after 2s (the reward sandbox was killed"),
         ("hungry_reward", "memory", "MemoryError (the sandbox limits its memory to 1024 MB"),
         ("networking_reward", "network", "(the sandbox allows no network"),  # refused or unreachable: no route out
-        ("quitting_reward", "sandbox_died", "the reward sandbox exited with code 3"),
+        ("quitting_reward", "crashed", "the reward sandbox exited with code 3"),
+        ("crashing_reward", "crashed", "the reward sandbox was crashed (SIGSEGV)"),
+        ("unscorable_reward", "unscorable", "Unscorable: the row has no `answer`"),
     ],
 )
 def test_a_misbehaving_reward_fails_its_completion_saying_why_and_the_next_call_is_scored(name, kind, said, server):
@@ -84,12 +91,56 @@ def test_a_misbehaving_reward_fails_its_completion_saying_why_and_the_next_call_
         port = server.getsockname()[1]
         total, scores, errors = runner.score([0], [1.0], [{"port": port}], "q", "abc", {})
         assert math.isnan(total) and math.isnan(scores[0])
-        assert said in errors[0] and failure_kind(errors[0]) == kind, errors[0]
+        assert said in errors[0].reason and errors[0].kind == kind, errors[0]
         assert runner.score([1], [1.0], [{}], "q", "abcd", {})[0] == 4.0  # the sandbox serves on (or anew)
         with pytest.raises(TimeoutError):
             server.accept()  # nothing reached the network
     finally:
         runner.close()
+    assert sandboxed_processes() == []
+
+
+def test_a_sandbox_killed_from_outside_leaves_its_completion_unscored_and_serves_on():
+    """SIGKILL from outside (or the out-of-memory killer) is the machine's doing, not the call's: `sandbox_died`."""
+    runner = runner_of([f"{FIXTURES}.sleeping_reward", f"{FIXTURES}.length_reward"], timeout_s=20.0)
+    killer = threading.Timer(1.0, os.kill, (runner.sandbox.process.pid, signal.SIGKILL))
+    try:
+        killer.start()
+        total, _, [failure] = runner.score([0], [1.0], [{}], "q", "abc", {})
+        assert math.isnan(total) and failure.kind == "sandbox_died" and "SIGKILL" in failure.reason, failure
+        assert runner.score([1], [1.0], [{}], "q", "abcd", {})[0] == 4.0
+    finally:
+        killer.cancel()
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    "code, kind",
+    [(-signal.SIGXCPU, "timeout"), (-signal.SIGSEGV, "crashed"), (128 + signal.SIGABRT, "crashed"), (3, "crashed"),
+     (-signal.SIGKILL, "sandbox_died"), (128 + signal.SIGTERM, "sandbox_died"), (None, "sandbox_died")],
+    ids=["cpu_time", "segfault", "abort_under_bwrap", "exit", "sigkill", "sigterm_under_bwrap", "no_status"],
+)  # fmt: skip
+def test_how_a_sandbox_ended_in_a_call_tells_whose_failure_it_was(code, kind):
+    assert ended_kind(code) == kind
+
+
+@pytest.mark.parametrize("on_failure", ["floor", "unscored"])
+def test_a_reward_that_crashes_its_sandbox_scores_the_floor_in_a_worker(on_failure):
+    """The reward worker gives the crashing function its floor (0) under the default, adding the other's score."""
+    from grpo_dist.actors.reward_worker import RewardWorker
+
+    names = [f"{FIXTURES}.crashing_reward", f"{FIXTURES}.length_reward"]
+    functions = [RewardFunctionConfig(name=name) for name in names]
+    worker = RewardWorker(RewardConfig(functions=functions, timeout_s=5.0, on_failure=on_failure), judges=[])
+    try:
+        [score], _ = worker.score([ScoreRequest("q", "abc", {})])
+    finally:
+        worker.close()
+    assert score.failures[names[0]].kind == "crashed"
+    if on_failure == "floor":
+        assert (score.total, score.per_function) == (3.0, [0.0, 3.0])
+    else:
+        assert math.isnan(score.total) and math.isnan(score.per_function[0])
     assert sandboxed_processes() == []
 
 
@@ -176,8 +227,11 @@ def test_a_run_with_a_misbehaving_reward_goes_on_and_leaves_no_process(tmp_path,
     rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     why = {kind: sum(row[f"reward_failures/why/{kind}"] for row in rows)
-           for kind in ("processes", "timeout", "memory", "network", "sandbox_died", "raised")}  # fmt: skip
-    assert why == {"processes": 2, "timeout": 1, "memory": 1, "network": 1, "sandbox_died": 1, "raised": 0}
+           for kind in ("processes", "timeout", "memory", "network", "crashed", "sandbox_died", "raised")}  # fmt: skip
+    assert why == {"processes": 2, "timeout": 1, "memory": 1, "network": 1, "crashed": 1, "sandbox_died": 0,
+                   "raised": 0}  # fmt: skip
+    # The call's own failures (timeout, memory, its os._exit) scored the floor; refused settings left it unscored.
+    assert sum(row["reward_failures/floored"] for row in rows) == 3 and sum(row["reward/unscored"] for row in rows) == 3
     assert [row["sandbox/namespaces"] for row in rows] == [1.0, 1.0, 1.0]  # the model's code ran jailed
     assert [row["reward_failures/code_tests"] for row in rows] == [0.0, 0.0, 0.0]
     assert sorted(os.listdir(claims)) == [str(index) for index in range(6)]

@@ -9,8 +9,8 @@ import ray
 
 from grpo_dist.config import RewardConfig
 from grpo_dist.jail import die_with_parent
-from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum
-from grpo_dist.types import Score, ScoreRequest
+from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum, with_floors
+from grpo_dist.types import Failure, Score, ScoreRequest
 
 
 class RewardWorker:
@@ -21,6 +21,7 @@ class RewardWorker:
 
         die_with_parent()
         self.functions = reward.functions
+        self.on_failure = reward.on_failure
         self.runner = RewardRunner([spec.name for spec in reward.functions] + judges, reward, reap=True)
         self.judges = judges
         self.done = 0  # completions scored: the heartbeat of a share
@@ -32,9 +33,11 @@ class RewardWorker:
         return self.done
 
     def score(self, requests: list[ScoreRequest], judge: str | None = None) -> tuple[list[Score], bool]:
-        """Score each request (`judge`: by that eval reward alone, weight 1); a function that fails leaves that
-        completion unscored (NaN), saying why. Also returns whether so many calls are stuck past their time limit
-        that the worker should be replaced."""
+        """Score each request (`judge`: by that eval reward alone, weight 1, no floor). A call the completion made
+        fail scores its function's floor under `reward.on_failure: floor`; any other failure leaves that completion
+        unscored (NaN); either way `Score.failures` says why. Also returns whether so many calls are stuck past their
+        time limit that the worker should be replaced."""
+        floors = [math.nan]  # an eval judge's failure counts as a wrong answer there, never as a score
         if judge is not None:
             functions = [len(self.functions) + self.judges.index(judge)]
             names, weights, kwargs = [judge], [1.0], [{}]
@@ -43,14 +46,17 @@ class RewardWorker:
             functions = list(range(len(self.functions)))
             weights = [spec.weight for spec in self.functions]
             kwargs = [dict(spec.kwargs) for spec in self.functions]
+            floors = [spec.floor if self.on_failure == "floor" else math.nan for spec in self.functions]
         scores = []
         for request in requests:
-            total, per_function, errors = self.runner.score(
+            _, values, errors = self.runner.score(
                 functions, weights, kwargs, request.prompt, request.completion, request.fields
             )
+            per_function = with_floors(values, errors, floors)
+            total, why = weighted_sum(per_function, weights)
             failures = {name: error for name, error in zip(names, errors, strict=True) if error is not None}
-            if not failures and math.isnan(total):  # every function scored, but their weighted sum is out of range
-                failures[WEIGHTED_SUM] = weighted_sum(per_function, weights)[1]
+            if not failures and why is not None:  # every function scored, but their weighted sum is out of range
+                failures[WEIGHTED_SUM] = Failure(WEIGHTED_SUM, why)
             scores.append(Score(total=total, per_function=per_function, failures=failures))
             self.done += 1
         return scores, self.runner.exhausted

@@ -11,12 +11,14 @@ from grpo_dist.rewards.registry import (
     score_one,
     weighted_sum,
 )
+from grpo_dist.types import Unscorable
 
 __all__ = [
     "BUILTIN_REWARDS",
     "REWARD_LIMIT",
     "RewardFn",
     "RewardSpec",
+    "Unscorable",
     "boxed_format",
     "combine",
     "exact_answer",

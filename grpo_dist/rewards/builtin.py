@@ -5,7 +5,9 @@ the rest (``**_``), so any reward can be used with any dataset that has those fi
 
 ``math_answer`` runs math-verify with its signal-based timeouts switched off (``parsing_timeout=None``,
 ``timeout_seconds=None``): ``signal.alarm`` works only on the main thread and rewards run in worker threads.
-The time limit is enforced by the caller instead (:func:`grpo_dist.rewards.registry.score_one`).
+The time limit is enforced by the caller instead (:func:`grpo_dist.rewards.registry.score_one`), and before any
+of that a completion whose answer would cost the parser seconds (a tower of powers, a huge factorial, deep nesting:
+:mod:`grpo_dist.rewards.bounds`) is refused as wrong, in microseconds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import logging
 import re
 from typing import Any
+
+from grpo_dist.rewards.bounds import refusal
+from grpo_dist.types import Unscorable
 
 # math-verify warns on every call that its own timeout is off; the caller enforces one (see above).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -25,8 +30,10 @@ def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
     """1.0 if math-verify judges the completion's final answer equal to ``answer``, else 0.0.
 
     The gold ``answer`` may be plain (``"7"``, ``"1/2"``) or LaTeX (``"\\frac{1}{2}"``); the completion may be
-    plain text or contain ``\\boxed{...}``.
+    plain text or contain ``\\boxed{...}``. A completion `bounds.refusal` refuses scores 0 unparsed.
     """
+    if refusal(completion) is not None:
+        return 0.0
     from math_verify import parse, verify  # imported here: sympy makes it slow to import
 
     gold = parse(_as_math(str(answer)), parsing_timeout=None)
@@ -64,8 +71,8 @@ def judge(
     prompt: str, completion: str, judge_score: float | None = None, judge_failure: str | None = None, **_: Any
 ) -> float:
     """The verdict of the LLM judge (`reward.judge`), asked by the judge pool before the reward functions run."""
-    if judge_score is None:
-        raise ValueError(judge_failure or "no verdict: reward.judge is not set")
+    if judge_score is None:  # the judge's failure, not the completion's: unscored
+        raise Unscorable(judge_failure or "no verdict: reward.judge is not set")
     return float(judge_score)
 
 

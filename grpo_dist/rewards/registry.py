@@ -2,10 +2,12 @@
 
 A reward is named either as a built-in (``"math_answer"``, see :data:`BUILTIN_REWARDS`) or as the dotted path
 of a user function (``"my_pkg.rewards.length_penalty"``). A completion's reward is the weighted sum of its
-functions' scores; a function that raises or runs past its time limit scores NaN, and a NaN anywhere makes the
-weighted sum NaN, marking the completion as unscored rather than silently scoring it 0. So does a weighted sum that
-overflows or any value beyond ``REWARD_LIMIT`` (what the float32 advantages hold safely): no value a reward
-returns can stop the run.
+functions' scores. A call that fails scores NaN with a `Failure` saying why and of what kind; the reward worker then
+gives a call the completion made fail (it timed out, raised, ran out of memory: `types.FLOORED_KINDS`) its
+function's floor (`with_floors`), so that breaking the grader never pays better than a wrong answer, and leaves any
+other NaN, which makes the weighted sum NaN: the completion is unscored rather than silently scored 0. So does a
+weighted sum that overflows or any value beyond ``REWARD_LIMIT`` (what the float32 advantages hold safely): no value
+a reward returns can stop the run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from grpo_dist.rewards.builtin import (
     tool_use,
 )
 from grpo_dist.rewards.code import code_tests
-from grpo_dist.types import REWARD_LIMIT
+from grpo_dist.types import REWARD_LIMIT, Failure, Unscorable
 
 RewardFn = Callable[..., float]
 """``(prompt: str, completion: str, **fields) -> float``."""
@@ -155,15 +157,33 @@ def to_score(value: Any) -> float:
     return score
 
 
-def _wait_for_score(future: concurrent.futures.Future, deadline: float, timeout_s: float) -> tuple[float, str | None]:
-    """The score of one submitted call, or NaN and the reason it has none."""
+def with_floors(scores: list[float], failures: list[Failure | None], floors: list[float]) -> list[float]:
+    """Each score, with its function's floor in place of the NaN of a call the completion made fail
+    (`Failure.floored`: it timed out, raised, ran out of memory or ended its sandbox); other NaNs are kept."""
+    return [
+        floor if failure is not None and failure.floored else score
+        for score, failure, floor in zip(scores, failures, floors, strict=True)
+    ]
+
+
+def raised(error: BaseException) -> Failure:
+    """The failure of a call that raised `error`: `unscorable` when the reward said so (`Unscorable`), `memory` for a
+    `MemoryError`, else `raised`."""
+    kind = "unscorable" if isinstance(error, Unscorable) else "memory" if isinstance(error, MemoryError) else "raised"
+    return Failure(kind, f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
+
+
+def _wait_for_score(
+    future: concurrent.futures.Future, deadline: float, timeout_s: float
+) -> tuple[float, Failure | None]:
+    """The score of one submitted call, or NaN and why it has none."""
     try:
         return to_score(future.result(timeout=max(0.0, deadline - time.monotonic()))), None
     except concurrent.futures.TimeoutError:
         future.cancel()  # frees the slot if it never started; a running call cannot be stopped
-        return math.nan, f"timed out after {timeout_s:g}s"
+        return math.nan, Failure("timeout", f"timed out after {timeout_s:g}s")
     except BaseException as error:  # user code, even sys.exit(): any failure is a NaN score, reported to the caller
-        return math.nan, f"{type(error).__name__}: {error}"
+        return math.nan, raised(error)
 
 
 def score_one(
@@ -175,14 +195,14 @@ def score_one(
     fields: dict[str, Any],
     timeout_s: float,
     executor: concurrent.futures.ThreadPoolExecutor,
-) -> tuple[float, list[float], list[str | None]]:
+) -> tuple[float, list[float], list[Failure | None]]:
     """Score one completion with every function in ``executor``; return ``(combined, scores, errors)``.
 
     Function ``i`` is called as ``fns[i](prompt, completion, **call_kwargs(fields, kwargs_list[i]))`` (its kwargs
     win over same-named row fields; a field named as a setting is dropped). All calls are submitted at once and
     each gets ``timeout_s`` seconds from submission, queueing included, so give the executor at least as many
     threads as calls in flight. A call that raises, times out, exits or returns a non-number or a non-finite one
-    scores NaN, and ``errors[i]`` says why (``None`` where function ``i`` succeeded).
+    scores NaN, and ``errors[i]`` says why and of what kind (``None`` where function ``i`` succeeded).
     A timed-out call keeps its thread until it returns: Python cannot kill a thread.
     """
     if not len(fns) == len(weights) == len(kwargs_list):

@@ -16,6 +16,7 @@ from grpo_dist.config import MODEL_CODE_REWARDS, RewardConfig, runs_model_code
 from grpo_dist.rewards.code import MEMORY_MB
 from grpo_dist.rewards.registry import call_kwargs, combine, resolve_reward, score_one, to_score
 from grpo_dist.sandbox import Limits, Sandbox
+from grpo_dist.types import Failure
 
 log = logging.getLogger("grpo_dist")
 
@@ -63,10 +64,11 @@ class RewardRunner:
         prompt: str,
         completion: str,
         fields: dict[str, Any],
-    ) -> tuple[float, list[float], list[str | None]]:
+    ) -> tuple[float, list[float], list[Failure | None]]:
         """`functions` (indices into `names`) on one completion, called as `f(prompt, completion,
         **call_kwargs(fields, kwargs))` (a jailed built-in with its jail's settings over both): (weighted sum, each
-        score, each error or None); a failed call scores NaN, saying why."""
+        score, each failure or None); a failed call scores NaN, saying why and of what kind (the caller decides
+        whether it scores a floor: `registry.with_floors`)."""
         if self.sandbox is None and not self.jailed:
             chosen = [self.functions[index] for index in functions]
             return score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
@@ -85,13 +87,15 @@ class RewardRunner:
             errors.append(error)
         return combine(scores, weights), scores, errors
 
-    def _jailed(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any]) -> tuple[float, str | None]:
+    def _jailed(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any]) -> tuple[float, Failure | None]:
         """A jailed built-in on one completion, within `reward.timeout_s` (what it has not done by then fails, so
-        a completion cannot escape a low score by being slow): (score, None), or (NaN, why it has none)."""
+        a completion cannot escape a low score by being slow): (score, None), or (NaN, why it has none). What the
+        model's code does (a crash, a limit, a time-out) fails its tests and is scored; the built-in itself raises
+        only for the row or the machine (no tests, no jail), which is no failure of the completion's."""
         try:
             return to_score(self.jailed[index](prompt, completion, **kwargs)), None
         except Exception as error:  # a row without tests, no jail on this node: this completion unscored
-            return math.nan, f"{type(error).__name__}: {error}"
+            return math.nan, Failure("unscorable", f"{type(error).__name__}: {error}")
 
     @property
     def exhausted(self) -> bool:
