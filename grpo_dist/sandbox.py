@@ -177,6 +177,8 @@ class Sandbox:
                 f"the {self.label} sandbox needs bubblewrap under reward.isolation=require, but {found.why_not} "
                 "(docs/sandbox.md)"
             )
+        if not found.namespaces and os.geteuid() != 0:
+            jail.hide_from_own_user()  # it runs as this user: keep at least this process's tokens from it
         self.home, home = private_home(self.kind, jailed=found.namespaces)
         path, later = import_path(jailed=found.namespaces)
         argv = [sys.executable, "-I", "-c", BOOT, *path]
