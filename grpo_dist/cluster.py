@@ -86,22 +86,12 @@ def start_local_ray(**settings) -> None:
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             ray.init(address="local", include_dashboard=False, **settings)
-            close_session_dir()
             return
         except Exception as err:  # Ray raises a bare Exception for it
             if "timed out during startup" not in str(err) or attempt == LOCAL_START_ATTEMPTS:
                 raise
             log.warning("the local Ray cluster did not start (%s); starting it again", err)
             stop_ray_children()
-
-
-def close_session_dir() -> None:
-    """Close the session directory of this process's own local cluster to other users (mode 0700): Ray makes it
-    and its `sockets/`, `logs/` and `runtime_resources/` writable by every user without the sticky bit, where code
-    run as `nobody` without namespaces (best effort) could plant or replace files. Every process of the cluster runs
-    as this user."""
-    session = ray._private.worker._global_node.get_session_dir_path()
-    os.chmod(session, 0o700)
 
 
 def stop_ray_children() -> None:
