@@ -9,6 +9,7 @@ import ray
 
 from grpo_dist.config import RewardConfig
 from grpo_dist.jail import die_with_parent
+from grpo_dist.rewards import counters
 from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum
 from grpo_dist.types import Score, ScoreRequest
 
@@ -31,10 +32,12 @@ class RewardWorker:
         on a share is on this count not moving (`faults.gather_progressing`)."""
         return self.done
 
-    def score(self, requests: list[ScoreRequest], judge: str | None = None) -> tuple[list[Score], bool]:
+    def score(
+        self, requests: list[ScoreRequest], judge: str | None = None
+    ) -> tuple[list[Score], bool, dict[str, float]]:
         """Score each request (`judge`: by that eval reward alone, weight 1); a function that fails leaves that
         completion unscored (NaN), saying why. Also returns whether so many calls are stuck past their time limit
-        that the worker should be replaced."""
+        that the worker should be replaced, and what the built-ins counted meanwhile (`rewards.counters`)."""
         if judge is not None:
             functions = [len(self.functions) + self.judges.index(judge)]
             names, weights, kwargs = [judge], [1.0], [{}]
@@ -53,7 +56,7 @@ class RewardWorker:
                 failures[WEIGHTED_SUM] = weighted_sum(per_function, weights)[1]
             scores.append(Score(total=total, per_function=per_function, failures=failures))
             self.done += 1
-        return scores, self.runner.exhausted
+        return scores, self.runner.exhausted, counters.take()
 
     def close(self) -> None:
         """End its sandbox and jails and wait until they are gone (the pool calls it before killing the worker)."""
