@@ -325,6 +325,7 @@ RESERVED_FIELDS = {
     "memory_mb": "reward.sandbox_memory_mb",
     "budget_s": "reward.timeout_s",
     "timeout_per_test_s": "reward.functions[].kwargs of code_tests",
+    "strict": "reward.functions[].kwargs of code_tests",
 }
 """The names no field of a dataset row may have, each with the config key that sets it: the settings of the jail
 `code_tests` runs the model's code in, which it takes as keyword arguments. A row's fields are passed to the reward

@@ -371,6 +371,7 @@ class Jailed:
         if not jailed and os.geteuid() == 0:
             os.chown(self.workdir, NOBODY, NOBODY)
         self.received = b""
+        self.unread = b""  # read from the status pipe past the last line `read_line` returned
 
     def send(self, data: bytes, deadline: float) -> bool:
         """Write `data` to its standard input by `deadline`; False if it is gone or does not read it in time."""
@@ -403,18 +404,57 @@ class Jailed:
             self.received += chunk
         return self.received[start:] == wanted
 
-    def read_output(self, limit: int, deadline: float) -> str:
-        """What it printed until it closed its output, `limit` characters were read, or `deadline` passed."""
-        out, data = self.process.stdout.fileno(), b""
+    def read_line(self, limit: int, deadline: float) -> bytes | None:
+        """The next line on its status pipe, without its newline: None where it closed the pipe, wrote `limit` bytes
+        without a newline, or `deadline` passed first. What it wrote past the line is kept for the next call, and
+        makes `finish` fail if no call reads it."""
+        while b"\n" not in self.unread:
+            remaining = deadline - time.monotonic()
+            if len(self.unread) > limit or remaining <= 0 or not select.select([self.read_end], [], [], remaining)[0]:
+                return None
+            chunk = os.read(self.read_end, 1 << 16)
+            if not chunk:
+                return None
+            self.unread += chunk
+        line, _, self.unread = self.unread.partition(b"\n")
+        return line if len(line) <= limit else None
+
+    def read_output(self, limit: int, deadline: float, feed: bytes = b"") -> bytes:
+        """What it printed until it closed its output, `limit` bytes were read, or `deadline` passed. `feed` is
+        written to its standard input meanwhile, which is then closed: a program that prints before it has read all
+        of its input never waits on this side."""
+        out, data, view = self.process.stdout.fileno(), b"", memoryview(feed)
+        if view:
+            os.set_blocking(self.process.stdin.fileno(), False)
         while len(data) < limit:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
+            if remaining <= 0:
                 break
-            chunk = os.read(out, limit - len(data))
-            if not chunk:
+            writing = [self.process.stdin.fileno()] if view else []
+            readable, writable, _ = select.select([out], writing, [], remaining)
+            if writable:
+                view = self._fed(view)
+            if readable:
+                chunk = os.read(out, limit - len(data))
+                if not chunk:
+                    break
+                data += chunk
+            elif not writable:
                 break
-            data += chunk
-        return data.decode(errors="replace")
+        return data
+
+    def _fed(self, view: memoryview) -> memoryview:
+        """What is left of `view` once its standard input took what it could; closed once it took it all (or
+        closed its end: what it did not read is not its to read)."""
+        try:
+            view = view[os.write(self.process.stdin.fileno(), view[: 1 << 16]) :]
+        except BlockingIOError:
+            return view
+        except OSError:
+            view = view[len(view) :]
+        if not view:
+            self.process.stdin.close()
+        return view
 
     def finish(self, deadline: float) -> int | None:
         """Its exit status once it ends before `deadline` with nothing more on the status pipe, else None."""
@@ -422,7 +462,7 @@ class Jailed:
             code = self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return None
-        if select.select([self.read_end], [], [], 0)[0] and os.read(self.read_end, 1):
+        if self.unread or (select.select([self.read_end], [], [], 0)[0] and os.read(self.read_end, 1)):
             return None  # wrote more than its protocol allows
         return code
 

@@ -28,6 +28,7 @@ from grpo_dist.actors.reward_worker import RewardWorker
 from grpo_dist.config import Config
 from grpo_dist.faults import ActorPool, Bounds, FaultLog, RunFailed, split
 from grpo_dist.placement import Placement
+from grpo_dist.rewards import counters
 from grpo_dist.rewards.registry import WEIGHTED_SUM
 from grpo_dist.types import FAILURE_KINDS, Failure, Score, ScoreRequest
 
@@ -45,6 +46,10 @@ class RewardPool:
         self.failures = RewardFailures(
             self.names, reward.max_unscored_fraction, reward.max_unscored_steps, floor=reward.on_failure == "floor"
         )
+        self.counts: Counter[str] = Counter()  # what the built-ins counted since the last step (`rewards.counters`)
+        named = {*self.names, *cfg.judges}
+        self.counted = {key for key in counters.NOTES if key.partition("/")[0] in named}  # logged every step
+        self.said: set[str] = set()
         self.pool = ActorPool(
             "reward worker",
             "reward_worker_restarts",
@@ -98,7 +103,8 @@ class RewardPool:
             outcomes = self.pool.call("score", args, self.bounds.score, progressing=True)
             for slot, outcome in outcomes.items():
                 if outcome.fault is None:
-                    scored[slot], exhausted = outcome.value
+                    scored[slot], exhausted, counts = outcome.value
+                    self.counts.update(counts)
                     if exhausted:
                         self.pool.replace(slot, "has half its threads stuck past reward.timeout_s")
                 else:
@@ -122,10 +128,16 @@ class RewardPool:
         return Score(math.nan, [math.nan] * len(self.names), dict.fromkeys(self.names, why))
 
     def step_metrics(self) -> dict[str, float]:
-        """This step's `reward_failures/*` (see `RewardFailures.end_step`), the judge's `judge/seconds`, and where
-        the model's code runs, `sandbox/namespaces` (1: it runs in namespaces of its own; 0: best effort)."""
+        """This step's `reward_failures/*` (see `RewardFailures.end_step`), the judge's `judge/seconds`, where
+        the model's code runs, `sandbox/namespaces` (1: it runs in namespaces of its own; 0: best effort), and what
+        the built-ins counted (`code_tests/in_process`), each said once on the console the first time it is not 0."""
         judge = self.judge.step_metrics() if self.judge is not None else {}
-        return self.failures.end_step() | self.isolation | judge
+        counted = {key: float(self.counts[key]) for key in self.counted | set(self.counts)}
+        for key in sorted(key for key, value in counted.items() if value and key not in self.said):
+            self.said.add(key)
+            tqdm.write(f"{key}: {counted[key]:g} this step, {counters.NOTES.get(key, 'counted by a reward')}")
+        self.counts.clear()
+        return self.failures.end_step() | self.isolation | judge | counted
 
     def shutdown(self) -> None:
         self.pool.shutdown()

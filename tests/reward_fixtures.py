@@ -313,5 +313,5 @@ def flag_reward(prompt: str, completion: str, path: str, **_: Any) -> float:
 def fields_seen_reward(prompt: str, completion: str, **fields: Any) -> float:
     """What a reward is passed: 100 when the row's `answer` reached it, plus 1 for each name of the jail's settings
     (`config.RESERVED_FIELDS`) that did."""
-    settings = ("isolation", "memory_mb", "budget_s", "timeout_per_test_s")
+    settings = ("isolation", "memory_mb", "budget_s", "timeout_per_test_s", "strict")
     return 100.0 * ("answer" in fields) + sum(name in fields for name in settings)

@@ -318,6 +318,8 @@ def test_the_python_tool_runs_the_models_code_and_reaches_nothing_else(isolation
                                                    else "PermissionError"]  # fmt: skip
     assert bystander.poll() is None
     assert "stopped: ran past 5s" in run_tool("while True:\n    pass\n", isolation).result
+    flooded = run_tool("import time\nprint('é' * 100_000, flush=True)\ntime.sleep(30)\n", isolation).result
+    assert flooded.endswith("[output cut]") and "ran past" not in flooded  # counted in bytes, not characters
 
 
 # User reward functions in the sandbox: values and answers out of protocol, secrets, planted modules.

@@ -96,7 +96,7 @@ def write_rows(path, rows):
     return path
 
 
-@pytest.mark.parametrize("field", ["memory_mb", "isolation", "budget_s", "timeout_per_test_s"])
+@pytest.mark.parametrize("field", ["memory_mb", "isolation", "budget_s", "timeout_per_test_s", "strict"])
 def test_a_row_carrying_a_jail_setting_is_refused_naming_the_row_and_field_before_ray_starts(
     tmp_path, monkeypatch, field
 ):

@@ -213,7 +213,7 @@ def test_a_sum_out_of_range_is_the_completions_failure_counted_in_reward_failure
     worker = RewardWorker(RewardConfig(functions=functions, sandbox=False), judges=[])
     try:
         # "a" scores 1e308 * 1 twice: unscored; "" scores 0 twice: 0.
-        (overflowing, empty), _ = worker.score([ScoreRequest("q", "a", {}), ScoreRequest("q", "", {})])
+        (overflowing, empty), _, _ = worker.score([ScoreRequest("q", "a", {}), ScoreRequest("q", "", {})])
     finally:
         worker.runner.close()
     assert math.isnan(overflowing.total) and overflowing.per_function == [1e308, 1e308]
@@ -253,8 +253,9 @@ def test_spec_kwargs_override_row_fields(executor: concurrent.futures.ThreadPool
 
 
 ROW_WITH_SETTINGS = {"answer": "7", "isolation": "best_effort", "memory_mb": 1 << 20, "budget_s": 1e9,
-                     "timeout_per_test_s": 1e9}  # fmt: skip
-"""A row that would lift the jail's memory cap, drop `require` and stretch its time, were its fields passed on."""
+                     "timeout_per_test_s": 1e9, "strict": False}  # fmt: skip
+"""A row that would lift the jail's memory cap, drop `require`, stretch its time and let its tests be judged in the
+code's process, were its fields passed on."""
 
 
 def test_a_rows_fields_never_set_the_jail_of_code_tests(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,7 +273,7 @@ def test_a_rows_fields_never_set_the_jail_of_code_tests(monkeypatch: pytest.Monk
     finally:
         runner.close()
     settings = {"isolation": "require", "memory_mb": 512, "budget_s": 3.0}
-    assert set(settings) | {"timeout_per_test_s"} == set(RESERVED_FIELDS)
+    assert set(settings) | {"timeout_per_test_s", "strict"} == set(RESERVED_FIELDS)
     row = {"tests": ["assert add(1, 2) == 3"], "answer": "7"}
     assert calls == [{**row, "timeout_per_test_s": 2.0, **settings}, {**row, **settings}]
 
@@ -286,7 +287,7 @@ def test_a_rows_field_named_as_a_setting_never_reaches_a_reward(sandbox: bool) -
         total, _, errors = runner.score([0], [1.0], [{}], "q", "7", ROW_WITH_SETTINGS)
     finally:
         runner.close()
-    assert (total, errors) == (100.0, [None])  # 100: the row's answer reached it; + 0: none of the four settings
+    assert (total, errors) == (100.0, [None])  # 100: the row's answer reached it; + 0: none of the five settings
 
 
 @pytest.mark.parametrize(
@@ -328,11 +329,11 @@ def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_repla
     slow = RewardFunctionConfig(name=f"{FIXTURES}.slow_reward", kwargs={"delay_s": 3.0})
     worker = RewardWorker(RewardConfig(functions=[slow], timeout_s=0.1, sandbox=False), judges=["math_answer"])
     request = ScoreRequest("q", "7", {})
-    scores, exhausted = worker.score([request] * 3)
+    scores, exhausted, _ = worker.score([request] * 3)
     assert not exhausted and scores[0].failures == {
         f"{FIXTURES}.slow_reward": Failure("timeout", "timed out after 0.1s")
     }
-    _, exhausted = worker.score([request])
+    _, exhausted, _ = worker.score([request])
     assert exhausted  # 4 of 8 threads stuck
 
 
@@ -377,7 +378,7 @@ def test_a_call_the_completion_made_fail_scores_the_floor_unless_told_to_leave_i
     reward = RewardConfig(functions=functions, sandbox=False, timeout_s=0.2, on_failure=on_failure)
     worker = RewardWorker(reward, judges=[])
     try:
-        [score], _ = worker.score([ScoreRequest("q", "7", {"answer": "7"})])
+        [score], _, _ = worker.score([ScoreRequest("q", "7", {"answer": "7"})])
     finally:
         worker.runner.close()
     assert score.failures[f"{FIXTURES}.{name}"].kind == kind

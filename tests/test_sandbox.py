@@ -133,7 +133,7 @@ def test_a_reward_that_crashes_its_sandbox_scores_the_floor_in_a_worker(on_failu
     functions = [RewardFunctionConfig(name=name) for name in names]
     worker = RewardWorker(RewardConfig(functions=functions, timeout_s=5.0, on_failure=on_failure), judges=[])
     try:
-        [score], _ = worker.score([ScoreRequest("q", "abc", {})])
+        [score], _, _ = worker.score([ScoreRequest("q", "abc", {})])
     finally:
         worker.close()
     assert score.failures[names[0]].kind == "crashed"

@@ -9,6 +9,7 @@ import ray
 
 from grpo_dist.config import RewardConfig
 from grpo_dist.jail import die_with_parent
+from grpo_dist.rewards import counters
 from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum, with_floors
 from grpo_dist.types import Failure, Score, ScoreRequest
 
@@ -32,11 +33,13 @@ class RewardWorker:
         on a share is on this count not moving (`faults.gather_progressing`)."""
         return self.done
 
-    def score(self, requests: list[ScoreRequest], judge: str | None = None) -> tuple[list[Score], bool]:
+    def score(
+        self, requests: list[ScoreRequest], judge: str | None = None
+    ) -> tuple[list[Score], bool, dict[str, float]]:
         """Score each request (`judge`: by that eval reward alone, weight 1, no floor). A call the completion made
         fail scores its function's floor under `reward.on_failure: floor`; any other failure leaves that completion
         unscored (NaN); either way `Score.failures` says why. Also returns whether so many calls are stuck past their
-        time limit that the worker should be replaced."""
+        time limit that the worker should be replaced, and what the built-ins counted meanwhile (`rewards.counters`)."""
         floors = [math.nan]  # an eval judge's failure counts as a wrong answer there, never as a score
         if judge is not None:
             functions = [len(self.functions) + self.judges.index(judge)]
@@ -59,7 +62,7 @@ class RewardWorker:
                 failures[WEIGHTED_SUM] = Failure(WEIGHTED_SUM, why)
             scores.append(Score(total=total, per_function=per_function, failures=failures))
             self.done += 1
-        return scores, self.runner.exhausted
+        return scores, self.runner.exhausted, counters.take()
 
     def close(self) -> None:
         """End its sandbox and jails and wait until they are gone (the pool calls it before killing the worker)."""
