@@ -27,10 +27,8 @@ protocol (`grpo_dist.rewards.code`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
-import platform
 import select
 import shutil
 import signal
@@ -43,20 +41,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-NOBODY = 65534
+from grpo_dist.privileges import NOBODY, as_nobody, hide_from_own_user, own_keyring
+
 TMP_MB = 64  # the jail's /tmp, its working directory included (each file at most `Limits.file_mb`)
-KEYCTL_JOIN_SESSION_KEYRING = 1
-KEYCTL_SYSCALL = {"x86_64": 250, "aarch64": 219}  # keyctl(2) by machine
-PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 """What a jailed process sees of `/etc` (read-only, where present), besides `/usr` and the interpreter."""
 MERGED_USR = ("bin", "lib", "lib64", "sbin")  # links into /usr on today's distributions; bound if they are not
 PROBE_TIMEOUT_S = 30.0
-PR_SET_KEEPCAPS = 8
-PR_SET_NO_NEW_PRIVS = 38
-CAP_DAC_READ_SEARCH = 2
-CAPABILITY_VERSION_3 = 0x20080522
 
 
 class Isolation(StrEnum):
@@ -141,13 +132,6 @@ def best_effort_user() -> str:
         "as this process's own user, with limits and a clean environment: it can signal that user's processes and "
         "read their environments (the run's tokens), all but those of the process that started it"
     )
-
-
-def hide_from_own_user() -> None:
-    """Make this process undumpable: a process of its user without privileges can then neither read its memory nor
-    its environment (`/proc/<pid>/environ`: the run's tokens) nor trace it. For code run as this process's own user
-    (best effort, not as root)."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 def scratch_dir(kind: str) -> str:
@@ -273,53 +257,6 @@ def own_paths(paths: Sequence[tuple[str, str]]) -> list[str]:
     return args
 
 
-def _own_keyring() -> None:
-    """A session keyring of its own: the kernel's keyrings are not namespaced, and the caller's would be shared."""
-    number = KEYCTL_SYSCALL.get(platform.machine())
-    if number is not None:
-        ctypes.CDLL(None, use_errno=True).syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None)
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-
-def become_nobody() -> None:
-    """As root, become `nobody` (whom a process limit binds; the kernel never applies one to root), keeping one
-    capability where it holds it, reading files, until its next `exec` (so an interpreter installed where only root
-    may read stays importable). `OSError` where the machine refuses the change of user."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
-    os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
-    read = 1 << CAP_DAC_READ_SEARCH
-    if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)(_CapData(read, read, 0))):
-        libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)())  # none at all
-
-
-def no_privileges() -> None:
-    """Drop every capability this process holds (a sandbox's call, forked from a server as `nobody` that may keep
-    one), and never gain one again: no new privileges through `exec` either. `OSError` where refused."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), (_CapData * 2)()) != 0:
-        raise OSError(ctypes.get_errno(), "capset refused")
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS refused")
-
-
-def _as_nobody() -> None:
-    """Best effort without namespaces, as root: a keyring of its own, `nobody`, and death with the process that
-    started it (a change of user clears that)."""
-    _own_keyring()
-    become_nobody()
-    die_with_parent()
-
-
 RUNNING: set[int] = set()
 """The bubblewrap processes this process started and reaps itself (`Jailed`, and the reward and tool sandboxes)."""
 
@@ -363,7 +300,7 @@ class Jailed:
                 cwd=self.workdir,
                 env=clean_env(self.workdir),
                 start_new_session=True,
-                preexec_fn=_own_keyring if jailed or os.geteuid() != 0 else _as_nobody,
+                preexec_fn=own_keyring if jailed or os.geteuid() != 0 else as_nobody,
             )
         finally:
             os.close(write_end)
@@ -498,11 +435,3 @@ class Jailed:
             shutil.rmtree(self.workdir)
         except (OSError, RecursionError):  # best effort: a tree too deep for rmtree, made by the code
             subprocess.run(["rm", "-rf", "--", self.workdir], check=False)
-
-
-def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent exits (a Ray worker's: the node's raylet). Ray stops its
-    workers by asking them to exit; one stuck in C code cannot hear it and would outlive the run, even the cluster.
-    A change of user clears it."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

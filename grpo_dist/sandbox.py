@@ -66,8 +66,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_dist import jail
-from grpo_dist.jail import die_with_parent
+from grpo_dist import jail, privileges
+from grpo_dist.privileges import die_with_parent
 from grpo_dist.types import REWARD_LIMIT, Failure
 
 log = logging.getLogger("grpo_dist")
@@ -178,7 +178,7 @@ class Sandbox:
                 "(docs/sandbox.md)"
             )
         if not found.namespaces and os.geteuid() != 0:
-            jail.hide_from_own_user()  # it runs as this user: keep at least this process's tokens from it
+            privileges.hide_from_own_user()  # it runs as this user: keep at least this process's tokens from it
         self.home, home = private_home(self.kind, jailed=found.namespaces)
         path, later = import_path(jailed=found.namespaces)
         argv = [sys.executable, "-I", "-c", BOOT, *path]

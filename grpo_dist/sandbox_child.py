@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from grpo_dist import jail
+from grpo_dist import privileges
 from grpo_dist.agents.tools import BUILTIN_TOOLS, resolve_tool
 from grpo_dist.rewards.registry import BUILTIN_REWARDS, raised, resolve_reward, to_score
 from grpo_dist.sandbox import ANSWER_LIMIT, Limits, ended_kind, exit_reason
@@ -65,11 +65,11 @@ def _network_off() -> str | None:
 
 
 def _become_nobody() -> str | None:
-    """Run as root, become `nobody` (`jail.become_nobody`); why not, where the machine refuses."""
+    """Run as root, become `nobody` (`privileges.become_nobody`); why not, where the machine refuses."""
     if os.geteuid() != 0:
         return None
     try:
-        jail.become_nobody()
+        privileges.become_nobody()
     except OSError as err:
         return f"the sandbox runs as root here (cannot become nobody: {err.strerror})"
     return None
@@ -96,7 +96,7 @@ def serve() -> None:
     if limits.require and notes:
         answer({"error": f"{'; '.join(notes)}, and reward.isolation=require (docs/sandbox.md)"})
         return
-    jail.die_with_parent()  # after the change of user, which clears it
+    privileges.die_with_parent()  # after the change of user, which clears it
     memory = limits.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     sys.path += setup["path"]  # only now: what `nobody` may write is imported as `nobody`
@@ -181,8 +181,8 @@ def _limited(call: Callable[[], dict], write_end: int, keep: tuple[int, ...], li
         for descriptor in keep:
             os.close(descriptor)
         os.setpgid(0, 0)
-        jail.die_with_parent()
-        jail.no_privileges()
+        privileges.die_with_parent()
+        privileges.no_privileges()
         _, hard = resource.getrlimit(resource.RLIMIT_CPU)
         seconds = math.ceil(limits.cpu_s)
         bound = seconds + 1 if hard == resource.RLIM_INFINITY else min(seconds + 1, hard)

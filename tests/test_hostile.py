@@ -23,7 +23,7 @@ import pytest
 from conftest import small_config
 from test_sandbox import runner_of, sandboxed_processes
 
-from grpo_dist import jail
+from grpo_dist import jail, privileges
 from grpo_dist.agents.protocol import ToolCall
 from grpo_dist.agents.tools import ToolBox, tool_spec
 from grpo_dist.sandbox import NOBODY, PR_SET_CHILD_SUBREAPER
@@ -282,11 +282,11 @@ def test_code_run_as_its_callers_own_user_finds_the_callers_environment_closed()
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            ctypes.CDLL(None).prctl(jail.PR_SET_DUMPABLE, 1, 0, 0, 0)  # as an ordinary process of its user is
+            ctypes.CDLL(None).prctl(privileges.PR_SET_DUMPABLE, 1, 0, 0, 0)  # as an ordinary process of its user is
             said = b""
             for hidden in (False, True):
                 if hidden:
-                    jail.hide_from_own_user()
+                    privileges.hide_from_own_user()
                 code = os.fork()
                 if code == 0:
                     try:

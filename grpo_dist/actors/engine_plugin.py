@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from grpo_dist.jail import die_with_parent
+from grpo_dist.privileges import die_with_parent
 
 
 def prepare_engine_process() -> None:

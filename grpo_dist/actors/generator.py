@@ -21,7 +21,7 @@ from pathlib import Path
 
 from grpo_dist.config import EnvironmentConfig, RolloutConfig
 from grpo_dist.faults import drops_weights, slow_generation_s
-from grpo_dist.jail import die_with_parent
+from grpo_dist.privileges import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
 ENGINE_MARK = "GRPO_DIST_ENGINE"

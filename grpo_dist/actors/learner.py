@@ -31,7 +31,7 @@ from grpo_dist.algo import policy_loss
 from grpo_dist.batch import TrainBatch, TrainShard
 from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
 from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SCALE_LOSS, SCALE_LR, StepFactors, slow_training_s
-from grpo_dist.jail import die_with_parent
+from grpo_dist.privileges import die_with_parent
 from grpo_dist.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.throughput import flop_params, peak_flops, step_flops
 

@@ -8,7 +8,7 @@ import math
 import ray
 
 from grpo_dist.config import RewardConfig
-from grpo_dist.jail import die_with_parent
+from grpo_dist.privileges import die_with_parent
 from grpo_dist.rewards import counters
 from grpo_dist.rewards.registry import WEIGHTED_SUM, weighted_sum, with_floors
 from grpo_dist.types import Failure, Score, ScoreRequest
