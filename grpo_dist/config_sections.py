@@ -36,6 +36,16 @@ def _finite_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 Kwargs = Annotated[dict[str, Any], AfterValidator(_finite_kwargs)]
+
+
+def _absolute(paths: list[str]) -> list[str]:
+    relative = [path for path in paths if not path.startswith("/")]
+    if relative:
+        raise ValueError(f"{relative}: give absolute paths (the sandbox sees each at its own path)")
+    return paths
+
+
+SandboxPaths = Annotated[list[str], AfterValidator(_absolute)]
 """Keyword arguments a config passes on as they are (to a reward function, an environment): any values, every
 number among them finite."""
 
@@ -362,7 +372,7 @@ class RewardConfig(_Section):
     sandbox_env: list[str] = []
     """Names of environment variables passed on to the reward and tool sandboxes (a remote judge's API key); the
     sandboxes get no other variable of the run's environment."""
-    sandbox_paths: list[str] = []
+    sandbox_paths: SandboxPaths = []
     """Absolute paths of directories the reward sandbox sees too, at the same path (data a reward reads, a directory
     it writes where `nobody` may): besides them it sees only the Python install, its import path read-only and a
     private /tmp (docs/sandbox.md)."""
@@ -380,13 +390,6 @@ class RewardConfig(_Section):
     function scoring its floor on more than this fraction is said once (more likely broken than broken by them)."""
     max_unscored_steps: int = Field(3, ge=1)
     """Consecutive steps over `max_unscored_fraction` that stop a run."""
-
-    @model_validator(mode="after")
-    def _sandbox_paths_are_absolute(self) -> RewardConfig:
-        relative = [path for path in self.sandbox_paths if not path.startswith("/")]
-        if relative:
-            raise ValueError(f"sandbox_paths {relative}: give absolute paths (the sandbox sees each at its own path)")
-        return self
 
 
 class DistillConfig(_Section):
@@ -823,6 +826,9 @@ class EnvironmentConfig(_Section):
     """Address space of each tool sandbox."""
     sandbox_network: bool = False
     """Let tools use the network (off: a network namespace of their own)."""
+    sandbox_paths: SandboxPaths = []
+    """Absolute paths of directories the tool sandboxes see too, at the same path (data a tool reads, a directory it
+    writes where `nobody` may), as `reward.sandbox_paths` for the reward sandbox."""
 
 
 class CheckpointConfig(_Section):

@@ -9,7 +9,10 @@ import time
 
 from grpo_dist.agents import Environment, Observation, ToolCall, Turn
 
-NAP_MARK = "/tmp/grpo_dist_test_first_nap"
+NAP_DIR = "/tmp/grpo_dist_test_nap"
+"""Where `nap` leaves its mark: a directory anyone may write, which the test makes and names in the environment's
+`sandbox_paths` (the tool sandboxes' own /tmp is private to each)."""
+NAP_MARK = f"{NAP_DIR}/first_nap"
 """Created by the first `nap` call on this machine: that call sleeps `NAP_S`, every later one returns at once."""
 NAP_S = 6.0
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from agent_fixtures import NAP_MARK, NAP_S
+from agent_fixtures import NAP_DIR, NAP_MARK, NAP_S
 from conftest import small_config, train_here
 
 from grpo_dist.agents.episode import TURN_SEED_STRIDE
@@ -505,10 +505,12 @@ def test_trajectories_are_the_engines_tokens_a_slow_tool_holds_back_only_its_own
 
     environment = {"name": "agent_fixtures.CountingEnvironment", "kwargs": {"turns": 3}, "max_turns": 4,
                    "tools": ["agent_fixtures.nap"], "tool_parser": "agent_fixtures.always_nap", "tool_workers": 4,
-                   "tool_timeout_s": 60}  # fmt: skip
+                   "tool_timeout_s": 60, "sandbox_paths": [NAP_DIR]}  # fmt: skip
+    Path(NAP_DIR).mkdir(exist_ok=True)
+    Path(NAP_DIR).chmod(0o777)  # the tools write their mark here as `nobody`
+    Path(NAP_MARK).unlink(missing_ok=True)
     config, pool, placement, faults, prompts, tokenizer = start_pool(warmed_up, environment, tmp_path)
     try:
-        Path(NAP_MARK).unlink(missing_ok=True)
         groups = run_to_end(pool.start(prompts[:4], 2, seeds=[1, 2, 3, 4]))
         # The group whose tool slept (by what the tool answered: under load a sandbox's start alone can take
         # seconds) came back last, and its trajectory waited the nap out: the others did not wait for it.

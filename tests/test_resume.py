@@ -166,6 +166,7 @@ def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_p
     signals.chmod(0o777)  # the reward writes here from its sandbox, which runs as `nobody` under root
     gate = {"name": "reward_fixtures.slow_once_asked", "weight": 0.0, "kwargs": {"signal_dir": str(signals)}}
     raw["reward"]["functions"].append(gate)
+    raw["reward"]["sandbox_paths"] = [str(signals)]  # the sandbox sees it, at its own path
     path = tmp_path / "stopped.yaml"
     path.write_text(yaml.safe_dump(raw))
     run_dir = tmp_path / "outputs" / "stopped"

@@ -208,6 +208,7 @@ class AgentLoop:
             environment.sandbox_network,
             isolation == "require",
             tuple(sandbox_env),
+            tuple(environment.sandbox_paths),
         )
         self.tools = ToolBox(self.specs, limits, environment.tool_workers, environment.tool_timeout_s)
         self.limits = Limits(environment.max_turns, environment.max_total_tokens, max_new_tokens)
