@@ -177,6 +177,10 @@ class Sandbox:
                 f"the {self.label} sandbox needs bubblewrap under reward.isolation=require, but {found.why_not} "
                 "(docs/sandbox.md)"
             )
+        missing = [path for path in self.limits.paths if not os.path.isdir(path)]
+        if missing:
+            key = "reward.sandbox_paths" if self.kind == "rewards" else "environment.sandbox_paths"
+            raise SandboxError(f"{key}: no directory {', '.join(missing)} on this node, which the sandbox would see")
         if not found.namespaces and os.geteuid() != 0:
             privileges.hide_from_own_user()  # it runs as this user: keep at least this process's tokens from it
         self.home, home = private_home(self.kind, jailed=found.namespaces)

@@ -258,3 +258,10 @@ def bwrap_pids() -> list[int]:
 def test_an_ended_sandbox_is_named_by_how_it_ended_also_through_bubblewrap(code, said):
     """Bubblewrap, which runs the sandbox in a PID namespace of its own, reports a signal as 128 + its number."""
     assert said in exit_reason(code)
+
+
+def test_a_sandbox_path_that_is_not_there_is_named_before_the_sandbox_starts(tmp_path):
+    from grpo_dist.sandbox import Limits, Sandbox, SandboxError
+
+    with pytest.raises(SandboxError, match=f"reward.sandbox_paths: no directory {tmp_path / 'gone'} on this node"):
+        Sandbox(["regex_format"], Limits(1024, 5.0, False, False, paths=(str(tmp_path / "gone"),)))
