@@ -5,8 +5,9 @@ Each reward worker (and the driver's pre-flight check) starts one `Sandbox`: a s
 (`grpo_dist.sandbox_child`) that imports the reward functions once and answers one call at a time, asked and answered
 as JSON lines on pipes of its own (what the reward code prints goes to the worker's log). Each call runs in a fresh
 process forked from that server, which the call's code never ran in: nothing one completion does (a global or a module
-patched, a thread, a file in its home) outlives its call. Where bubblewrap runs, the server starts under it
-(`jail.wrap`) and sees the machine the way a jail does:
+patched, a thread, a file in its home) outlives its call. The built-in rewards and tools, which keep no state and run
+no text as code, are called in the server itself (a fork costs milliseconds). Where bubblewrap runs, the server
+starts under it (`jail.wrap`) and sees the machine the way a jail does:
   - its own mount namespace: `/usr`, the Python install, and the import path read-only, each at its own path (the
     directories on this process's import path, `grpo_dist`'s own and the editable installs', the worker's working
     directory, where the user's reward modules are); the directories `reward.sandbox_paths` names; a private `/tmp`
