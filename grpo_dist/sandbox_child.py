@@ -20,6 +20,7 @@ import os
 import select
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -31,6 +32,7 @@ from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
 PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 MAX_ANSWER_BYTES = ANSWER_LIMIT - (1 << 10)  # what one call may write: room left for the id the server adds
 UNREACHABLE = (errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNREFUSED)  # in a network namespace of its own
 LIMITED = b"+"  # what a call's process writes once it is limited, before the call's code runs
@@ -105,7 +107,9 @@ def serve() -> None:
     except ValueError as err:
         answer({"error": str(err)})
         return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0)  # no call's process may read or trace this one
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_DUMPABLE, 0)  # no call's process may read or trace this one
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a call leaves behind is this server's to reap (`_reaped`)
     answer({"ready": True, "notes": notes})
     kind = setup.get("kind", "rewards")
     label = "reward" if kind == "rewards" else "tool"
@@ -169,7 +173,24 @@ def in_a_fresh_process(call: Callable[[], dict], limits: Limits, keep: tuple[int
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # it started nothing that is still there
+    else:
+        _reaped(pid)
     return relayed(output, code, label)
+
+
+def _reaped(group: int, bound_s: float = 2.0) -> None:
+    """Wait, at most `bound_s`, until no process of `group` (killed) is left: this server is their subreaper once the
+    call's process is gone, and reaps them, so none is still there when the call is answered."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.005)
 
 
 def _limited(call: Callable[[], dict], write_end: int, keep: tuple[int, ...], limits: Limits) -> NoReturn:
