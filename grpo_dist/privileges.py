@@ -17,6 +17,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
 CAP_DAC_READ_SEARCH = 2
 CAPABILITY_VERSION_3 = 0x20080522
 
@@ -81,3 +82,10 @@ def die_with_parent() -> None:
     A change of user clears it."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def reap_orphans_here(on: bool = True) -> None:
+    """Make this process the subreaper of its descendants (`on`) or stop it: a process they leave behind when their
+    parent ends is re-parented here, not to the machine's init, so this process can reap it."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on))

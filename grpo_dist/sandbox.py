@@ -49,7 +49,6 @@ from the machine, but the model's own code never runs here (`grpo_dist.jail` run
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -76,7 +75,6 @@ SANDBOX_MARK = "GRPO_DIST_SANDBOX"
 """In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
 START_TIMEOUT_S = 120.0  # importing the reward modules
 ANSWER_LIMIT = 64 << 20  # bytes of one answer; past it the call has none and the sandbox is replaced
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 NOBODY = jail.NOBODY
 
 
@@ -113,8 +111,8 @@ class Sandbox:
         self.request = ""  # the id of the last request, drawn at random: its answer carries it
         self.home: str | None = None  # the directory its home is made in on this machine (`private_home`)
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
-        if reap and sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+        if reap:
+            privileges.reap_orphans_here()
         self._start()
 
     def call(

@@ -31,8 +31,6 @@ from grpo_dist.sandbox import ANSWER_LIMIT, Limits, ended_kind, exit_reason
 from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h
-PR_SET_DUMPABLE = 4
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 MAX_ANSWER_BYTES = ANSWER_LIMIT - (1 << 10)  # what one call may write: room left for the id the server adds
 UNREACHABLE = (errno.ENETUNREACH, errno.EADDRNOTAVAIL, errno.ECONNREFUSED)  # in a network namespace of its own
 LIMITED = b"+"  # what a call's process writes once it is limited, before the call's code runs
@@ -107,9 +105,8 @@ def serve() -> None:
     except ValueError as err:
         answer({"error": str(err)})
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_DUMPABLE, 0)  # no call's process may read or trace this one
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)  # what a call leaves behind is this server's to reap (`_reaped`)
+    privileges.hide_from_own_user()  # no call's process may read or trace this one
+    privileges.reap_orphans_here()  # what a call leaves behind is this server's to reap (`_reaped`)
     answer({"ready": True, "notes": notes})
     kind = setup.get("kind", "rewards")
     label = "reward" if kind == "rewards" else "tool"

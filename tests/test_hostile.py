@@ -26,7 +26,7 @@ from test_sandbox import runner_of, sandboxed_processes
 from grpo_dist import jail, privileges
 from grpo_dist.agents.protocol import ToolCall
 from grpo_dist.agents.tools import ToolBox, tool_spec
-from grpo_dist.sandbox import NOBODY, PR_SET_CHILD_SUBREAPER
+from grpo_dist.sandbox import NOBODY
 from grpo_dist.sandbox import Limits as SandboxLimits
 from grpo_dist.types import Failure
 
@@ -65,7 +65,7 @@ def isolation(request, tmp_path, monkeypatch):
 @pytest.fixture(scope="module", autouse=True)
 def reaping_only_here():
     yield
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0)
+    privileges.reap_orphans_here(False)
 
 
 @pytest.fixture

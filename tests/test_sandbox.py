@@ -8,7 +8,6 @@ reward goes on to its end and leaves no process behind. The bundled `code_tests`
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -23,9 +22,10 @@ import pytest
 from conftest import small_config
 from test_resume import training
 
+from grpo_dist import privileges
 from grpo_dist.config import RewardConfig, RewardFunctionConfig
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.sandbox import PR_SET_CHILD_SUBREAPER, SANDBOX_MARK, ended_kind, exit_reason
+from grpo_dist.sandbox import SANDBOX_MARK, ended_kind, exit_reason
 from grpo_dist.types import ScoreRequest
 
 FIXTURES = "reward_fixtures"
@@ -63,7 +63,7 @@ def reaping_only_here():
     reaped, stay a zombie that Ray's job supervisor waits on."""
     yield
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0)
+        privileges.reap_orphans_here(False)
 
 
 def runner_of(names: list[str], **reward) -> RewardRunner:
