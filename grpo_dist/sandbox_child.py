@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import errno
 import functools
-import gc
 import json
 import math
 import os
@@ -112,7 +111,6 @@ def serve() -> None:
     label = "reward" if kind == "rewards" else "tool"
     own = [name in (BUILTIN_REWARDS if kind == "rewards" else BUILTIN_TOOLS) for name in setup["functions"]]
     keep = (requests.fileno(), answers.fileno())
-    gc.freeze()  # what is here now is never collected: a call's process copies no page to scan it
     for line in requests:
         request = json.loads(line)
         request_id = request.pop("id")
