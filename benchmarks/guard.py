@@ -7,7 +7,11 @@ quick start at seeds 0 to 4 (`configs/quickstart.yaml`), the warm start (`config
 GRPO), the LoRA quick start (`configs/quickstart_lora.yaml`, warm-up then GRPO), the agent demo (`configs/agent.yaml`,
 warm-up then GRPO with the calculator) and on-policy distillation (the quick start's student for 60 steps with
 `algorithm.distill` from a teacher warmed up by `grpo-dist sft`, as `benchmarks/distill.py` makes it). Each is
-expected to print no health line and no fault.
+expected to print no health line and no fault. And the tests' own tiny config (`tests/conftest.py`'s
+`small_config`, 80 steps at seeds 0-2): learning rate 1e-2 on a 4-token answer, it reaches its best reward in 20
+steps and its entropy then swings by orders of magnitude from step to step, the reward held; it sits at a KL of 2-3
+(warned: over `health.kl.max`) and at seed 1 its reward truly falls from 0.9 to 0.17 for a few steps (warned), but
+nothing may roll it back or stop it.
 
 Fault runs: the quick start at seed 0, checkpointed every 5 steps (so that a rollback has somewhere to go), each
 with one cause injected at a known step through the learner's and generators' fault hooks (`grpo_dist.faults`):
@@ -65,6 +69,7 @@ class Run:
     shows_at: int = 0  # the step the cause first shows in
     caught_by: tuple[str, ...] = ()  # the checks (or `sync.probe`) named for it
     flag_after: int = 0  # the reward's flag file is removed once this step is logged
+    warns: tuple[str, ...] = ()  # checks a healthy run may warn on (figures that are truly past their bounds)
 
 
 SUSTAINED = ",".join(f"{step}:100" for step in range(6, 13))  # every time each is trained: rollbacks meet it again
@@ -79,6 +84,8 @@ def runs(out_dir: Path) -> list[Run]:
         Run("distill", "configs/quickstart.yaml", ["run.steps=60", f"algorithm.distill.teacher={out_dir / 'teacher'}"]),
     ]
     healthy += [Run(f"quickstart-{seed}", "configs/quickstart.yaml", [f"run.seed={seed}"]) for seed in range(5)]
+    tiny = tests_config(out_dir)
+    healthy += [Run(f"tests-small-{seed}", tiny, [f"run.seed={seed}"], warns=("kl", "reward")) for seed in range(3)]
     flag = out_dir / "reward-on"
     flag_reward = [
         "reward.sandbox=false",  # the flag file is outside what a sandbox sees
@@ -101,6 +108,17 @@ def runs(out_dir: Path) -> list[Run]:
             "every step from 6 on at 100x the learning rate", 7, ("entropy",)),
     ]  # fmt: skip
     return healthy + faults
+
+
+def tests_config(out_dir: Path) -> str:
+    """The tests' tiny config (`small_config`) for 80 steps, written as a recipe file under `out_dir`."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import small_config
+
+    path = out_dir / "tests-small.yaml"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(small_config(out_dir, run={"steps": 80})))
+    return str(path)
 
 
 def run_one(run: Run, out_dir: Path, overrides: list[str]) -> dict:
@@ -184,29 +202,36 @@ def outcome(run: Run, run_dir: Path, code: int, wall_s: float) -> dict:
 def closest(rows: list[dict]) -> dict[str, float]:
     """How near a healthy run came to each check's default bound, its steps replayed through the guard itself: the
     largest gradient norm over its median (of norms above the clip; 1000 fires), the smallest entropy over the
-    window's median (0.1 fires) and over the last 3 steps' (0.5 fires), the largest fall of the entropy from either
-    median (either fires only with a fall of 0.5 nats too), the smallest mean reward over the window's median (0.25
-    fires), the largest KL and log-prob gap (1 fires)."""
+    window's median (0.1 fires) and over the lowest of the last 3 steps' (0.5 fires), the largest fall of the
+    entropy from either (either fires only with a fall of 0.5 nats too, and at a step that lost reward), the steps
+    whose entropy alone would have fired but whose reward held (`spared`), the smallest mean reward over the
+    window's median (0.25 fires), the largest KL and log-prob gap (1 fires)."""
     from grpo_dist.config import HealthConfig
     from grpo_dist.health import RECENT, Guard
 
     guard = Guard(HealthConfig(), clip=1.0)
     ratios: dict[str, list[float]] = {"grad_norm": [], "entropy": [], "entropy_recent": [], "reward": []}
-    falls: list[float] = []  # the entropy's fall from either median, in nats per token
+    falls: list[float] = []  # the entropy's fall from either level, in nats per token
+    spared = 0
     for row in rows:
-        medians = {"grad_norm": guard.median("grad_norm"), "entropy": guard.median("entropy"),
-                   "entropy_recent": guard.median("entropy", RECENT), "reward": guard.median("reward")}  # fmt: skip
+        recent = guard.history["entropy"][-RECENT:]
+        levels = {"grad_norm": guard.median("grad_norm"), "entropy": guard.median("entropy"),
+                  "entropy_recent": min(recent) if recent else None, "reward": guard.median("reward")}  # fmt: skip
         values = {"grad_norm": row["grad_norm"] if row["grad_norm"] > guard.clip else None, "entropy": row["entropy"],
                   "entropy_recent": row["entropy"], "reward": row["reward/mean"]}  # fmt: skip
-        for key, median in medians.items():
-            if median and values[key] is not None:
-                ratios[key].append(values[key] / median)
-        falls += [median - row["entropy"] for median in (medians["entropy"], medians["entropy_recent"]) if median]
-        guard.record(row, guard.check(row["step"], row))
+        for key, level in levels.items():
+            if level and values[key] is not None:
+                ratios[key].append(values[key] / level)
+        falls += [level - row["entropy"] for level in (levels["entropy"], levels["entropy_recent"]) if level]
+        events = guard.check(row["step"], row)
+        alone = guard.check(row["step"], {key: value for key, value in row.items() if key != "reward/mean"})
+        spared += any(event.check == "entropy" for event in alone) and not any(e.check == "entropy" for e in events)
+        guard.record(row, events)
     found = {
         "grad_norm_x": max(ratios["grad_norm"], default=0.0),
         **{f"{key}_x": min(ratios[key], default=math.nan) for key in ("entropy", "entropy_recent", "reward")},
         "entropy_fall": max(falls, default=0.0),
+        "entropy_spared": spared,
         "kl": max(row.get("kl", 0.0) for row in rows),
         "logprob_gap": max(row["logprob_gap"] for row in rows),
     }
@@ -216,12 +241,19 @@ def closest(rows: list[dict]) -> dict[str, float]:
 def verdict(run: Run, fired: list[dict], end: str) -> str:
     """`silent` / `FALSE ALARM` for a healthy run; `caught ...` / `MISSED` for a fault."""
     if not run.cause:
-        return "silent" if not fired and end == "finished" else "FALSE ALARM"
+        if end != "finished" or any(event["kind"] != "health" or not warned(event, run.warns) for event in fired):
+            return "FALSE ALARM"
+        return "silent" if not fired else f"silent (warned: {', '.join(run.warns)})"
     for event in fired:
         names = checks_named(event)
         if names & set(run.caught_by) and run.shows_at <= event["step"] <= run.shows_at + CAUGHT_WITHIN:
             return f"caught at step {event['step']} ({event['step'] - run.shows_at} after it shows)"
     return "MISSED"
+
+
+def warned(event: dict, checks: tuple[str, ...]) -> bool:
+    """Whether a health line only warns, on one of `checks`."""
+    return event["message"].endswith(": a warning") and checks_named(event) <= set(checks)
 
 
 def checks_named(event: dict) -> set[str]:
@@ -250,17 +282,18 @@ def table(results: list[dict]) -> list[str]:
 def closest_table(results: list[dict]) -> list[str]:
     """How near each healthy run came to each check's bound (`closest`)."""
     lines = [
-        "| healthy run | gradient norm / median (fires at 1000) | entropy / median (0.1) | entropy / last 3 (0.5) "
-        "| entropy's largest fall, nats (0.5 as well) | reward / median (0.25) | largest KL (1) "
-        "| largest log-prob gap (1) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| healthy run | gradient norm / median (fires at 1000) | entropy / median (0.1) | entropy / low of last 3 "
+        "(0.5) | entropy's largest fall, nats (0.5 as well) | steps the held reward spared | reward / median (0.25) "
+        "| largest KL (1) | largest log-prob gap (1) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results:
         if "closest" in result:
             near = result["closest"]
             lines.append(
                 f"| {result['run']} | {near['grad_norm_x']} | {near['entropy_x']} | {near['entropy_recent_x']} | "
-                f"{near['entropy_fall']} | {near['reward_x']} | {near['kl']} | {near['logprob_gap']} |"
+                f"{near['entropy_fall']} | {int(near.get('entropy_spared', 0))} | {near['reward_x']} | {near['kl']} | "
+                f"{near['logprob_gap']} |"
             )
     return lines
 
@@ -322,7 +355,7 @@ def report(results: list[dict], chosen: list[Run], out_dir: Path, args: argparse
     healthy = [result for result in results if not result["cause"]]
     faults = [result for result in results if result["cause"]]
     print(
-        f"healthy runs silent: {sum(result['verdict'] == 'silent' for result in healthy)}/{len(healthy)}; "
+        f"healthy runs silent: {sum(result['verdict'].startswith('silent') for result in healthy)}/{len(healthy)}; "
         f"faults caught: {sum(result['verdict'].startswith('caught') for result in faults)}/{len(faults)}"
     )
     if args.markdown:
@@ -337,14 +370,19 @@ TRACED = ("loss", "grad_norm", "entropy", "reward/mean", "kl", "logprob_gap", "l
 
 def write_traces(path: Path, chosen: list[Run], out_dir: Path) -> None:
     """Each healthy run's logged steps (every step it judged: nothing fired), the guard's figures only, one row of
-    `TRACED` a step (4 significant digits; null where a run logs no such figure): what `tests/test_health.py`
-    replays. A fault run's metrics lack the steps it undid."""
-    runs = {}
+    `TRACED` a step (4 significant digits; null where a run logs no such figure), and the checks it may warn on:
+    what `tests/test_health.py` replays. Runs not chosen keep the traces the file has. A fault run's metrics lack
+    the steps it undid."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    runs, warns = kept.get("runs", {}), kept.get("warns", {})
     for run in chosen:
         rows = read_jsonl(out_dir / run.name / "metrics.jsonl") if not run.cause else []
         if rows:
             runs[run.name] = [[float(f"{row[key]:.4g}") if key in row else None for key in TRACED] for row in rows]
-    path.write_text(json.dumps({"keys": TRACED, "runs": runs}, separators=(",", ":")) + "\n")
+            warns[run.name] = list(run.warns)
+    warns = {name: warns.get(name, []) for name in sorted(runs)}
+    traces = {"keys": TRACED, "runs": dict(sorted(runs.items())), "warns": warns}
+    path.write_text(json.dumps(traces, separators=(",", ":")) + "\n")
 
 
 if __name__ == "__main__":

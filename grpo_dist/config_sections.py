@@ -731,12 +731,15 @@ class EntropyCheck(_Section):
     rate far too high, an update that wrecked the weights) shows it here first: its entropy falls in one update."""
     fraction: float = Field(0.1, gt=0, lt=1)
     """The check fires when the mean per-token entropy (`entropy`) falls below this fraction of the median of the
-    last `health.window` steps' (judged from the second step on): a collapse, sudden or over a few steps."""
+    last `health.window` steps' (judged from the second step on) at a step whose mean reward is below the median of
+    the same steps': a collapse, sudden or over a few steps, that cost reward."""
     sudden: float = Field(0.5, gt=0, lt=1)
-    """It fires too when the entropy falls below this fraction of the median of the last 3 steps' (from the second
-    step on): one update that threw the policy off (a healthy run's entropy falls a few percent a step)."""
+    """It fires too when the entropy falls below this fraction of the lowest of the last 3 steps' (from the second
+    step on) at a step whose mean reward is below each of theirs: one update that threw the policy off (a healthy
+    run's entropy falls a few percent a step). A collapse with the reward held is a policy converging on what
+    scores (the tests' tiny config goes from 1.95 to 0 nats in one step at its best reward), not a divergence."""
     min_fall: float = Field(0.5, ge=0)
-    """Either bound fires only when the entropy fell by at least this many nats per token from that median: a
+    """Either bound fires only when the entropy fell by at least this many nats per token from that level: a
     policy already sharp (a warmed-up agent's entropy goes from 0.6 to 0.1 in 9 healthy steps) is sharpening, not
     collapsing, as far as the entropy can tell; its divergence shows in the reward and the KL."""
 

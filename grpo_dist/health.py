@@ -16,6 +16,10 @@ each check: silent on the healthy runs, each cause caught within three steps and
 - A policy already sharp sharpens fast when it learns: the warmed-up agent demo's entropy goes from 0.6 to 0.1 nats
   in 9 healthy steps. The entropy check also wants a fall of `health.entropy.min_fall` nats, so under it a collapse
   is left to the reward and KL checks.
+- A policy that collapses onto what scores is converging, not diverging: the tests' tiny config, at reward 0.9 (its
+  best), goes from 1.95 to 0 nats in one step and stays there, its reward held. A divergence costs reward at once
+  (learning rate 50: 0.098 to 0; one update at 300x: 0.134 to 0.104). So the entropy check also wants the step's
+  mean reward under the median of the last 3 steps'.
 
 A figure that fires its check does not join that check's history: the baseline stays the healthy one, and a
 collapse that persists keeps being reported.
@@ -103,21 +107,40 @@ class Guard:
         yield from self._collapses(step, metrics)
 
     def _collapses(self, step: int, metrics: dict[str, float]):
-        """The entropy against the median of the window (`fraction`) and of the last `RECENT` steps (`sudden`), with
-        a fall of at least `min_fall`; the reward against the window's: one event per check at most."""
-        cfg = self.cfg
-        entropy_bounds = ((cfg.entropy.fraction, cfg.window), (cfg.entropy.sudden, RECENT))
-        for check, name, min_fall, bounds in (
-            ("entropy", "entropy", cfg.entropy.min_fall, entropy_bounds),
-            ("reward", "mean reward", 0.0, ((cfg.reward.fraction, cfg.window),)),
+        """The entropy's collapse (`_entropy_collapse`); the reward against the median of the window's."""
+        yield from self._entropy_collapse(step, metrics)
+        reward, median = metrics.get(HISTORIES["reward"]), self.median("reward")
+        if reward is not None and median is not None and 0 < median and reward < self.cfg.reward.fraction * median:
+            figures = self._against("reward", "mean reward", reward, median, f"{self.cfg.reward.fraction:g}x")
+            yield Event(step, "reward", self.cfg.reward.action, figures)
+
+    def _entropy_collapse(self, step: int, metrics: dict[str, float]):
+        """The entropy under `fraction` of the window's median, at a step whose mean reward is under the window's
+        median too; or under `sudden` of the lowest of the last `RECENT` steps' (a break, not a trend), at a step
+        whose mean reward is under all of theirs. Either way by at least `min_fall` nats. A collapse with the
+        reward held is a policy converging on what scores. A run without a reward figure is judged on the entropy
+        alone. One event at most."""
+        cfg, entropy = self.cfg.entropy, metrics.get(HISTORIES["entropy"])
+        reward, rewards = metrics.get(HISTORIES["reward"]), self.history["reward"]
+        if entropy is None or not self.history["entropy"]:
+            return
+        window = self.cfg.window
+        for fraction, steps, baseline, reward_baseline, of in (
+            (cfg.fraction, window, statistics.median, statistics.median, "a median"),
+            (cfg.sudden, RECENT, min, min, "a low"),
         ):  # fmt: skip
-            value = metrics.get(HISTORIES[check])
-            for fraction, window in bounds if value is not None else ():
-                median = self.median(check, window)
-                if median is not None and 0 < median and median - value >= min_fall and value < fraction * median:
-                    figures = self._against(check, name, value, median, f"{fraction:g}x", window)
-                    yield Event(step, check, getattr(cfg, check).action, figures)
-                    break
+            level = baseline(self.history["entropy"][-steps:])
+            if not (0 < level and level - entropy >= cfg.min_fall and entropy < fraction * level):
+                continue
+            lost = ""
+            if reward is not None and rewards:
+                held = reward_baseline(rewards[-steps:])
+                if reward >= held:
+                    continue
+                lost = f", mean reward {reward:.4g} against {of} of {held:.4g}"
+            figures = self._against("entropy", "entropy", entropy, level, f"{fraction:g}x", steps, of) + lost
+            yield Event(step, "entropy", cfg.action, figures)
+            return
 
     def median(self, check: str, window: int | None = None) -> float | None:
         """The median of the check's last `window` values (default `health.window`), once there are enough."""
@@ -125,15 +148,19 @@ class Guard:
         enough = 1 if check in FROM_FIRST_STEP else self.cfg.min_history
         return statistics.median(values) if len(values) >= enough else None
 
-    def _against(self, check: str, name: str, value: float, median: float, bound: str, window: int = 0) -> str:
+    def _against(
+        self, check: str, name: str, value: float, level: float, bound: str, window: int = 0, of: str = "a median"
+    ) -> str:
         steps = min(len(self.history[check]), window or self.cfg.window)
         over = "the last step" if steps == 1 else f"the last {steps} steps"
-        return f"{name} {value:.4g} against a median of {median:.4g} over {over} (bound {bound})"
+        return f"{name} {value:.4g} against {of} of {level:.4g} over {over} (bound {bound})"
 
     def record(self, metrics: dict[str, float], events: list[Event] = ()) -> None:
         """A step that stands (logged): its figures join the history, when finite, except those of a check that
         fired on them (an unhealthy figure sets no baseline)."""
         fired = {event.check for event in events}
+        if "entropy" in fired:  # the reward it lost is no baseline either: a collapse that persists keeps firing
+            fired.add("reward")
         for check, key in HISTORIES.items():
             value = metrics.get(key)
             if check in fired or check == "grad_norm" and value == 0:  # a step without signal sets no baseline
