@@ -1,0 +1,131 @@
+"""How long a run takes to start, where the time goes, and how it compares with another checkout side by side.
+
+    .venv/bin/python benchmarks/startup.py [--config configs/quickstart.yaml] [--repeat 3] [--baseline DIR]
+
+Runs `grpo-dist train CONFIG run.steps=2` `--repeat` times, each starting its own local Ray cluster, and reads the
+time from the command to each line the run prints on the way: its first `==` line (the driver has imported and
+checked the config), `== starting ...` (the inputs are prepared: the data, the tokenizer, the model), `== started in`
+(every actor is up and the weight transport connected), `== training` (the evaluation before step 1 done) and the
+line of step 1. Meanwhile every process on the machine is sampled every 0.2 s, and the CPU seconds each spends
+until step 1's line are summed by role (`benchmarks/run_cost.py`'s roles: the driver, the generator actor, its
+vLLM engine core, the learner, the reward workers, Ray's own processes); `busy_from_to_s` says when each role was
+first and last seen working (a process that used CPU since the sample before), the start-up's timeline.
+
+With `--baseline DIR` (another checkout of the repository, e.g. `git worktree add /tmp/base <commit>`), each
+repeat runs the baseline's code and then this one's, on the same machine, with the same interpreter and packages;
+the last line gives each figure's median here over the baseline's (under 1: faster here).
+
+Prints one JSON line per run, then a `median` line per checkout and a `ratios` line. Run it on an otherwise idle
+machine; CI never runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from run_cost import cpu_by_process, role  # noqa: E402
+
+MARKS = [  # (figure, what the line starts with), in the order a run prints them
+    ("first_line_s", "== "),
+    ("inputs_ready_s", "== starting"),
+    ("started_s", "== started in"),
+    ("eval_done_s", "== training"),
+    ("first_step_s", "step 1/"),
+]
+
+
+def run_once(repo: Path, config: str, out_dir: Path, interval: float = 0.2) -> dict:
+    """One `grpo-dist train` of 2 steps from `repo`'s code: when each mark's line came, and the CPU seconds by role
+    until step 1's line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]), "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable, "-m", "grpo_dist", "train", config, "run.steps=2", "run.name=startup",
+        f"run.output_dir={out_dir}", "wandb.enabled=false", "checkpoint.every_steps=0",
+    ]  # fmt: skip
+    before, seen, roles_of = cpu_by_process(), {}, {}
+    started = time.monotonic()
+    run = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found: dict[str, float] = {}
+    output: list[str] = []
+    at_first_step = threading.Event()
+
+    def read() -> None:
+        for line in run.stdout:
+            output.append(line)
+            for figure, mark in MARKS:
+                if figure not in found and line.lstrip("\r").startswith(mark):
+                    found[figure] = round(time.monotonic() - started, 2)
+                    if figure == "first_step_s":
+                        at_first_step.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timeline: dict[str, list[float]] = {}  # role -> [first seen, last seen busy], seconds since the command
+    while run.poll() is None and not at_first_step.is_set():
+        now = round(time.monotonic() - started, 1)
+        for key, (line, seconds) in cpu_by_process().items():
+            if roles_of.get(key, "other") in ("other", "ray") and role(line) != "other":
+                roles_of[key] = role(line)
+            earlier = seen.get(key, before.get(key, ("", None)))[1]
+            seen[key] = (line, seconds)
+            if earlier is None or seconds - earlier > 0.02 * interval / 0.2:
+                span = timeline.setdefault(roles_of.get(key, "other"), [now, now])
+                span[1] = now
+        time.sleep(interval)
+    code = run.wait(timeout=600)
+    reader.join(timeout=10)
+    if code != 0 or "first_step_s" not in found:
+        raise SystemExit(f"the run from {repo} failed (exit {code}):\n{''.join(output)[-3000:]}")
+    by_role = Counter()
+    for key, (_, seconds) in seen.items():
+        by_role[roles_of.get(key, "other")] += seconds - before.get(key, ("", 0.0))[1]
+    cpu = {name: round(seconds, 1) for name, seconds in by_role.most_common() if seconds >= 0.05}
+    busy = {name: span for name, span in sorted(timeline.items(), key=lambda item: item[1]) if name != "other"}
+    return {**found, "cpu_s_to_first_step": round(sum(cpu.values()) - cpu.get("other", 0.0), 1), "cpu_by_role": cpu,
+            "busy_from_to_s": busy}  # fmt: skip
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    keys = [figure for figure, _ in MARKS] + ["cpu_s_to_first_step"]
+    return {key: round(statistics.median(row[key] for row in rows if key in row), 2) for key in keys}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/quickstart.yaml")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="another checkout of the repository, run side by side")
+    args = parser.parse_args()
+    checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
+    checkouts["this"] = REPO
+    rows: dict[str, list[dict]] = {name: [] for name in checkouts}
+    with tempfile.TemporaryDirectory(prefix="startup-") as work:
+        for attempt in range(args.repeat):
+            for name, repo in checkouts.items():
+                row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}")
+                rows[name].append(row)
+                print(json.dumps({"checkout": name, "repeat": attempt, **row}), flush=True)
+    summary = {name: medians(found) for name, found in rows.items()}
+    for name, figures in summary.items():
+        print(json.dumps({"row": "median", "checkout": name, **figures}))
+    if args.baseline:
+        base, this = summary["baseline"], summary["this"]
+        ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
+        print(json.dumps({"row": "ratios", "this_over_baseline": ratios}))
+
+
+if __name__ == "__main__":
+    main()
