@@ -1,6 +1,6 @@
 """How long a run takes to start, where the time goes, and how it compares with another checkout side by side.
 
-    .venv/bin/python benchmarks/startup.py [--config configs/quickstart.yaml] [--repeat 3] [--baseline DIR]
+    .venv/bin/python benchmarks/startup.py [--config CONFIG] [--repeat 3] [--baseline DIR] [key=value ...]
 
 Runs `grpo-dist train CONFIG run.steps=2` `--repeat` times, each starting its own local Ray cluster, and reads the
 time from the command to each line the run prints on the way: its first `==` line (the driver has imported and
@@ -15,7 +15,9 @@ With `--baseline DIR` (another checkout of the repository, e.g. `git worktree ad
 repeat runs the baseline's code and then this one's, on the same machine, with the same interpreter and packages;
 the last line gives each figure's median here over the baseline's (under 1: faster here).
 
-Prints one JSON line per run, then a `median` line per checkout and a `ratios` line. Run it on an otherwise idle
+Overrides apply to every run: with `ray.address=auto` after `ray start --head`, the runs join that cluster instead
+of starting their own (what a run pays for Ray). Prints one JSON line per run, then a `median` line per checkout
+and a `ratios` line. Run it on an otherwise idle
 machine; CI never runs it.
 """
 
@@ -47,13 +49,13 @@ MARKS = [  # (figure, what the line starts with), in the order a run prints them
 ]
 
 
-def run_once(repo: Path, config: str, out_dir: Path, interval: float = 0.2) -> dict:
+def run_once(repo: Path, config: str, out_dir: Path, overrides: list[str], interval: float = 0.2) -> dict:
     """One `grpo-dist train` of 2 steps from `repo`'s code: when each mark's line came, and the CPU seconds by role
     until step 1's line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]), "PYTHONUNBUFFERED": "1"}
     command = [
         sys.executable, "-m", "grpo_dist", "train", config, "run.steps=2", "run.name=startup",
-        f"run.output_dir={out_dir}", "wandb.enabled=false", "checkpoint.every_steps=0",
+        f"run.output_dir={out_dir}", "wandb.enabled=false", "checkpoint.every_steps=0", *overrides,
     ]  # fmt: skip
     before, seen, roles_of = cpu_by_process(), {}, {}
     started = time.monotonic()
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--config", default="configs/quickstart.yaml")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another checkout of the repository, run side by side")
+    parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     args = parser.parse_args()
     checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
     checkouts["this"] = REPO
@@ -115,7 +118,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="startup-") as work:
         for attempt in range(args.repeat):
             for name, repo in checkouts.items():
-                row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}")
+                row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}", args.overrides)
                 rows[name].append(row)
                 print(json.dumps({"checkout": name, "repeat": attempt, **row}), flush=True)
     summary = {name: medians(found) for name, found in rows.items()}
