@@ -19,7 +19,8 @@ each check: silent on the healthy runs, each cause caught within three steps and
 - A policy that collapses onto what scores is converging, not diverging: the tests' tiny config, at reward 0.9 (its
   best), goes from 1.95 to 0 nats in one step and stays there, its reward held. A divergence costs reward at once
   (learning rate 50: 0.098 to 0; one update at 300x: 0.134 to 0.104). So the entropy check also wants the step's
-  mean reward under the median of the last 3 steps'.
+  mean reward down: under the window's median for the `fraction` bound, under each of the last 3 steps' for the
+  `sudden` one (judged against the lowest of their entropies: a fall that continues a trend is not a break).
 
 A figure that fires its check does not join that check's history: the baseline stays the healthy one, and a
 collapse that persists keeps being reported.
