@@ -40,15 +40,11 @@ def engine_dtype(rollout: RolloutConfig, on_gpu: bool) -> str:
     return "float32" if rollout.dtype == "auto" and not on_gpu else rollout.dtype
 
 
-def engine_environment(eager_engine: bool) -> dict[str, str]:
+def engine_environment() -> dict[str, str]:
     """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
     process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
-    cores), the engine's processes die with the actor. An engine that runs eagerly (`eager`: the CPU backend's
-    default) also runs without torch.compile: vLLM's sampler would still compile its log-prob gather on the first
-    request that asks for log-probs, 3 of an engine's 9 seconds of start-up on the quick start's model (0.04 s
-    without), and again whenever a batch's shape calls for a recompile."""
+    cores), and the engine's processes die with the actor."""
     return {
-        **({"TORCHDYNAMO_DISABLE": "1"} if eager_engine else {}),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -121,11 +117,9 @@ class Generator:
         None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
         in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools.
         `adapters`: (largest rank, versions held) when the engine serves LoRA adapters (`load_adapter`)."""
-        import torch
-
         die_with_parent()
-        on_gpu = torch.cuda.is_available()
-        os.environ.update(engine_environment(eager(rollout, on_gpu)))
+        os.environ.update(engine_environment())
+        import torch
         from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.usage.usage_lib import UsageContext
@@ -153,6 +147,7 @@ class Generator:
         self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
         self.adapter_dir = adapter_dir() if adapters else None
         self.request_ids = itertools.count()
+        on_gpu = torch.cuda.is_available()
         self.stats = EngineStats()
         if not on_gpu and rollout.tensor_parallel_size == 1:
             fork_engine_core()

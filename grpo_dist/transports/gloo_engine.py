@@ -9,7 +9,10 @@ import logging
 
 import torch
 from torch.distributed.distributed_c10d import ProcessGroupGloo
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    WeightTransferEngine,
+)
 
 from grpo_dist.transports import delta
 from grpo_dist.transports.delta import WHOLE
@@ -18,7 +21,6 @@ from grpo_dist.transports.gloo_wire import (
     Buffers,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
-    ParamMeta,
     Slot,
     broadcast,
     layout,
