@@ -60,6 +60,17 @@ def cpu_by_process() -> dict[tuple[int, float], tuple[str, float]]:
     return seen
 
 
+def sample(roles_of: dict) -> dict[tuple[int, float], tuple[str, float]]:
+    """Every process's command line and CPU seconds now (`cpu_by_process`), each process's role noted in `roles_of`.
+    Ray's workers start idle (`ray::IDLE`) and an exiting process's command line reads empty: a process keeps the
+    most specific role it showed."""
+    now = cpu_by_process()
+    for key, (command, _) in now.items():
+        if roles_of.get(key, "other") in ("other", "ray") and role(command) != "other":
+            roles_of[key] = role(command)
+    return now
+
+
 def measure(config: Path, steps: int, interval: float) -> dict:
     before, busy, started = cpu_by_process(), busy_seconds(), time.monotonic()
     command = [sys.executable, "-m", "grpo_dist", "train", str(config), f"run.steps={steps}", f"run.name=s{steps}"]
@@ -67,12 +78,7 @@ def measure(config: Path, steps: int, interval: float) -> dict:
     run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     last, roles_of = dict(before), {}
     while run.poll() is None:
-        for key, (command, seconds) in cpu_by_process().items():
-            last[key] = (command, seconds)
-            # Ray's workers start idle (`ray::IDLE`) and an exiting process's command line reads empty: a process
-            # keeps the most specific role it showed.
-            if roles_of.get(key, "other") in ("other", "ray") and role(command) != "other":
-                roles_of[key] = role(command)
+        last.update(sample(roles_of))
         time.sleep(interval)
     err = run.stderr.read()
     if run.returncode != 0:

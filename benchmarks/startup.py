@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from run_cost import cpu_by_process, role  # noqa: E402
+from run_cost import cpu_by_process, sample  # noqa: E402
 
 MARKS = [  # (figure, what the line starts with), in the order a run prints them
     ("first_line_s", "== "),
@@ -78,9 +78,7 @@ def run_once(repo: Path, config: str, out_dir: Path, overrides: list[str], inter
     timeline: dict[str, list[float]] = {}  # role -> [first seen, last seen busy], seconds since the command
     while run.poll() is None and not at_first_step.is_set():
         now = round(time.monotonic() - started, 1)
-        for key, (line, seconds) in cpu_by_process().items():
-            if roles_of.get(key, "other") in ("other", "ray") and role(line) != "other":
-                roles_of[key] = role(line)
+        for key, (line, seconds) in sample(roles_of).items():
             earlier = seen.get(key, before.get(key, ("", None)))[1]
             seen[key] = (line, seconds)
             if earlier is None or seconds - earlier > 0.02 * interval / 0.2:
