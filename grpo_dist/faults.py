@@ -141,8 +141,9 @@ def slow_training_s(step: int) -> float:
 
 SLOW_GENERATION = "GRPO_DIST_SLOW_GENERATION"
 """For tests: in the environment of a run, a file holding a number of seconds (none, or 0: no delay): each
-generator holds each prompt's group back that long, one group at a time, before sampling it, as a slower engine
-would. Read at every group, so a test changes the generators' speed while the run goes."""
+generator holds each prompt's group back that long once sampled, one group at a time, as a slower engine would
+(its samples are tagged with the weights they were sampled with, so weights that land meanwhile make them older).
+Read at every group, so a test changes the generators' speed while the run goes."""
 
 
 def slow_generation_s() -> float:

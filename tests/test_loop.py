@@ -35,7 +35,22 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, torch.tensor(token_ids[1:])[:, None]).squeeze(-1)
 
 
+def vllm_imported(_actor) -> bool:
+    import sys
+
+    return "vllm" in sys.modules
+
+
+def dynamo_off(_actor) -> bool:
+    """Whether torch.compile compiles nothing in this process and the processes it starts."""
+    import os
+
+    return os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+
+
 def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path, monkeypatch):
+    import ray
+
     from grpo_dist import driver
     from grpo_dist.cluster import ActorsDiffer, Cluster
     from grpo_dist.driver import train
@@ -57,6 +72,13 @@ def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_clu
     try:
         run_dir = train(cfg, cluster)
         check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir)
+        # The learner ranks sent every sync over gloo without importing vLLM (its import was most of their start).
+        imported = [rank.__ray_call__.remote(vllm_imported) for rank in cluster.learner.ranks]
+        assert ray.get(imported) == [False, False]
+        # The engines run eager on CPU with torch.compile off in the generator and the engine core it forks, so
+        # vLLM's log-prob gather is not compiled at their first request (3 s of each start).
+        compile_off = [generator.__ray_call__.remote(dynamo_off) for generator in cluster.generators.actors]
+        assert ray.get(compile_off) == [True, True]
         # A second run on the same actors starts from the initial model: every rank rebuilt in its process, the
         # generators loaded with version 0. It trains exactly as the first did (which moved the weights, above).
         held = module_stacks(ray_cluster, cluster)

@@ -15,10 +15,8 @@ TRANSPORTS = ("broadcast", "object_store")
 
 
 def test_buckets_hold_whole_layers_every_byte_once_aligned_and_within_size():
-    from vllm.distributed.weight_transfer.base import ParamMeta
-
     from grpo_dist.transports.delta import ALIGN
-    from grpo_dist.transports.gloo_wire import plan_buckets
+    from grpo_dist.transports.gloo_wire import ParamMeta, plan_buckets
 
     params = [
         ParamMeta("embed.weight", torch.float32, (3, 5)),  # 60 bytes, before the layers
@@ -45,10 +43,40 @@ def test_buckets_hold_whole_layers_every_byte_once_aligned_and_within_size():
         assert ends[-1] <= bucket.nbytes < ends[-1] + ALIGN
 
 
-def test_packed_bucket_unpacks_to_the_same_tensors():
-    from vllm.distributed.weight_transfer.base import ParamMeta
+def test_layers_group_by_their_first_index_whatever_the_architecture_and_order():
+    """A sync cuts the parameters into decoder layers by the first numeric part of each name, as vLLM's own
+    trainer engines do: the names before the first layer, each stack's layers in ascending index (stacks in the
+    order their prefix first appears), then every other name, however the module listed them."""
+    from grpo_dist.transports.gloo_wire import layer_groups
 
-    from grpo_dist.transports.gloo_wire import pack, plan_buckets, unpack
+    names = ["model.embed_tokens.weight", "model.layers.10.mlp.w", "model.layers.2.attn.q", "model.norm.weight",
+             "model.layers.2.mlp.w", "visual.blocks.0.attn", "lm_head.weight", "model.layers.10.attn.q"]  # fmt: skip
+    assert layer_groups(names) == [
+        ["model.embed_tokens.weight"],
+        ["model.layers.2.attn.q", "model.layers.2.mlp.w"],
+        ["model.layers.10.mlp.w", "model.layers.10.attn.q"],
+        ["visual.blocks.0.attn"],
+        ["model.norm.weight", "lm_head.weight"],
+    ]
+    assert layer_groups(["transformer.h.1.a", "transformer.wte", "transformer.h.0.a"]) == [
+        ["transformer.h.0.a"], ["transformer.h.1.a"], ["transformer.wte"]]  # fmt: skip
+    assert layer_groups(["a.weight", "b.weight"]) == [["a.weight", "b.weight"]]
+
+
+def test_the_learners_side_of_a_sync_imports_no_vllm():
+    """The learner sends over gloo with vLLM's protocol written without vLLM's types: importing vLLM was 5 of a
+    learner's 9 CPU-seconds of start-up. (tests/test_loop.py checks the ranks of a real run after their syncs.)"""
+    import subprocess
+    import sys
+
+    modules = "grpo_dist.actors.learner, grpo_dist.transports.broadcast, grpo_dist.transports.gloo_sender"
+    code = f"import sys, {modules}; print(sorted(name for name in sys.modules if name.split('.')[0] == 'vllm'))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]", found
+
+
+def test_packed_bucket_unpacks_to_the_same_tensors():
+    from grpo_dist.transports.gloo_wire import ParamMeta, pack, plan_buckets, unpack
 
     tensors = {"w": torch.randn(4, 3), "h": torch.randn(5).to(torch.bfloat16), "i": torch.arange(3)}
     params = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
@@ -63,15 +91,14 @@ def embedding_and_first_layer_mb(model_dir: str) -> float:
     lm_head in bucket 2, no larger than bucket 0: the pipeline at work, and a layout where a receiver that reused
     bucket 0's buffer within the sync would write bucket 2 over it."""
     from transformers import AutoModelForCausalLM
-    from vllm.distributed.weight_transfer.base import ParamMeta, layerwise_groups
 
     from grpo_dist.transports.delta import aligned
-    from grpo_dist.transports.gloo_wire import plan_buckets
+    from grpo_dist.transports.gloo_wire import ParamMeta, layer_groups, plan_buckets
 
     named = AutoModelForCausalLM.from_pretrained(model_dir).named_parameters(remove_duplicate=False)
     params = [ParamMeta(name, param.dtype, tuple(param.shape)) for name, param in named]
     by_name = {param.name: param for param in params}
-    embedding, first_layer, *_ = layerwise_groups([param.name for param in params])
+    embedding, first_layer, *_ = layer_groups([param.name for param in params])
     size = sum(
         aligned(by_name[name].dtype.itemsize * math.prod(by_name[name].shape)) for name in embedding + first_layer
     )

@@ -40,11 +40,15 @@ def engine_dtype(rollout: RolloutConfig, on_gpu: bool) -> str:
     return "float32" if rollout.dtype == "auto" and not on_gpu else rollout.dtype
 
 
-def engine_environment() -> dict[str, str]:
+def engine_environment(eager_engine: bool) -> dict[str, str]:
     """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
     process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
-    cores), and the engine's processes die with the actor."""
+    cores), the engine's processes die with the actor. An engine that runs eagerly (`eager`: the CPU backend's
+    default) also runs without torch.compile: vLLM's sampler would still compile its log-prob gather on the first
+    request that asks for log-probs, 3 of an engine's 9 seconds of start-up on the quick start's model (0.04 s
+    without), and again whenever a batch's shape calls for a recompile."""
     return {
+        **({"TORCHDYNAMO_DISABLE": "1"} if eager_engine else {}),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
@@ -117,9 +121,11 @@ class Generator:
         None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
         in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools.
         `adapters`: (largest rank, versions held) when the engine serves LoRA adapters (`load_adapter`)."""
-        die_with_parent()
-        os.environ.update(engine_environment())
         import torch
+
+        die_with_parent()
+        on_gpu = torch.cuda.is_available()
+        os.environ.update(engine_environment(eager(rollout, on_gpu)))
         from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.usage.usage_lib import UsageContext
@@ -147,7 +153,6 @@ class Generator:
         self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
         self.adapter_dir = adapter_dir() if adapters else None
         self.request_ids = itertools.count()
-        on_gpu = torch.cuda.is_available()
         self.stats = EngineStats()
         if not on_gpu and rollout.tensor_parallel_size == 1:
             fork_engine_core()
@@ -216,21 +221,23 @@ class Generator:
         from vllm import SamplingParams
 
         sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
+        if self.agent is not None:
+            group = await self._trajectories(row, prompt_token_ids, group_size, sampling, prompt_index, seed)
+        else:
+            params = SamplingParams(
+                n=group_size,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+                seed=seed,
+            )
+            output = await self._sample(prompt_token_ids, params)
+            group = [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
         if delay_s := slow_generation_s():  # tests only (see faults.py)
             async with self.held_back:
                 await asyncio.sleep(delay_s)
-        if self.agent is not None:
-            return await self._trajectories(row, prompt_token_ids, group_size, sampling, prompt_index, seed)
-        params = SamplingParams(
-            n=group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            logprobs=0,
-            seed=seed,
-        )
-        output = await self._sample(prompt_token_ids, params)
-        return [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
+        return group
 
     async def _trajectories(
         self,

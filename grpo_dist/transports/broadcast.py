@@ -129,14 +129,21 @@ class WeightSender:
     """One learner rank's side of the transport: the trainer engine, its source and the client."""
 
     def __init__(self, spec: SenderSpec, rank: int, module, zero3: bool, generators: list) -> None:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
         self.spec, self.rank = spec, rank
         self.client = GeneratorClient(generators, spec.tensor_parallel_size, spec.bound)
         wire_dtype = getattr(torch, spec.wire_dtype) if spec.wire_dtype and spec.backend == "gloo" else None
         source = model_source(module, zero3, wire_dtype, to_rank0=spec.backend == "gloo")
+        if spec.backend == "gloo":  # the learner's side of gloo is written without vLLM: the learner never imports it
+            from grpo_dist.transports.gloo_sender import GlooTrainerWeightTransferEngine
+
+            self.engine = GlooTrainerWeightTransferEngine.trainer_init(
+                _init_info(spec, rank), client=self.client, source=source
+            )
+            return
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
         self.engine = WeightTransferTrainerFactory.trainer_init(
-            _init_info(spec, rank), client=self.client, source=source
+            _init_info(spec, rank), client=self.client, source=vllm_source(source)
         )
 
     def send(self, weight_version: int, full: bool = False):
@@ -162,7 +169,7 @@ def _init_info(spec: SenderSpec, rank: int):
             packed_num_buffers=2,
             rank=rank,
         )
-    from grpo_dist.transports.gloo import GlooTrainerInitInfo
+    from grpo_dist.transports.gloo_wire import GlooTrainerInitInfo
 
     return GlooTrainerInitInfo(
         master_address=spec.master_address,
@@ -176,18 +183,33 @@ def _init_info(spec: SenderSpec, rank: int):
     )
 
 
+def vllm_source(source):
+    """`source` (`model_source`'s) as vLLM's `WeightSource`, for vLLM's own trainer engines (NCCL)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class Source(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(meta.name, meta.dtype, meta.shape) for meta in source.metadata()]
+
+        def __iter__(self):
+            return iter(source)
+
+    return Source()
+
+
 def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
-    """A vLLM `WeightSource` over a Hugging Face module trained by DeepSpeed: full shapes from metadata without
-    gathering; under ZeRO-3 iteration gathers one decoder layer at a time (a collective on every rank) and frees it
-    once the next is asked for. With `to_rank0` (the gloo sender's way) and several ranks, a layer's partitions go
-    to rank 0 alone, with the next layer's under way, and rank 0 gets each weight as its partitions
-    (`Partitions`) to copy straight into a bucket; the other ranks get None. With `wire_dtype` the metadata
-    declares floating-point weights at that dtype (the sender casts them as it packs). Tied weights are sent under
-    each of their names (as in the module's state dict): vLLM's layerwise reload waits for `lm_head.weight` even
-    when it is the embedding. A LoRA policy (`grpo_dist.lora`) is sent merged, under the base model's names, each
-    layer gathered on every rank."""
+    """A `WeightSource` (`grpo_dist.transports.gloo_sender`'s) over a Hugging Face module trained by DeepSpeed: full
+    shapes from metadata without gathering; under ZeRO-3 iteration gathers one decoder layer at a time (a collective
+    on every rank) and frees it once the next is asked for. With `to_rank0` (the gloo sender's way) and several
+    ranks, a layer's partitions go to rank 0 alone, with the next layer's under way, and rank 0 gets each weight as
+    its partitions (`Partitions`) to copy straight into a bucket; the other ranks get None. With `wire_dtype` the
+    metadata declares floating-point weights at that dtype (the sender casts them as it packs). Tied weights are
+    sent under each of their names (as in the module's state dict): vLLM's layerwise reload waits for
+    `lm_head.weight` even when it is the embedding. A LoRA policy (`grpo_dist.lora`) is sent merged, under the base
+    model's names, each layer gathered on every rank."""
     import deepspeed
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, layerwise_groups
+
+    from grpo_dist.transports.gloo_wire import ParamMeta, layer_groups
 
     adapted = lora.adapted_layers(module) if lora.is_adapted(module) else {}
     named = dict(module.named_parameters(remove_duplicate=False))
@@ -198,10 +220,10 @@ def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
     def _travels_as(dtype):
         return wire_dtype if wire_dtype is not None and dtype.is_floating_point else dtype
 
-    groups = layerwise_groups(list(named))  # decoder layers in order; metadata and iteration both follow it
+    groups = layer_groups(list(named))  # decoder layers in order; metadata and iteration both follow it
     params = {name: named[name] for group in groups for name in group}
 
-    class ModelSource(WeightSource):
+    class ModelSource:
         def metadata(self) -> list[ParamMeta]:
             return [
                 ParamMeta(name, _travels_as(param.dtype), tuple(param.ds_shape if zero3 else param.shape))

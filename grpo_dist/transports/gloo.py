@@ -23,8 +23,9 @@ reloads the layers that changed. Every sync in delta mode ends with each worker'
 version it is based on: any that differs from the sender's has the sync done again in full. Every `full_every`-th
 sync is full anyway.
 
-Importing the module registers the engines: the generator's worker extension (`grpo_dist.actors.weight_sync`)
-imports it inside every vLLM worker, the learner imports it before it opens the sender.
+Importing the module registers the worker engine with vLLM: the generator's worker extension
+(`grpo_dist.actors.weight_sync`) imports it inside every vLLM worker. The learner's side is vLLM's trainer-engine
+protocol written without vLLM's types (`gloo_sender`), so the learner never imports vLLM.
 
 The module's parts: `gloo_wire` (what a sync declares, the bucket plan, packing, the group and broadcast),
 `gloo_engine` (the worker side), `gloo_sender` (the trainer side).
@@ -32,13 +33,11 @@ The module's parts: `gloo_wire` (what a sync declares, the bucket plan, packing,
 
 from __future__ import annotations
 
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from grpo_dist.transports.gloo_engine import GlooWeightTransferEngine, reload_warnings_quiet
-from grpo_dist.transports.gloo_sender import GlooTrainerWeightTransferEngine
 from grpo_dist.transports.gloo_wire import BACKEND, GlooTrainerInitInfo
 
 __all__ = ["GlooTrainerInitInfo", "reload_warnings_quiet"]
 
 WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
-WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)

@@ -9,10 +9,7 @@ import logging
 
 import torch
 from torch.distributed.distributed_c10d import ProcessGroupGloo
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    WeightTransferEngine,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from grpo_dist.transports import delta
 from grpo_dist.transports.delta import WHOLE
@@ -21,6 +18,7 @@ from grpo_dist.transports.gloo_wire import (
     Buffers,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
+    ParamMeta,
     Slot,
     broadcast,
     layout,

@@ -7,16 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Self
+from typing import Protocol, Self
 
 import torch
 from torch.distributed.distributed_c10d import ProcessGroupGloo
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
 
 from grpo_dist.transports import delta
 from grpo_dist.transports.base import SyncReport
@@ -27,6 +21,7 @@ from grpo_dist.transports.gloo_wire import (
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
+    ParamMeta,
     Slot,
     broadcast,
     layout,
@@ -36,18 +31,36 @@ from grpo_dist.transports.gloo_wire import (
 )
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Trainer side. Every learner rank iterates the source (under ZeRO-3 each layer's gather is a collective);
-    rank 0 also drives the workers through the client and sends."""
+class WeightSource(Protocol):
+    """The learner's weights as a sync reads them: `metadata()` declares every parameter (the whole model, on every
+    rank) without gathering; iterating yields `(name, tensor)` in that order (a layer's gather is a collective:
+    every rank iterates). vLLM's trainer engines take the same two calls."""
 
-    init_info_cls = GlooTrainerInitInfo
+    def metadata(self) -> list[ParamMeta]: ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class SyncClient(Protocol):
+    """The generators' side of a sync as the sender drives it (`grpo_dist.transports.broadcast.GeneratorClient`)."""
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None: ...
+
+    def apply_weight_update(self, update_info: dict) -> list[dict]: ...
+
+
+class GlooTrainerWeightTransferEngine:
+    """Trainer side, vLLM's trainer-engine protocol (`trainer_init`, `send_weights`) without importing vLLM. Every
+    learner rank iterates the source (under ZeRO-3 each layer's gather is a collective); rank 0 also drives the
+    workers through the client and sends."""
 
     group: ProcessGroupGloo | None = None
 
+    def __init__(self, client: SyncClient, source: WeightSource, is_sender: bool) -> None:
+        self.client, self.source, self.is_sender = client, source, is_sender
+
     @classmethod
-    def trainer_init(
-        cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient, source: WeightSource | None = None
-    ) -> Self:
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: SyncClient, source: WeightSource | None) -> Self:
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
