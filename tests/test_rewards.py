@@ -55,6 +55,31 @@ def test_math_answer(completion: str, answer: str, expected: float) -> None:
     assert math_answer("q", completion, answer=answer) == expected
 
 
+def test_plain_integers_are_judged_as_math_verify_judges_them() -> None:
+    """`math_answer` compares two plain integers without math-verify: the same verdicts as math-verify's, on
+    equal and unequal pairs, leading zeros, minus zero, whitespace, and the forms it leaves to math-verify (a plus
+    sign, a decimal point, a number past 300 digits)."""
+    from math_verify import parse, verify
+
+    from grpo_dist.rewards import builtin
+
+    def math_verify(completion: str, answer: str) -> float:
+        gold, predicted = parse(f"${answer.strip()}$", parsing_timeout=None), parse(completion, parsing_timeout=None)
+        return 1.0 if gold and predicted and verify(gold, predicted, timeout_seconds=None) else 0.0
+
+    random = __import__("random").Random(0)
+    pairs = [("5", "5"), ("05", "5"), ("5", "007"), ("-0", "0"), (" 5\n", "5"), ("12", "1"), ("-3", "3"),
+             ("+5", "5"), ("5.0", "5"), ("1" * 301, "1" * 301), ("9" * 40, "9" * 39 + "8")]  # fmt: skip
+    pairs += [(str(random.randint(-30, 30)), str(random.randint(-30, 30))) for _ in range(200)]
+    verdicts = [
+        (math_answer("q", completion, answer=answer), math_verify(completion, answer)) for completion, answer in pairs
+    ]
+    assert [ours for ours, _ in verdicts] == [theirs for _, theirs in verdicts]
+    assert {ours for ours, _ in verdicts} == {0.0, 1.0}
+    fast = [pair for pair in pairs if builtin.INTEGER.fullmatch(pair[0])]
+    assert len(fast) > 200 and ("+5", "5") not in fast and ("1" * 301, "1" * 301) not in fast
+
+
 def test_math_answer_runs_off_the_main_thread(executor: concurrent.futures.ThreadPoolExecutor) -> None:
     # math-verify's default signal.alarm timeout raises ValueError outside the main thread.
     assert executor.submit(math_answer, "q", "\\boxed{7}", answer="7").result() == 1.0

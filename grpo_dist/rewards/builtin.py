@@ -24,6 +24,10 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 NUMBER_PATTERN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 BOXED_PATTERN = re.compile(r"\\boxed\{.+?\}", re.DOTALL)
+INTEGER = re.compile(r"\s*-?[0-9]{1,300}\s*")
+"""A plain integer of up to 300 digits, nothing else but whitespace around it: `math_answer` compares two such
+exactly, as math-verify judges them (a leading zero or a minus zero changes nothing), without parsing them with sympy
+(half a millisecond a call, the quick start's whole scoring)."""
 
 
 def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
@@ -34,6 +38,8 @@ def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
     """
     if refusal(completion) is not None:
         return 0.0
+    if INTEGER.fullmatch(completion) and INTEGER.fullmatch(str(answer)):  # math-verify's verdict, 100x sooner
+        return 1.0 if int(completion) == int(answer) else 0.0
     from math_verify import parse, verify  # imported here: sympy makes it slow to import
 
     gold = parse(_as_math(str(answer)), parsing_timeout=None)
@@ -44,8 +50,9 @@ def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
 
 
 def _warm_math_answer() -> None:
-    """One call on a fixed answer: what math-verify and sympy import and build on their first call."""
-    math_answer("", "1", answer="1")
+    """One call on a fixed answer that needs math-verify (a plain integer would not): what math-verify and sympy
+    import and build on their first call."""
+    math_answer("", "1/2", answer="\\frac{1}{2}")
 
 
 math_answer.sandbox_warmup = _warm_math_answer  # run once by a sandbox's server, so that no call's process does it
