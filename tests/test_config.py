@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, small_config
+from conftest import REPO, cli_here, small_config
 
 from grpo_dist.config import ConfigError, apply_override, field_docs, load_config, validate_config
 
@@ -202,11 +202,9 @@ def test_the_driver_picks_the_transport_and_reads_a_sync_report_without_loading_
     assert result.stdout.split() == ["broadcast", "full", "False"]
 
 
-def test_cli_reports_a_typo_before_starting_anything(tmp_path):
+def test_cli_reports_a_typo_before_starting_anything(capfd, tmp_path):
     path = write_config(tmp_path, small_config(tmp_path))
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_dist", "train", str(path), "learner.lrr=1e-5"], capture_output=True, text=True
-    )
+    result = cli_here(capfd, "train", str(path), "learner.lrr=1e-5")
     assert result.returncode == 2
     assert "learner.lrr: unknown key (did you mean learner.lr?)" in result.stderr
     assert not (tmp_path / "outputs").exists()
@@ -229,15 +227,16 @@ def grpo_dist_cli(*args: str, stdout=subprocess.PIPE) -> subprocess.CompletedPro
     return subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
 
 
-def test_cli_errors_are_one_line_never_a_traceback(tmp_path):
-    missing = grpo_dist_cli("plot", str(tmp_path / "none.jsonl"), str(tmp_path / "c.png"))
+def test_cli_errors_are_one_line_never_a_traceback(capfd, tmp_path):
+    missing = cli_here(capfd, "plot", str(tmp_path / "none.jsonl"), str(tmp_path / "c.png"))
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0
     assert f"{tmp_path / 'none.jsonl'}: no such metrics file" in missing.stderr
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2,\n')
-    malformed = grpo_dist_cli("plot", str(tmp_path / "bad.jsonl"), str(tmp_path / "c.png"))
+    malformed = cli_here(capfd, "plot", str(tmp_path / "bad.jsonl"), str(tmp_path / "c.png"))
     assert malformed.returncode == 2 and f"{tmp_path / 'bad.jsonl'}:2: not a metrics row" in malformed.stderr
     assert "Traceback" not in missing.stderr + malformed.stderr
-    # A reader that has stopped reading (`| head -1`) has closed the pipe: the command ends quietly, exit 0.
+    # A reader that has stopped reading (`| head -1`) has closed the pipe: the command ends quietly, exit 0 (its
+    # interpreter's last flush included: a process of its own).
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config
+from conftest import REPO, Ran, cli_here, small_config
 
 from grpo_dist.config_sections import FieldsConfig
 from grpo_dist.data import DatasetError
@@ -156,19 +156,17 @@ def test_gsm8k_and_math_are_prepared_with_their_final_answers(tmp_path):
     assert not (tmp_path / "math-out.jsonl").exists()
 
 
-def check(tmp_path: Path, data: dict, env: dict | None = None) -> subprocess.CompletedProcess:
+def check(capfd, tmp_path: Path, data: dict) -> Ran:
     raw = small_config(tmp_path, data={"task": None, "max_prompt_tokens": 24, "prompts_per_step": 4, **data})
     raw["model"]["tiny"] = {"characters": "0123456789+=: abcdefghijklmnopqrstuvwxyz.?\n"}
     raw["rollout"]["max_model_len"] = 32
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
-    environment = {**os.environ, "PYTHONPATH": str(TESTS_DIR), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "grpo_dist", "check", str(config)], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return cli_here(capfd, "check", str(config), cwd=REPO)
 
 
-def test_check_passes_a_mapped_dataset_and_shows_its_first_prompt(tmp_path, saved):
-    result = check(tmp_path, {"path": str(saved), "eval_path": str(saved), "fields": {"prompt": "question",
+def test_check_passes_a_mapped_dataset_and_shows_its_first_prompt(capfd, tmp_path, saved):
+    result = check(capfd, tmp_path, {"path": str(saved), "eval_path": str(saved), "fields": {"prompt": "question",
                    "answer": "solution"}, "system_prompt": "add."})  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "first prompt, as the model reads it: 'add.\\n\\n0+0='" in result.stdout
@@ -186,19 +184,19 @@ def test_check_passes_a_mapped_dataset_and_shows_its_first_prompt(tmp_path, save
     ],
     ids=["unmapped-answer", "missing-split", "not-chat-turns"],
 )
-def test_check_refuses_bad_data_before_anything_starts(tmp_path, saved, data, message):
-    result = check(tmp_path, {"path": str(saved), **data})
+def test_check_refuses_bad_data_before_anything_starts(capfd, tmp_path, saved, data, message):
+    result = check(capfd, tmp_path, {"path": str(saved), **data})
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "outputs").exists()
 
 
-def test_check_refuses_answers_the_reward_cannot_read(tmp_path):
+def test_check_refuses_answers_the_reward_cannot_read(capfd, tmp_path):
     """Text answers judged by math_answer: no completion could ever score, which the first row shows."""
     capitals = tmp_path / "capitals.jsonl"
     pairs = [("fr", "paris"), ("de", "berlin"), ("it", "rome"), ("es", "madrid")]
     capitals.write_text("".join(json.dumps({"prompt": f"capital {c}?", "answer": a}) + "\n" for c, a in pairs))
-    refused = check(tmp_path, {"path": str(capitals)})
+    refused = check(capfd, tmp_path, {"path": str(capitals)})
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "data.path: the first row's answer 'paris', given as the completion, scores 0.0 with eval.reward=" \
         "math_answer, not 1.0" in refused.stderr  # fmt: skip
@@ -206,22 +204,20 @@ def test_check_refuses_answers_the_reward_cannot_read(tmp_path):
                                        "prompts_per_step": 4}, eval={"reward": "exact_answer"})  # fmt: skip
     raw["model"]["tiny"] = {"characters": "0123456789+=: abcdefghijklmnopqrstuvwxyz.?"}
     (tmp_path / "exact.yaml").write_text(yaml.safe_dump(raw))
-    command = [sys.executable, "-m", "grpo_dist", "check", str(tmp_path / "exact.yaml")]
-    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
-    judged = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    judged = cli_here(capfd, "check", str(tmp_path / "exact.yaml"), cwd=REPO)
     assert judged.returncode == 0, judged.stderr
 
 
-def test_prepare_gsm8k_from_the_command_line(tmp_path):
+def test_prepare_gsm8k_from_the_command_line(capfd, tmp_path):
     raw = tmp_path / "gsm8k.jsonl"
     raw.write_text("".join(json.dumps({"question": f"{a}+1=", "answer": f"{a} plus 1\n#### {a + 1:,}"}) + "\n"
                            for a in range(999, 1007)))  # fmt: skip
-    command = [sys.executable, "-m", "grpo_dist", "prepare", "gsm8k", str(raw), str(tmp_path / "p.jsonl")]
-    prepared = subprocess.run(command, capture_output=True, text=True, check=True)
+    prepared = cli_here(capfd, "prepare", "gsm8k", str(raw), str(tmp_path / "p.jsonl"))
+    assert prepared.returncode == 0, prepared.stderr
     assert "8 rows written" in prepared.stdout
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [row["answer"] for row in rows[:2]] == ["1000", "1001"] and rows[0]["prompt"] == "999+1="
-    assert check(tmp_path, {"path": str(tmp_path / "p.jsonl")}).returncode == 0
+    assert check(capfd, tmp_path, {"path": str(tmp_path / "p.jsonl")}).returncode == 0
 
 
 def hub_dataset(home: Path, repo_id: str, subset: str, splits: dict[str, list[dict]]) -> None:
@@ -342,16 +338,15 @@ def test_a_dotted_field_reaches_into_a_nested_column(tmp_path):
         read_source(str(tmp_path / "dapo.jsonl"), "train", None, wrong, "data.path")
 
 
-def test_prepare_from_the_command_line_says_what_it_wrote_and_left_out(tmp_path):
+def test_prepare_from_the_command_line_says_what_it_wrote_and_left_out(capfd, tmp_path):
     source = tmp_path / "dapo.jsonl"
     source.write_text("".join(json.dumps(dapo_row(f"{n % 3}+1?", str(n % 3 + 1))) + "\n" for n in range(9)))
-    command = [sys.executable, "-m", "grpo_dist", "prepare", "dapo-math", str(source), str(tmp_path / "p.jsonl")]
-    prepared = subprocess.run(command, capture_output=True, text=True)
+    prepared = cli_here(capfd, "prepare", "dapo-math", str(source), str(tmp_path / "p.jsonl"))
     assert prepared.returncode == 0, prepared.stderr
     assert f"3 rows written to {tmp_path / 'p.jsonl'} (prompt, answer); 6 repeated prompts left out" in prepared.stdout
 
 
-def code_recipe_check(tmp_path: Path, rows: list[dict]) -> subprocess.CompletedProcess:
+def code_recipe_check(capfd, tmp_path: Path, rows: list[dict]) -> Ran:
     """`grpo-dist check configs/code.yaml` on MBPP rows prepared here, shrunk to a tiny model on the CPU."""
     tmp_path.mkdir()
     source = tmp_path / "mbpp.jsonl"
@@ -363,28 +358,27 @@ def code_recipe_check(tmp_path: Path, rows: list[dict]) -> subprocess.CompletedP
                  "rollout.max_new_tokens=16", "rollout.num_generators=1", "rollout.num_gpus=0",
                  "rollout.dtype=auto", "learner.num_gpus=0", "learner.num_ranks=1", "reward.num_workers=1",
                  "wandb.enabled=false"]  # fmt: skip
-    command = [sys.executable, "-m", "grpo_dist", "check", str(REPO / "configs" / "code.yaml"), *overrides]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return cli_here(capfd, "check", str(REPO / "configs" / "code.yaml"), *overrides, cwd=REPO)
 
 
-def test_the_code_recipe_checks_its_reference_solutions_against_the_tests(tmp_path):
+def test_the_code_recipe_checks_its_reference_solutions_against_the_tests(capfd, tmp_path):
     """The code recipe's pre-flight runs the first reference solution through its tests in the jail: MBPP's own
     passes; one that fails a test stops `check` (exit 2) before anything starts, naming the reward."""
     second = {**MBPP_FULL, "task_id": 13, "text": "Write a function to add three numbers."}
-    passed = code_recipe_check(tmp_path / "good", [MBPP_FULL, second])
+    passed = code_recipe_check(capfd, tmp_path / "good", [MBPP_FULL, second])
     assert passed.returncode == 0, passed.stdout[-2000:] + passed.stderr
     assert "first prompt, as the model reads it: 'Write a function to add two numbers." in passed.stdout
     wrong = {**MBPP_FULL, "code": "def add(a, b):\n    return a - b"}
-    refused = code_recipe_check(tmp_path / "wrong", [wrong, second])
+    refused = code_recipe_check(capfd, tmp_path / "wrong", [wrong, second])
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     # add(0, 0) == 0 still holds: one test of three
     assert "scores 0.3333333333333333 with eval.reward=code_tests, not 1.0" in refused.stderr, refused.stderr
 
 
-def test_characters_the_tokenizer_drops_are_shown_and_named(tmp_path, saved):
+def test_characters_the_tokenizer_drops_are_shown_and_named(capfd, tmp_path, saved):
     """A tiny model's `characters` without those of the system prompt: the first prompt is shown as the model reads
     it (without them), and a warning names them."""
-    result = check(tmp_path, {"path": str(saved), "eval_path": str(saved), "fields": {"prompt": "question",
+    result = check(capfd, tmp_path, {"path": str(saved), "eval_path": str(saved), "fields": {"prompt": "question",
                    "answer": "solution"}, "system_prompt": "Add, please!"})  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "first prompt, as the model reads it: 'dd please\\n\\n0+0='" in result.stdout

@@ -178,14 +178,12 @@ def test_grpo_dist_eval_builds_its_own_config_and_leaves_the_users_as_it_was(tmp
 
 
 @pytest.mark.parametrize("kind", ["missing", "not-a-checkpoint"])
-def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(tmp_path, kind):
+def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, tmp_path, kind):
     """`grpo-dist eval --checkpoint PATH` with nothing usable at PATH: one line naming --checkpoint (not --resume,
     which eval has not), exit 2, before any cluster starts."""
-    import subprocess
-    import sys
-
+    import ray
     import yaml
-    from conftest import REPO
+    from conftest import REPO, cli_here
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path)))
@@ -193,8 +191,8 @@ def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(tmp_path, kin
     if kind == "not-a-checkpoint":
         target.mkdir(parents=True)
         (target / "notes.txt").write_text("not a checkpoint")
-    command = [sys.executable, "-m", "grpo_dist", "eval", str(config), "--checkpoint", str(target)]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = cli_here(capfd, "eval", str(config), "--checkpoint", str(target), cwd=REPO)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"--checkpoint: {target} is not a complete checkpoint" in result.stderr, result.stderr
     assert "--resume" not in result.stderr and "Traceback" not in result.stderr
+    assert not ray.is_initialized()

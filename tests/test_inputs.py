@@ -4,13 +4,11 @@ keeps earlier runs."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import yaml
-from conftest import TESTS_DIR, small_config
+from conftest import cli_here, small_config
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.data import DatasetError
@@ -44,26 +42,25 @@ def test_malformed_row_is_reported_with_file_and_line_before_ray_starts(tmp_path
 
 
 @pytest.mark.parametrize("command", ["train", "check"])
-def test_cli_exits_with_the_dataset_error(tmp_path, bad_dataset, command):
+def test_cli_exits_with_the_dataset_error(capfd, tmp_path, bad_dataset, command):
     """`check` reads the data as `train` does: a config it passes does not fail later on its rows."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(config_with_dataset(tmp_path, bad_dataset)))
-    result = subprocess.run([sys.executable, "-m", "grpo_dist", command, str(config)], capture_output=True, text=True)
+    result = cli_here(capfd, command, str(config))
     assert result.returncode == 2
     assert f"{bad_dataset}:2:" in result.stderr
+    assert not sys.modules.get("ray") or not sys.modules["ray"].is_initialized()  # refused before any cluster starts
 
 
-def test_check_catches_what_train_would_fail_on_and_writes_nothing(tmp_path):
+def test_check_catches_what_train_would_fail_on_and_writes_nothing(capfd, tmp_path):
     """A misspelt reward fails `check` as it would fail `train`; a good config passes with its inputs counted, the
     tiny model and the task data built in a scratch directory, not at model.path or in the run directory."""
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path, reward={"functions": [{"name": "math_anwser"}]})))
-    check = [sys.executable, "-m", "grpo_dist", "check", str(config)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(check, capture_output=True, text=True, timeout=300, env=env)
+    result = cli_here(capfd, "check", str(config))
     assert result.returncode == 2 and "Did you mean 'math_answer'?" in result.stderr
     config.write_text(yaml.safe_dump(small_config(tmp_path)))
-    result = subprocess.run(check, capture_output=True, text=True, timeout=300, env=env)
+    result = cli_here(capfd, "check", str(config))
     assert result.returncode == 0, result.stderr
     assert "inputs: 64 training prompts, eval sets held_out (8 prompts)" in result.stdout
     assert not (tmp_path / "model").exists() and not (tmp_path / "outputs").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TESTS_DIR, slow_generation, small_config
+from conftest import REPO, TESTS_DIR, cli_here, slow_generation, small_config
 from test_resume import grpo_dist, training
 
 from grpo_dist import control, jail
@@ -44,7 +44,7 @@ def test_off_policy_correction_is_on_by_default_once_samples_can_be_stale(tmp_pa
         load_config(config, ["algorithm.old_logprobs=sampler", "algorithm.is_cap=2.0"])
 
 
-def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsys):
+def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capfd):
     with pytest.raises(FileNotFoundError, match="not a run directory"):
         control.scale(tmp_path, generators=2)
     (tmp_path / "config.yaml").write_text("{}")
@@ -68,12 +68,12 @@ def test_a_scale_request_is_checked_written_whole_and_taken_once(tmp_path, capsy
     assert control.take_request(tmp_path) is None  # consumed
     (tmp_path / control.REQUEST).write_text('{"generators": "two"}')
     assert control.take_request(tmp_path) is None
-    assert "ignored" in capsys.readouterr().out
-    done = grpo_dist("scale", str(tmp_path), "workers=2", stderr=subprocess.PIPE, text=True)
-    assert done.wait(timeout=60) == 2 and "expected generators=N" in done.stderr.read()
+    assert "ignored" in capfd.readouterr().out
+    done = cli_here(capfd, "scale", str(tmp_path), "workers=2", cwd=REPO)
+    assert done.returncode == 2 and "expected generators=N" in done.stderr
     running.close()
-    refused = grpo_dist("scale", str(tmp_path), "generators=2", stderr=subprocess.PIPE, text=True)
-    assert refused.wait(timeout=60) == 2 and "the run is not running (it finished or stopped)" in refused.stderr.read()
+    refused = cli_here(capfd, "scale", str(tmp_path), "generators=2", cwd=REPO)
+    assert refused.returncode == 2 and "the run is not running (it finished or stopped)" in refused.stderr
 
 
 def test_another_user_cannot_lock_a_run_directory_and_keep_the_run_from_starting(tmp_path):

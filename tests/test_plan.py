@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, small_config
+from conftest import REPO, cli_here, small_config
 from test_hub_models import cache_model
 
 from grpo_dist.config import ConfigError, load_config, validate_config
@@ -123,11 +123,10 @@ def test_a_config_that_does_not_fit_is_refused_with_its_numbers(hf_home, recipe,
     assert "Traceback" not in result.stderr
 
 
-def test_a_cpu_run_has_nothing_to_plan(tmp_path):
+def test_a_cpu_run_has_nothing_to_plan(capfd, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path)))
-    result = subprocess.run([sys.executable, "-m", "grpo_dist", "plan", str(config)], cwd=REPO, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = cli_here(capfd, "plan", str(config), cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert "learner ranks on CPUs" in result.stdout and "engines on CPUs" in result.stdout
 
