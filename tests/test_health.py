@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import small_config
+from conftest import cli_here, small_config
 from test_resume import rows, training
 
 from grpo_dist.config import ConfigError, HealthConfig, load_config, validate_config
@@ -286,7 +284,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_skipped(tmp_path, monkeypatch):
+def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_skipped(capfd, tmp_path, monkeypatch):
     """Step 3's loss is NaN: its update is dropped (the learner leaves the weights alone) and the run goes on. Step
     6's loss is scaled a million times the first time it is trained: its gradient norm spikes against the median
     of the steps before, the learner and generators go back to the step-5 checkpoint, and step 6 is trained again on
@@ -316,7 +314,7 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     assert health[2].endswith(": the batches of step 6 skipped")
     assert all(torch.isfinite(tensor).all() for tensor in final_weights(run_dir).values())
     # `grpo-dist status` reads the same from the run's files as the run printed last.
-    shown = subprocess.run([sys.executable, "-m", "grpo_dist", "status", str(run_dir)], capture_output=True, text=True)
+    shown = cli_here(capfd, "status", str(run_dir))
     assert shown.returncode == 0, shown.stderr
     print(shown.stdout)
     summary = shown.stdout.splitlines()

@@ -9,14 +9,12 @@ import gzip
 import json
 import re
 import shlex
-import subprocess
 import tomllib
 
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR
-from test_resume import grpo_dist
+from conftest import REPO, TESTS_DIR, cli_here
 
 KUBERAY = REPO / "cluster" / "kuberay"
 IMAGE_ROOT = "/opt/grpo-dist"  # where docker/Dockerfile puts the repository's configs
@@ -123,11 +121,10 @@ def test_the_rayjob_writes_its_run_to_the_shared_claim():
 
 
 @pytest.mark.slow
-def test_grpo_dist_check_passes_the_config_the_rayjob_runs():
+def test_grpo_dist_check_passes_the_config_the_rayjob_runs(capfd):
     config, overrides = entrypoint()
-    done = grpo_dist("check", config, *overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = done.communicate(timeout=300)
-    assert done.returncode == 0, out
+    done = cli_here(capfd, "check", config, *overrides, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_pod_lets_bubblewrap_make_the_namespaces_isolation_requires():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config
+from conftest import REPO, TESTS_DIR, cli_here, small_config
 from test_resume import grpo_dist, rows
 from transformers import AutoModelForCausalLM
 from wandb_files import history, records, table
@@ -47,7 +47,7 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
+def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(capfd, tmp_path):
     config = str(REPO / "configs" / "quickstart.yaml")
     settings = [
         f"run.output_dir={tmp_path / 'outputs'}", f"model.path={tmp_path / 'model'}", "run.steps=4",
@@ -149,11 +149,12 @@ def test_a_run_seen_through_its_files_console_wandb_eval_and_plot(tmp_path):
     (log,) = re.findall(r"the libraries' and actors' output: (\S+verbose.log)", out)
     assert "pid=" in Path(log).read_text()  # ... and it went to eval's own log file, kept
 
-    out = run("plot", str(run_dir / "metrics.jsonl"), str(tmp_path / "run.png"))
+    plotted = cli_here(capfd, "plot", str(run_dir / "metrics.jsonl"), str(tmp_path / "run.png"))
+    assert plotted.returncode == 0, plotted.stderr
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_run_whose_reader_left_trains_to_its_end_and_resuming_it_finds_it_finished(tmp_path):
+def test_a_run_whose_reader_left_trains_to_its_end_and_resuming_it_finds_it_finished(capfd, tmp_path):
     """`grpo-dist train CONFIG | head -2`: the console's reader is gone before the first step; the run is not
     touched by it: every step, its checkpoint and the final policy written, exit 0. Then the finished run submitted
     again (`--resume auto`, as `submit` does) says so and ends before any actor starts, its files as they were."""
@@ -174,7 +175,9 @@ def test_a_run_whose_reader_left_trains_to_its_end_and_resuming_it_finds_it_fini
     assert (run_dir / "final" / "model.safetensors").is_file()
 
     before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()}
-    again = run("train", str(config), "--resume", "auto")
+    resumed = cli_here(capfd, "train", str(config), "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr
+    again = resumed.stdout + resumed.stderr
     assert "the run already finished at step 2 (run.steps 2): nothing to train" in again, again
     assert "started in" not in again and "training: steps" not in again  # no cluster, no loop
     assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.is_file()} == before
