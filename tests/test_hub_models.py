@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config
+from conftest import REPO, TESTS_DIR, Ran, cli_batch, small_config
 
 from grpo_dist.models import build_tiny_model
 
@@ -50,36 +50,43 @@ def hub_cache(tmp_path_factory):
     return hf_home
 
 
-def check(tmp_path: Path, hf_home: Path, **model) -> subprocess.CompletedProcess:
-    """`grpo-dist check` of the test config with `model` as its model section, offline against `hf_home`."""
-    raw = small_config(tmp_path)
-    raw["model"] = model
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(TESTS_DIR)}
-    env.pop("HF_HUB_CACHE", None)
-    return subprocess.run([sys.executable, "-m", "grpo_dist", "check", str(config)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+REVISIONS = [(None, MAIN), ("v1", V1), (MAIN, MAIN)]
+MISSING = [("acme/tiny", "v2"), ("acme/nothing", None), ("local", "v1")]  # "local": a directory, not a hub id
 
 
-@pytest.mark.parametrize(
-    ("revision", "commit"), [(None, MAIN), ("v1", V1), (MAIN, MAIN)], ids=["main", "tag", "commit"]
-)
-def test_a_hub_id_resolves_to_the_snapshot_of_its_revision(tmp_path, hub_cache, revision, commit):
-    result = check(tmp_path, hub_cache, path="acme/tiny", revision=revision)
+@pytest.fixture(scope="module")
+def checked(hub_cache, tmp_path_factory) -> dict[tuple[str, str | None], Ran]:
+    """`grpo-dist check` of the test config with each (model.path, model.revision) of `REVISIONS` and `MISSING` as
+    its model, offline against `hub_cache`: what each gave, all run in one process of their own (the hub's settings
+    are read at import), not one each."""
+    root = tmp_path_factory.mktemp("checked")
+    models = [("acme/tiny", revision) for revision, _ in REVISIONS] + MISSING
+    argvs = []
+    for index, (path, revision) in enumerate(models):
+        raw = small_config(root / str(index))
+        raw["model"] = {"path": str(root) if path == "local" else path, "revision": revision}
+        (root / f"{index}.yaml").write_text(yaml.safe_dump(raw))
+        argvs.append(["check", str(root / f"{index}.yaml")])
+    env = {"HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache / "hub")}
+    return dict(zip(models, cli_batch(argvs, env=env), strict=True))
+
+
+@pytest.mark.parametrize(("revision", "commit"), REVISIONS, ids=["main", "tag", "commit"])
+def test_a_hub_id_resolves_to_the_snapshot_of_its_revision(checked, hub_cache, revision, commit):
+    result = checked["acme/tiny", revision]
     assert result.returncode == 0, result.stderr
     snapshot = hub_cache / "hub" / "models--acme--tiny" / "snapshots" / commit
     assert f"model.path: acme/tiny@{revision or 'main'} is {snapshot}" in result.stdout
 
 
-def test_what_the_cache_lacks_offline_is_one_clear_line(tmp_path, hub_cache):
-    missing_revision = check(tmp_path, hub_cache, path="acme/tiny", revision="v2")
+def test_what_the_cache_lacks_offline_is_one_clear_line(checked):
+    missing_revision = checked["acme/tiny", "v2"]
     assert missing_revision.returncode == 2
     assert "model.path: acme/tiny@v2 is not in the Hugging Face cache" in missing_revision.stderr
     assert "HF_HUB_OFFLINE=1" in missing_revision.stderr
-    missing_model = check(tmp_path, hub_cache, path="acme/nothing")
+    missing_model = checked["acme/nothing", None]
     assert missing_model.returncode == 2 and "model.path: acme/nothing@main is not in the" in missing_model.stderr
-    local = check(tmp_path, hub_cache, path=str(tmp_path), revision="v1")
+    local = checked["local", "v1"]
     assert local.returncode == 2 and "model.revision applies to a hub id" in local.stderr
     assert "Traceback" not in missing_revision.stderr + missing_model.stderr + local.stderr
 
@@ -91,11 +98,13 @@ def test_the_policy_loaded_is_the_revision_asked_for(hub_cache, monkeypatch):
 
     monkeypatch.setenv("HF_HOME", str(hub_cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code = "import sys; from grpo_dist.hub import snapshot; print(snapshot('acme/tiny', sys.argv[1], 'model.path'))"
-    paths = {}
-    for revision in ("main", "v1"):
-        done = subprocess.run([sys.executable, "-c", code, revision], capture_output=True, text=True, check=True)
-        paths[revision] = Path(done.stdout.strip().splitlines()[-1])
+    code = (
+        "import sys\nfrom grpo_dist.hub import snapshot\n"
+        "for revision in sys.argv[1:]: print('=', snapshot('acme/tiny', revision, 'model.path'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, "main", "v1"], capture_output=True, text=True, check=True)
+    found = [Path(line[2:]) for line in done.stdout.splitlines() if line.startswith("= ")]
+    paths = dict(zip(("main", "v1"), found, strict=True))
     main, v1 = (load_file(paths[name] / "model.safetensors") for name in ("main", "v1"))
     assert main.keys() == v1.keys()
     assert any(not torch.equal(main[key], v1[key]) for key in main)

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, cli_here, small_config
+from conftest import REPO, Ran, cli_batch, cli_here, small_config
 from test_hub_models import cache_model
 
 from grpo_dist.config import ConfigError, load_config, validate_config
@@ -46,10 +43,29 @@ def hf_home(tmp_path_factory) -> Path:
     return root / "hf"
 
 
-def grpo_dist_plan(hf_home: Path, config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "grpo_dist", "plan", str(config), *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+REFUSALS = [  # (recipe, overrides, what the refusal says)
+    ("grpo", ["learner.num_ranks=1"], "a learner rank needs 1"),  # 16 B x 6.9e9 on one GPU: over 100 GB
+    ("dr_grpo", ["learner.micro_batch_size=32"], "a learner rank needs"),  # the activations of 128k tokens
+    ("dapo", ["rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.8"], "an engine needs"),  # 65 GB
+    ("dapo", ["rollout.tensor_parallel_size=1", "rollout.dtype=float32"], "an engine needs 142.9 GB"),  # 4 B each
+    ("gspo", ["cluster.gpu_memory_gb=24"], "more than the 24 GB of cluster.gpu_memory_gb"),
+]
+CHECKED = ["check", str(REPO / "configs" / "grpo.yaml"), "learner.num_ranks=1"]
+
+
+def plan_argv(recipe: str, *overrides: str) -> tuple[str, ...]:
+    return ("plan", str(REPO / "configs" / f"{recipe}.yaml"), *overrides)
+
+
+@pytest.fixture(scope="module")
+def said(hf_home) -> dict[tuple[str, ...], Ran]:
+    """What each command of this module's tests against the hub cache gives, by its arguments: every recipe's plan,
+    the refusals, `check` of a recipe that does not fit, DAPO's engine at its model's dtype. Run in one process of
+    their own (the hub's settings are read at import), not one each."""
+    argvs = [plan_argv(recipe) for recipe in RECIPES] + [plan_argv(recipe, *more) for recipe, more, _ in REFUSALS]
+    argvs += [plan_argv("dapo", "rollout.tensor_parallel_size=1", "rollout.dtype=auto"), tuple(CHECKED)]
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    return dict(zip(argvs, cli_batch([list(argv) for argv in argvs], env=env), strict=True))
 
 
 def test_parameters_are_counted_as_the_model_has_them(tmp_path):
@@ -97,27 +113,21 @@ def cache_dir(hf_home: Path, repo_id: str) -> Path:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_fits_the_gpus_it_names(hf_home, recipe):
+def test_every_recipe_fits_the_gpus_it_names(said, recipe):
     config = REPO / "configs" / f"{recipe}.yaml"
     assert load_config(config).model.path in SHAPES  # a hub id whose shape is known here
-    result = grpo_dist_plan(hf_home, config)
+    result = said[plan_argv(recipe)]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "learner rank:" in result.stdout and "engine at bfloat16:" in result.stdout
 
 
 @pytest.mark.parametrize(
     ("recipe", "overrides", "message"),
-    [
-        ("grpo", ["learner.num_ranks=1"], "a learner rank needs 1"),  # 16 B x 6.9e9 on one GPU: over 100 GB
-        ("dr_grpo", ["learner.micro_batch_size=32"], "a learner rank needs"),  # the activations of 128k tokens
-        ("dapo", ["rollout.tensor_parallel_size=1", "rollout.gpu_memory_utilization=0.8"], "an engine needs"),  # 65 GB
-        ("dapo", ["rollout.tensor_parallel_size=1", "rollout.dtype=float32"], "an engine needs 142.9 GB"),  # 4 B each
-        ("gspo", ["cluster.gpu_memory_gb=24"], "more than the 24 GB of cluster.gpu_memory_gb"),
-    ],
+    REFUSALS,
     ids=["7b-on-one-rank", "micro-batch-too-big", "32b-engine-without-tp", "32b-engine-in-float32", "small-gpus"],
 )
-def test_a_config_that_does_not_fit_is_refused_with_its_numbers(hf_home, recipe, overrides, message):
-    result = grpo_dist_plan(hf_home, REPO / "configs" / f"{recipe}.yaml", *overrides)
+def test_a_config_that_does_not_fit_is_refused_with_its_numbers(said, recipe, overrides, message):
+    result = said[plan_argv(recipe, *overrides)]
     assert result.returncode == 2, result.stdout
     assert message in result.stderr and "does not fit" in result.stdout
     assert "Traceback" not in result.stderr
@@ -131,11 +141,9 @@ def test_a_cpu_run_has_nothing_to_plan(capfd, tmp_path):
     assert "learner ranks on CPUs" in result.stdout and "engines on CPUs" in result.stdout
 
 
-def test_check_refuses_a_config_that_does_not_fit_before_reading_its_data(hf_home):
+def test_check_refuses_a_config_that_does_not_fit_before_reading_its_data(said):
     """`check` (and `train`) plan right after resolving the model: the recipe's data files are not even read."""
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "grpo_dist", "check", str(REPO / "configs" / "grpo.yaml"), "learner.num_ranks=1"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = said[tuple(CHECKED)]
     assert result.returncode == 2
     assert "the config does not fit its GPUs: a learner rank needs" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
@@ -155,16 +163,16 @@ def test_a_model_the_plan_does_not_know_is_said_so_and_not_refused(tmp_path, cap
     assert "memory plan: not made for this model (qwen3_moe is a mixture of experts)" in capsys.readouterr().out
 
 
-def test_the_readme_shows_the_plan_dapo_prints(hf_home):
+def test_the_readme_shows_the_plan_dapo_prints(said):
     """The plan printed in docs/scaling.md ("Sizing") is the one `grpo-dist plan configs/dapo.yaml` prints."""
     readme = (REPO / "docs" / "scaling.md").read_text()
     start = readme.index("memory plan per GPU (32.76B")
     shown = readme[start : readme.index("```", start)].strip().splitlines()
-    printed = grpo_dist_plan(hf_home, REPO / "configs" / "dapo.yaml").stdout.strip().splitlines()
+    printed = said[plan_argv("dapo")].stdout.strip().splitlines()
     assert printed[-len(shown) :] == shown
 
 
-def test_an_engine_is_planned_at_the_dtype_it_runs_in(hf_home):
+def test_an_engine_is_planned_at_the_dtype_it_runs_in(said):
     """`rollout.dtype: auto` (the default) runs a GPU engine in the model's own 16-bit dtype, and the plan counts 2 B
     a weight; float32 doubles that: DAPO's 32B engine on one GPU fits in bfloat16 and not in float32 (the refusal
     above). On CPUs auto is float32, where generator and learner logprobs agree."""
@@ -175,9 +183,7 @@ def test_an_engine_is_planned_at_the_dtype_it_runs_in(hf_home):
     assert engine_dtype(RolloutConfig(), on_gpu=False) == "float32"
     assert engine_dtype(RolloutConfig(), on_gpu=True) == "auto"
     assert engine_dtype(RolloutConfig(dtype="bfloat16"), on_gpu=False) == "bfloat16"
-    result = grpo_dist_plan(
-        hf_home, REPO / "configs" / "dapo.yaml", "rollout.tensor_parallel_size=1", "rollout.dtype=auto"
-    )
+    result = said[plan_argv("dapo", "rollout.tensor_parallel_size=1", "rollout.dtype=auto")]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "engine at the model's dtype: 71.4 of 72.0 GB (weights 65.5" in result.stdout, result.stdout
 
