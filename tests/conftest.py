@@ -106,17 +106,24 @@ class Ran:
     returncode: int
     stdout: str
     stderr: str
+    started_ray: bool = False  # `cli_here`: whether the command started or joined a Ray cluster
 
 
 def cli_here(capfd, *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> Ran:
     """`python -m grpo_dist ARGV` in this process, in `cwd`, with `env` added to the environment: the command's own
     checks, messages and exit code (an argument error's too) without paying a new interpreter's imports (8 to 12 s a
     command on 2 busy cores). For commands that start no Ray cluster of their own and that no test signals; the
-    process's environment, working directory, standard output and SIGTERM handler are as they were afterwards."""
+    process's environment, working directory, standard output and SIGTERM handler are as they were afterwards.
+    `started_ray` says whether the command called `ray.init` (where this process is on the session's cluster
+    already) or left Ray initialized (where it was not)."""
     from grpo_dist import cli
 
     capfd.readouterr()
     stdout, sigterm, environ, here = sys.stdout, signal.getsignal(signal.SIGTERM), dict(os.environ), Path.cwd()
+    ray, inits = sys.modules.get("ray"), []
+    if ray is not None:
+        init = ray.init
+        ray.init = lambda *args, **kwargs: inits.append(args) or init(*args, **kwargs)
     try:
         os.environ.update(env or {})
         os.chdir(cwd or here)
@@ -125,13 +132,16 @@ def cli_here(capfd, *argv: str, cwd: Path | None = None, env: dict[str, str] | N
         except SystemExit as exit:  # argparse's refusals
             code = exit.code if isinstance(exit.code, int) else 2
     finally:
+        if ray is not None:
+            ray.init = init
         sys.stdout = stdout
         signal.signal(signal.SIGTERM, sigterm)
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(here)
     out, err = capfd.readouterr()
-    return Ran(code, out, err)
+    started = bool(inits) if ray is not None else "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    return Ran(code, out, err, started)
 
 
 CLI_BATCH = """

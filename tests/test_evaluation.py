@@ -181,7 +181,6 @@ def test_grpo_dist_eval_builds_its_own_config_and_leaves_the_users_as_it_was(tmp
 def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, tmp_path, kind):
     """`grpo-dist eval --checkpoint PATH` with nothing usable at PATH: one line naming --checkpoint (not --resume,
     which eval has not), exit 2, before any cluster starts."""
-    import ray
     import yaml
     from conftest import REPO, cli_here
 
@@ -195,4 +194,4 @@ def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, tmp_pa
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"--checkpoint: {target} is not a complete checkpoint" in result.stderr, result.stderr
     assert "--resume" not in result.stderr and "Traceback" not in result.stderr
-    assert not ray.is_initialized()
+    assert not result.started_ray

@@ -4,7 +4,6 @@ keeps earlier runs."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import yaml
@@ -49,7 +48,7 @@ def test_cli_exits_with_the_dataset_error(capfd, tmp_path, bad_dataset, command)
     result = cli_here(capfd, command, str(config))
     assert result.returncode == 2
     assert f"{bad_dataset}:2:" in result.stderr
-    assert not sys.modules.get("ray") or not sys.modules["ray"].is_initialized()  # refused before any cluster starts
+    assert not result.started_ray  # refused before any cluster starts
 
 
 def test_check_catches_what_train_would_fail_on_and_writes_nothing(capfd, tmp_path):
