@@ -144,41 +144,12 @@ def cli_here(capfd, *argv: str, cwd: Path | None = None, env: dict[str, str] | N
     return Ran(code, out, err, started)
 
 
-CLI_BATCH = """
-import json, os, sys, tempfile, traceback
-from grpo_dist import cli
-
-said = []
-for argv in json.loads(sys.argv[1]):
-    stdout = sys.stdout
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        sys.stdout.flush(), sys.stderr.flush()
-        kept = os.dup(1), os.dup(2)
-        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
-        try:
-            code = cli.main(argv)
-        except SystemExit as exit:
-            code = exit.code if isinstance(exit.code, int) else 2
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout = stdout
-            sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(kept[0], 1), os.dup2(kept[1], 2)
-            os.close(kept[0]), os.close(kept[1])
-        out.seek(0), err.seek(0)
-        said.append([code, out.read(), err.read()])
-print(json.dumps(said))
-"""
-
-
 def cli_batch(argvs: list[list[str]], cwd: Path = REPO, env: dict[str, str] | None = None) -> list[Ran]:
     """`python -m grpo_dist ARGV` for each of `argvs`, one after another in one new process (in `cwd`, with `env`
     added to the environment): for commands that need an environment of their own (settings libraries read at
     import) and change nothing another reads, one interpreter's imports instead of one per command. What each
     gave, in order. The tests' reward functions can be imported."""
-    command = [sys.executable, "-c", CLI_BATCH, json.dumps(argvs)]
+    command = [sys.executable, str(TESTS_DIR / "cli_batch.py"), json.dumps(argvs)]
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))  # the reward fixtures
     done = subprocess.run(command, cwd=cwd, env={**os.environ, "PYTHONPATH": path, **(env or {})},
                           capture_output=True, text=True, timeout=300 + 60 * len(argvs))  # fmt: skip

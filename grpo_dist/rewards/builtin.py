@@ -38,11 +38,12 @@ def math_answer(prompt: str, completion: str, answer: Any, **_: Any) -> float:
     """
     if refusal(completion) is not None:
         return 0.0
-    if INTEGER.fullmatch(completion) and INTEGER.fullmatch(str(answer)):  # math-verify's verdict, 100x sooner
-        return 1.0 if int(completion) == int(answer) else 0.0
+    gold_text = str(answer)
+    if INTEGER.fullmatch(completion) and INTEGER.fullmatch(gold_text):  # math-verify's verdict, without sympy
+        return 1.0 if int(completion) == int(gold_text) else 0.0
     from math_verify import parse, verify  # imported here: sympy makes it slow to import
 
-    gold = parse(_as_math(str(answer)), parsing_timeout=None)
+    gold = parse(_as_math(gold_text), parsing_timeout=None)
     predicted = parse(completion, parsing_timeout=None)
     if not gold or not predicted:
         return 0.0
