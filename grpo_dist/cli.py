@@ -401,6 +401,35 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from grpo_dist.standing import StandingError, up
+
+    if args.num_cpus is not None and args.num_cpus < 1:
+        print(f"grpo-dist up: --num-cpus must be at least 1, not {args.num_cpus}", file=sys.stderr)
+        return 2
+    try:
+        standing, started = up(args.num_cpus)
+    except StandingError as err:
+        print(f"grpo-dist up: {err}", file=sys.stderr)
+        return 1
+    said = "started" if started else "already up"
+    print(f"local Ray cluster {said} at {standing.address} ({standing.num_cpus} CPUs, files in {standing.temp_dir}):"
+          " runs on this machine that name no ray.address join it; `grpo-dist down` stops it")  # fmt: skip
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from grpo_dist.standing import down, find
+
+    standing = find()
+    stopped = down()
+    if standing is None and not stopped:
+        print("no local Ray cluster of `grpo-dist up` is up")
+    else:
+        print(f"local Ray cluster stopped ({stopped} processes)")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("run GRPO: grpo-dist train CONFIG [section.key=value ...]", _train_arguments, _train),
     "sft": Command("supervised warm-up writing model.path: grpo-dist sft CONFIG [overrides]", _sft_arguments, _sft),
@@ -454,6 +483,14 @@ COMMANDS: dict[str, Command] = {
         _prepare_arguments,
         _prepare,
     ),
+    "up": Command(
+        "keep a local Ray cluster up for the runs on this machine (they join it instead of starting one each)",
+        lambda parser: parser.add_argument(
+            "--num-cpus", type=int, default=None, help="its logical CPUs (default: the machine's)"
+        ),
+        _up,
+    ),
+    "down": Command("stop the local Ray cluster `grpo-dist up` started", lambda parser: None, _down),
     "tiny-model": Command(
         "write a random-init tiny Qwen2 model with a character tokenizer", _tiny_model_arguments, _tiny_model
     ),

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import ray
 
-from grpo_dist.config import Config
+from grpo_dist import standing as standing_cluster
+from grpo_dist.config import Config, ConfigError
 from grpo_dist.console import Console, bar, section
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.generator_pool import GeneratorPool
@@ -52,9 +53,10 @@ def actor_cpus(cfg: Config) -> float:
 
 
 def start_ray(cfg: Config) -> bool:
-    """Join `ray.address`, or start a local cluster of this run's own big enough for its actors (even where another
-    Ray cluster runs on the machine: that one is joined only when named in `ray.address`). Returns whether it did:
-    a process already connected to Ray (the caller's own `ray.init`) keeps that connection."""
+    """Join `ray.address`; else the local cluster `grpo-dist up` started, when it is up (`grpo_dist.standing`);
+    else start a local cluster of this run's own big enough for its actors (even where another Ray cluster runs on
+    the machine: that one is joined only when named in `ray.address`). Returns whether it did: a process already
+    connected to Ray (the caller's own `ray.init`) keeps that connection."""
     if cfg.ray.address and (problem := unreachable(cfg.ray.address)):
         raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
     if ray.is_initialized():
@@ -70,6 +72,17 @@ def start_ray(cfg: Config) -> bool:
     if cfg.ray.address:
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")  # Ray's own retries would take minutes
         ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
+        return True
+    if (standing := standing_cluster.find()) is not None:
+        if (wanted := actor_cpus(cfg)) > standing.num_cpus:
+            raise ConfigError(
+                f"the local Ray cluster `grpo-dist up` started ({standing.address}) has {standing.num_cpus} CPUs and"
+                f" this run's actors ask for {wanted:g}: `grpo-dist down`, then `grpo-dist up --num-cpus"
+                f" {int(wanted + 0.999)}`"
+            )
+        section(f"joining the local Ray cluster `grpo-dist up` started ({standing.address}); `grpo-dist down` stops it")
+        standing.join_environment()
+        ray.init(address=standing.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return True
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
     start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)

@@ -913,8 +913,9 @@ class ClusterConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = None
-    """Ray cluster to join (`auto` or `host:port`; one that does not answer fails at once, naming it); null starts
-    a local cluster for this run, even where another Ray cluster runs on the machine."""
+    """Ray cluster to join (`auto` or `host:port`; one that does not answer fails at once, naming it); null joins
+    the local cluster `grpo-dist up` started when it is up, else starts a local cluster for this run (even where
+    another Ray cluster runs on the machine)."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the local cluster; null means at least what the actors ask for."""
     placement_timeout_s: float = Field(60.0, gt=0)

@@ -256,6 +256,18 @@ durations, summed by module): started first, they leave the short modules to fil
 off pytest-xdist's own order (most tests first), which would put these behind modules of many short tests."""
 
 
+def pytest_configure(config):
+    """Refuse to run beside a cluster `grpo-dist up` started: the runs the tests start without a cluster of their
+    own would join it, and the tests that count the machine's processes would count its."""
+    from grpo_dist import standing
+
+    if (found := standing.find()) is not None:
+        raise pytest.UsageError(
+            f"a local Ray cluster of `grpo-dist up` is up ({found.address}): the tests' runs would join it; "
+            "stop it with `grpo-dist down` first"
+        )
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu(n)` (n CUDA GPUs, 1 when not given) are skipped where fewer are present. Under pytest-xdist
     (`make test`: `--dist loadfile`, a module's tests on one worker, sharing its fixtures: a Ray cluster, engines, a

@@ -1,0 +1,82 @@
+"""`grpo-dist up` / `down`: a local Ray cluster that runs join instead of starting their own, for real."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import TESTS_DIR, small_config
+
+pytestmark = pytest.mark.slow
+
+
+def grpo_dist(env: dict[str, str], *argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grpo_dist", *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def processes_naming(mark: str) -> list[str]:
+    """The command lines of the processes on this machine that name `mark`."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if mark in line:
+            found.append(line)
+    return found
+
+
+def actors_of(mark: str) -> list[str]:
+    """The run actors' processes among those naming `mark` (Ray titles an actor's process `ray::Class...`)."""
+    roles = ("ray::Generator", "ray::Learner", "ray::RewardWorker", "VLLM::EngineCore")
+    return [line for line in processes_naming(mark) if line.startswith(roles)]
+
+
+@pytest.fixture
+def machine_temp():
+    """A temporary directory of its own for the commands (their `TMPDIR`), so that the cluster they start is not a
+    developer's `grpo-dist up` cluster; short, as Ray's socket paths under it must be."""
+    with tempfile.TemporaryDirectory(prefix="gd-", dir="/tmp") as temp:
+        yield temp
+
+
+def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_temp):
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))  # the reward fixtures
+    env = {**os.environ, "TMPDIR": machine_temp, "PYTHONPATH": path, "WANDB_MODE": "offline"}
+    ray_dir = f"{machine_temp}/grpo-dist-up-{os.getuid()}/ray"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path, run={"steps": 2})))
+    try:
+        up = grpo_dist(env, "up", "--num-cpus", "8")
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert "local Ray cluster started at 127.0.0.1:" in up.stdout
+        address = up.stdout.split(" at ")[1].split()[0]
+        assert f"already up at {address}" in grpo_dist(env, "up").stdout  # a second `up` keeps it
+        ray_processes = len(processes_naming(ray_dir))
+        assert ray_processes >= 2, processes_naming(ray_dir)  # its GCS and raylet at least
+
+        for run in ("first", "second"):  # each run joins it, and its actors go with it
+            done = grpo_dist(env, "train", str(config), f"run.name={run}")
+            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+            assert f"joining the local Ray cluster `grpo-dist up` started ({address})" in done.stdout
+            assert (tmp_path / "outputs" / run / "metrics.jsonl").read_text().count('"step": 2') == 1
+            assert actors_of(ray_dir) == [], actors_of(ray_dir)
+            assert len(processes_naming(ray_dir)) >= ray_processes  # the cluster is still up
+
+        # A run whose actors ask for more CPUs than it has is refused, naming both and what to do.
+        small = grpo_dist(env, "train", str(config), "run.name=big", "rollout.num_cpus=9")
+        assert small.returncode == 2, small.stdout + small.stderr
+        assert "has 8 CPUs and this run's actors ask for" in small.stderr
+        assert "grpo-dist up --num-cpus" in small.stderr
+    finally:
+        down = grpo_dist(env, "down")
+    assert down.returncode == 0, down.stderr
+    assert "local Ray cluster stopped" in down.stdout
+    assert processes_naming(ray_dir) == []
+    assert "no local Ray cluster" in grpo_dist(env, "down").stdout
+    assert not Path(ray_dir).with_name("cluster.json").exists()
