@@ -207,8 +207,16 @@ class Cluster:
 
     def check_syncs(self, cfg: Config, prompts: list[list[int]]) -> None:
         """From now on, check after every sync that the engines serve the learner's policy, on a probe made of
-        `prompts` (token ids; `grpo_dist.weight_check`), when `sync.probe` is on."""
-        self.weight_check = WeightCheck.of(cfg, prompts) if cfg.sync.probe else None
+        `prompts` (token ids; `grpo_dist.weight_check`), when `sync.probe` is on. Where the engines hold the
+        learner's version now, they are probed at once: found serving it, the first sync's move is measured from
+        it, as every later one's is from the version before (a first update that moves the policy far, as a
+        diverging one does, is not taken for an engine that missed it)."""
+        self.weight_check = check = WeightCheck.of(cfg, prompts) if cfg.sync.probe else None
+        if check is None or self.generators.weight_version != self.learner.version:
+            return
+        probe = check.probe(self.learner, self.generators.actors)
+        if not probe.mismatch(check.max_gap):
+            check.passed(probe)
 
     def begin_run(self, cfg: Config, model_path: str, fresh: bool) -> None:
         """Hand these actors to a run of `cfg`: the same model, placement and engines (`ActorsDiffer` names what

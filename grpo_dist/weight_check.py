@@ -11,7 +11,10 @@ A gap is a mismatch when it is above `sync.probe_max_gap` and above `MOVED_FRACT
 log-probabilities of the probe moved since the version the engines were last found serving. The second bound tells a
 diverging policy from a broken engine: logits grown to thousands leave float32 kernels a gap of about 0.01 per token
 (seen at learning rate 50), far over the bound yet a thousandth of the update's own change; an engine that did not
-take the update is as far from the learner as the update moved it. A mismatch is a fault, handled by the cluster
+take the update is as far from the learner as the update moved it. The engines are probed once before the first
+sync too (`Cluster.check_syncs`), so that the first update's move is measured as well: without it the first sync
+had the first bound alone, and a first update that wrecks the policy (learning rate 50: a gap of 0.019 on this
+machine's kernels, 0.001 allowed) stopped the run blaming the engine. A mismatch is a fault, handled by the cluster
 (every weight sent again, then the run stopped).
 """
 

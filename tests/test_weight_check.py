@@ -79,3 +79,24 @@ def test_each_check_measures_the_move_from_the_last_version_the_engines_were_fou
     learner.logprobs = [-1.5, -2.5]  # an update moved each token's log-prob by 0.5
     assert check.probe(learner, []).moved == 0.5
     assert check.probe(learner, []).moved == 0.5  # not passed: still measured from the version served
+
+
+def test_with_the_engines_probed_before_the_first_sync_its_move_is_measured_too():
+    """`Cluster.check_syncs` probes the engines at the version they start with: the first update's move is then a
+    bound as every later one's is. At learning rate 50 the first update moves the probe's log-probabilities by
+    about 10 per token and leaves the engines' float32 kernels 0.019 from the learner's (as measured on a CPU): no
+    mismatch. An engine that kept the initial weights is as far as the whole move: a mismatch."""
+
+    class Learner:
+        logprobs = [-2.7, -2.7]  # the initial model: near uniform over 16 tokens
+
+        def sequence_logprobs(self, tokens: list[int]) -> list[float]:
+            return self.logprobs
+
+    learner, check = Learner(), WeightCheck([1, 2, 3], 1e-3, Bound(1.0))
+    check.passed(check.probe(learner, []))  # before the first sync: the engines serve version 0
+    learner.logprobs = [-12.7, -0.0]  # the wrecking update: moved by 10 and 2.7, 6.35 per token on average
+    first_sync = check.probe(learner, [])
+    assert first_sync.moved == pytest.approx(6.35)
+    assert not Probe([0.019], first_sync.expected, first_sync.moved).mismatch(1e-3)  # 0.019 < 0.1 x 6.35
+    assert Probe([6.35], first_sync.expected, first_sync.moved).mismatch(1e-3)  # the engine missed the update

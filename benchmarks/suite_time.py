@@ -1,0 +1,77 @@
+"""How long the test suite takes, and how it compares with another checkout side by side.
+
+    .venv/bin/python benchmarks/suite_time.py [--target test|test-fast] [--baseline DIR] [--slowest 25]
+
+Runs `make TARGET` (the README's test commands) in this checkout and, with `--baseline DIR` (another checkout, e.g.
+`git worktree add /tmp/base <commit>`), in that one first, one after the other on the same machine, both with this
+checkout's environment (`VENV`, its install taken as done: `make -o`) and each with its own code first on the path.
+Prints, per checkout, the whole command's wall time, each of its two phases' (the tests run by two workers, then
+the serial ones, from pytest's own summary lines), whether it passed, and its slowest tests (pytest's
+`--durations`); then the ratios (under 1: faster here). A suite is an hour of both cores: run it on an otherwise
+idle machine; CI never runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = Path(sys.executable).parent.parent
+SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s")  # pytest's last line: "== 5 passed in 1.2s =="
+DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?:call|setup|teardown) +(?P<test>\S+)")
+
+
+def run_suite(repo: Path, target: str, log: Path) -> dict:
+    """`make TARGET` in `repo`: its wall time, its phases' times and counts, and its exit code; output to `log`."""
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    command = ["make", "-C", str(repo), "-o", f"{VENV}/.installed", target, f"VENV={VENV}"]
+    started = time.monotonic()
+    with log.open("w") as out:
+        code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall = time.monotonic() - started
+    text = log.read_text().splitlines()
+    phases = [match.groupdict() for line in text if (match := SUMMARY.match(line))]
+    durations = sorted(
+        ((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True
+    )
+    return {
+        "wall_s": round(wall, 1),
+        "phases": [{"seconds": float(phase["seconds"]), "counts": phase["counts"]} for phase in phases],
+        "exit": code,
+        "slowest": durations,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=["test", "test-fast"], default="test")
+    parser.add_argument("--baseline", type=Path, help="another checkout of the repository, run first")
+    parser.add_argument("--slowest", type=int, default=25, help="how many of the slowest tests to print")
+    parser.add_argument("--logs", type=Path, default=Path("/tmp"), help="where each run's output is kept")
+    args = parser.parse_args()
+    checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
+    checkouts["this"] = REPO
+    found = {}
+    for name, repo in checkouts.items():
+        found[name] = run_suite(repo, args.target, args.logs / f"suite-{name}.log")
+        figures = {key: value for key, value in found[name].items() if key != "slowest"}
+        print(json.dumps({"checkout": name, "repo": str(repo), "target": args.target, **figures}), flush=True)
+        for seconds, test in found[name]["slowest"][: args.slowest]:
+            print(f"  {seconds:8.1f} s  {test}")
+    if args.baseline:
+        base, this = found["baseline"], found["this"]
+        ratios = {"wall": round(this["wall_s"] / base["wall_s"], 3)}
+        for index, (was, now) in enumerate(zip(base["phases"], this["phases"], strict=False)):
+            ratios[f"phase {index + 1}"] = round(now["seconds"] / was["seconds"], 3)
+        print(json.dumps({"row": "ratios", "this_over_baseline": ratios}))
+
+
+if __name__ == "__main__":
+    main()
