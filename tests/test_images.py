@@ -121,7 +121,7 @@ def test_the_build_context_leaves_out_environments_runs_and_caches():
         "README.md",
         "Makefile",
         "constraints.txt",
-        "grpo_dist/cli.py",
+        "grpo_dist/cli/__init__.py",
         "configs/quickstart.yaml",
     ]:
         assert not ignored(path, patterns), f".dockerignore leaves out {path}, which the images need"
