@@ -16,9 +16,11 @@ repeat runs the baseline's code and then this one's, on the same machine, with t
 the last line gives each figure's median here over the baseline's (under 1: faster here).
 
 Overrides apply to every run: with `ray.address=auto` after `ray start --head`, the runs join that cluster instead
-of starting their own (what a run pays for Ray). Prints one JSON line per run, then a `median` line per checkout
-and a `ratios` line. Run it on an otherwise idle
-machine; CI never runs it.
+of starting their own (what a run pays for Ray). With `--up`, each repeat also runs this checkout on a cluster
+`grpo-dist up` started before the first run (its own start not counted; stopped at the end): the series `this-up`,
+whose ratios are over `this` (or over the baseline's, with `--baseline`). Prints one JSON line per run, then a
+`median` line per series and a `ratios` line for each series but the first. Run it on an otherwise idle machine; CI
+never runs it.
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ MARKS = [  # (figure, what the line starts with), in the order a run prints them
 ]
 
 
-def run_once(repo: Path, config: str, out_dir: Path, overrides: list[str], interval: float = 0.2) -> dict:
-    """One `grpo-dist train` of 2 steps from `repo`'s code: when each mark's line came, and the CPU seconds by role
-    until step 1's line."""
+def run_once(repo: Path, config: str, out_dir: Path, overrides: list[str], interval: float = 0.2,
+             temp: str | None = None) -> dict:  # fmt: skip
+    """One `grpo-dist train` of 2 steps from `repo`'s code (with `temp` its temporary directory, where it finds a
+    cluster `grpo-dist up` started): when each mark's line came, and the CPU seconds by role until step 1's line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]), "PYTHONUNBUFFERED": "1"}
+    env.update({"TMPDIR": temp} if temp else {})
     command = [
         sys.executable, "-m", "grpo_dist", "train", config, "run.steps=2", "run.name=startup",
         f"run.output_dir={out_dir}", "wandb.enabled=false", "checkpoint.every_steps=0", *overrides,
@@ -108,24 +112,47 @@ def main() -> None:
     parser.add_argument("--config", default="configs/quickstart.yaml")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another checkout of the repository, run side by side")
+    parser.add_argument(
+        "--up", action="store_true", help="also run this checkout on a cluster `grpo-dist up` started (series this-up)"
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     args = parser.parse_args()
-    checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
-    checkouts["this"] = REPO
-    rows: dict[str, list[dict]] = {name: [] for name in checkouts}
-    with tempfile.TemporaryDirectory(prefix="startup-") as work:
-        for attempt in range(args.repeat):
-            for name, repo in checkouts.items():
-                row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}", args.overrides)
-                rows[name].append(row)
-                print(json.dumps({"checkout": name, "repeat": attempt, **row}), flush=True)
+    series = {"baseline": (args.baseline.resolve(), None)} if args.baseline else {}
+    series["this"] = (REPO, None)
+    with (
+        tempfile.TemporaryDirectory(prefix="startup-") as work,
+        tempfile.TemporaryDirectory(prefix="su-", dir="/tmp") as up,
+    ):
+        if args.up:  # a temporary directory of its own, where only the runs of this-up find the cluster
+            series["this-up"] = (REPO, up)
+            grpo_dist_up(up, "up")
+        rows: dict[str, list[dict]] = {name: [] for name in series}
+        try:
+            for attempt in range(args.repeat):
+                for name, (repo, temp) in series.items():
+                    row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}", args.overrides, temp=temp)
+                    rows[name].append(row)
+                    print(json.dumps({"checkout": name, "repeat": attempt, **row}), flush=True)
+        finally:
+            if args.up:
+                grpo_dist_up(up, "down")
     summary = {name: medians(found) for name, found in rows.items()}
     for name, figures in summary.items():
         print(json.dumps({"row": "median", "checkout": name, **figures}))
-    if args.baseline:
-        base, this = summary["baseline"], summary["this"]
-        ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
-        print(json.dumps({"row": "ratios", "this_over_baseline": ratios}))
+    base_name = "baseline" if args.baseline else "this"
+    for name in series:
+        if name != base_name:
+            base, this = summary[base_name], summary[name]
+            ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
+            print(json.dumps({"row": "ratios", f"{name}_over_{base_name}": ratios}))
+
+
+def grpo_dist_up(temp: str, command: str) -> None:
+    """`grpo-dist up` or `down` with `temp` as the temporary directory (where the cluster's record lives)."""
+    env = {**os.environ, "TMPDIR": temp, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "grpo_dist", command], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"grpo-dist {command} failed:\n{done.stdout}{done.stderr}")
 
 
 if __name__ == "__main__":

@@ -38,9 +38,7 @@ def run_suite(repo: Path, target: str, log: Path) -> dict:
     wall = time.monotonic() - started
     text = log.read_text().splitlines()
     phases = [match.groupdict() for line in text if (match := SUMMARY.match(line))]
-    durations = sorted(
-        ((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True
-    )
+    durations = sorted(((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True)
     return {
         "wall_s": round(wall, 1),
         "phases": [{"seconds": float(phase["seconds"]), "counts": phase["counts"]} for phase in phases],
