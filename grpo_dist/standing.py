@@ -76,12 +76,18 @@ def _answers(address: str, timeout_s: float = 2.0) -> bool:
     return True
 
 
+DEFAULT_CPUS = 8
+"""The cluster's logical CPUs by default, where the machine has fewer: a run asks for logical CPUs, which need not be
+cores (the quick start's actors ask for 2.5), and a run that starts a cluster of its own gets what it asks for."""
+
+
 def up(num_cpus: int | None = None) -> tuple[Standing, bool]:
-    """Start the cluster (`num_cpus` logical CPUs, the machine's count by default) unless one is up already.
-    Returns it and whether it was started now. Raises `StandingError` with Ray's own output when it cannot start."""
+    """Start the cluster (`num_cpus` logical CPUs; by default the machine's count, at least `DEFAULT_CPUS`) unless
+    one is up already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when
+    it cannot start."""
     if (standing := find()) is not None:
         return standing, False
-    cpus = num_cpus or os.cpu_count() or 1
+    cpus = num_cpus or max(DEFAULT_CPUS, os.cpu_count() or 1)
     temp_dir, port = home() / "ray", _free_port()
     temp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     command = [

@@ -156,7 +156,7 @@ COMMANDS: dict[str, Command] = {
     "up": Command(
         "keep a local Ray cluster up for the runs on this machine (they join it instead of starting one each)",
         lambda parser: parser.add_argument(
-            "--num-cpus", type=int, default=None, help="its logical CPUs (default: the machine's)"
+            "--num-cpus", type=int, default=None, help="its logical CPUs (default: the machine's count, at least 8)"
         ),
         _up,
     ),
