@@ -82,8 +82,9 @@ cores (the quick start's actors ask for 2.5), and a run that starts a cluster of
 
 
 def up(num_cpus: int | None = None) -> tuple[Standing, bool]:
-    """Start the cluster (`num_cpus` logical CPUs; by default the machine's count, at least `DEFAULT_CPUS`) unless
-    one is up already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when
+    """Start the cluster (`num_cpus` logical CPUs; by default the machine's count, at least `DEFAULT_CPUS`; its actors
+    at the priority of the processes that start them, as `grpo_dist.cluster.WORKER_NICENESS` says) unless one is up
+    already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when
     it cannot start."""
     if (standing := find()) is not None:
         return standing, False
@@ -95,7 +96,7 @@ def up(num_cpus: int | None = None) -> tuple[Standing, bool]:
         f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
     ]  # fmt: skip
     _ensure_token()
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token", "RAY_worker_niceness": "0"}
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:

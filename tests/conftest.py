@@ -258,9 +258,11 @@ off pytest-xdist's own order (most tests first), which would put these behind mo
 
 def pytest_configure(config):
     """Refuse to run beside a cluster `grpo-dist up` started: the runs the tests start without a cluster of their
-    own would join it, and the tests that count the machine's processes would count its."""
+    own would join it, and the tests that count the machine's processes would count its. The clusters the tests
+    start themselves (`ray start`, `ray.cluster_utils`) run their actors at grpo-dist's priority."""
     from grpo_dist import standing
 
+    os.environ.setdefault("RAY_worker_niceness", "0")  # the clusters the tests start by hand, as grpo-dist's own
     if (found := standing.find()) is not None:
         raise pytest.UsageError(
             f"a local Ray cluster of `grpo-dist up` is up ({found.address}): the tests' runs would join it; "

@@ -25,7 +25,7 @@ TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # the cluster runs with token auth,
 def node_env() -> dict[str, str]:
     """The environment of the test's Ray nodes and drivers: token auth, and tests/ importable (reward fixtures)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN, RAY_worker_niceness="0")  # as grpo-dist's own clusters
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # `python`: this one
     env.pop("RAY_ADDRESS", None)
     return env
