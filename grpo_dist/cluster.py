@@ -94,7 +94,7 @@ WORKER_NICENESS = 0
 """The scheduling priority of the actors' processes on a cluster grpo-dist starts (a run's local one, `grpo-dist up`):
 the driver's own. Ray's default, 15, lets any other busy process on the machine take the CPU from a run's
 actors (a nice-0 process gets about 30 times their share): with one core kept busy beside it, the quick start's steps
-took 1.65 s each, and 0.75 s at 0 (`benchmarks/contention.py`)."""
+took 3.90 s each, and 0.80 s at 0 (`benchmarks/contention.py --busy 1`)."""
 
 
 def start_local_ray(**settings) -> None:

@@ -59,6 +59,9 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
         assert f"already up at {address}" in grpo_dist(env, "up").stdout  # a second `up` keeps it
         ray_processes = len(processes_naming(ray_dir))
         assert ray_processes >= 2, processes_naming(ray_dir)  # its GCS and raylet at least
+        raylets = [p for p in psutil.process_iter(["cmdline"]) if "raylet" in " ".join(p.info["cmdline"] or [])[:200]
+                   and ray_dir in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+        assert raylets and all(p.environ().get("RAY_worker_niceness") == "0" for p in raylets)  # actors at nice 0
 
         for run in ("first", "second"):  # each run joins it, and its actors go with it
             done = grpo_dist(env, "train", str(config), f"run.name={run}")
@@ -80,3 +83,20 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
     assert processes_naming(ray_dir) == []
     assert "no local Ray cluster" in grpo_dist(env, "down").stdout
     assert not Path(ray_dir).with_name("cluster.json").exists()
+
+
+NICENESS = """
+import os, ray
+from grpo_dist.cluster import start_local_ray
+start_local_ray(num_cpus=1)
+print(ray.get(ray.remote(lambda: os.nice(0)).remote()))
+ray.shutdown()
+"""
+
+
+def test_a_runs_own_local_cluster_runs_its_actors_at_the_drivers_priority():
+    """Ray's default would start them at niceness 15, below every other busy process on the machine."""
+    env = {key: value for key, value in os.environ.items() if key != "RAY_worker_niceness"}  # the product's own
+    done = subprocess.run([sys.executable, "-c", NICENESS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == str(os.nice(0)), done.stdout
