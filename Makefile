@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml constraints.txt
 		&& { apt-get install -y -q bubblewrap >/dev/null || { apt-get update -q && apt-get install -y -q bubblewrap; }; }; } \
 		|| echo "warning: bubblewrap is not installed: runs of the model's code need it (README: Sandbox)"
 	@# DeepSpeed compiles its CPU ops on first use: do it now, not inside the first run.
-	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m grpo_dist.native_ops; fi
+	@if [ "$(EXTRA)" = cpu ]; then $(PY) -m grpo_dist.algo.native_ops; fi
 	touch $(STAMP)
 
 # Write the installed versions to constraints.txt (after a dependency changed in pyproject.toml); then run make test.

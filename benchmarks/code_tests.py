@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo_dist import jail
-from grpo_dist.jail import Isolation
 from grpo_dist.rewards.code import code_tests, run_python
+from grpo_dist.sandbox import jail
+from grpo_dist.sandbox.jail import Isolation
 
 SOLVED = "```python\ndef add(a, b):\n    return a + b\n```"
 

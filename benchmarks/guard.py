@@ -207,7 +207,7 @@ def closest(rows: list[dict]) -> dict[str, float]:
     whose entropy alone would have fired but whose reward held (`spared`), the smallest mean reward over the
     window's median (0.25 fires), the largest KL and log-prob gap (1 fires)."""
     from grpo_dist.config import HealthConfig
-    from grpo_dist.health import RECENT, Guard
+    from grpo_dist.run.health import RECENT, Guard
 
     guard = Guard(HealthConfig(), clip=1.0)
     ratios: dict[str, list[float]] = {"grad_norm": [], "entropy": [], "entropy_recent": [], "reward": []}

@@ -20,9 +20,9 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from grpo_dist.batch import TrainBatch, collate
+from grpo_dist.algo.batch import TrainBatch, collate
+from grpo_dist.cluster.learner_group import LearnerGroup
 from grpo_dist.config import validate_config
-from grpo_dist.learner_group import LearnerGroup
 from grpo_dist.models import build_tiny_model
 from grpo_dist.types import Completion
 

@@ -18,13 +18,13 @@ RUN_DIR --lengths FILE` writes such a file from any run directory). Token ids ar
 
 Prints one JSON line per size and way: trained tokens/s (every real token of the batch, prompt and
 completion, per second of a step), seconds per step, the peak memory the step adds to the process (resident memory
-on a CPU, the allocator's peak on a GPU), on a GPU the model FLOPs utilisation (`grpo_dist.throughput`), and
+on a CPU, the allocator's peak on a GPU), on a GPU the model FLOPs utilisation (`grpo_dist.algo.throughput`), and
 `speedup` / `memory_ratio` against `padded` of the same size, and the largest difference between the packed and the
 padded log-probs of the first micro-batch's counted tokens (0 for the padded ways).
 
 It also measures the sampled tokens' log-prob and entropy selection alone at a real vocabulary (151,936 entries,
 2,048 positions, forward and backward) as computed before packing (the full float32 log-softmax) and chunked
-(`grpo_dist.scoring.selected_logprobs`): one line with the peak memory each adds to the logits (their gradient
+(`grpo_dist.algo.scoring.selected_logprobs`): one line with the peak memory each adds to the logits (their gradient
 included) and time, and the ratios.
 
 Runs by hand, here and on a GPU machine (it needs torch and transformers, not Ray or DeepSpeed); CI never runs it.
@@ -48,10 +48,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from grpo_dist import scoring  # noqa: E402
-from grpo_dist.algo import policy_loss  # noqa: E402
-from grpo_dist.batch import TrainBatch, collate, shard_batch  # noqa: E402
-from grpo_dist.throughput import flop_params, peak_flops, step_flops  # noqa: E402
+from grpo_dist.algo import policy_loss, scoring  # noqa: E402
+from grpo_dist.algo.batch import TrainBatch, collate, shard_batch  # noqa: E402
+from grpo_dist.algo.throughput import flop_params, peak_flops, step_flops  # noqa: E402
 from grpo_dist.types import Completion  # noqa: E402
 
 SIZES = {  # as benchmarks/learner_scaling.py

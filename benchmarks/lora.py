@@ -5,7 +5,7 @@
 Each size's model (the tiny Qwen2 of `grpo_dist.models`, random-init: "30m" has 27M parameters, "0.3b" 308M) trains
 on the same rollout batch two ways, each in a process of its own (so each peak memory is its own): `full` (every
 weight trained; the reference a second, frozen copy, as the learner holds it under ZeRO 0-2) and `lora`
-(`grpo_dist.lora.wrap` with `--rank` on the seven default modules, alpha twice the rank; the reference the policy
+(`grpo_dist.models.lora.wrap` with `--rank` on the seven default modules, alpha twice the rank; the reference the policy
 with its adapter off). A step is the learner's: the reference pass (`kl_coef` 0.04), then forward, loss and
 backward over packed micro-batches of at most `--budget` tokens, and one AdamW step. The batch's rows take their
 lengths from the agent task's recorded trajectories (`benchmarks/learner_throughput.py`), token ids random.
@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from learner_throughput import SIZES, child, peak_bytes, recorded_batch  # noqa: E402
 
-from grpo_dist import lora, scoring  # noqa: E402
-from grpo_dist.algo import policy_loss  # noqa: E402
-from grpo_dist.batch import shard_batch  # noqa: E402
-from grpo_dist.config_sections import LoraConfig  # noqa: E402
+from grpo_dist.algo import policy_loss, scoring  # noqa: E402
+from grpo_dist.algo.batch import shard_batch  # noqa: E402
+from grpo_dist.config.sections import LoraConfig  # noqa: E402
+from grpo_dist.models import lora  # noqa: E402
 
 WAYS = ("full", "lora")
 LENGTHS = REPO / "benchmarks" / "data" / "agent_lengths.json"

@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from weight_sync import SIZES, config, sent_bytes, training_batch  # noqa: E402
 
-from grpo_dist.actors.generator import Generator  # noqa: E402
+from grpo_dist.cluster.actors.generator import Generator  # noqa: E402
+from grpo_dist.cluster.learner_group import LearnerGroup  # noqa: E402
 from grpo_dist.config import validate_config  # noqa: E402
-from grpo_dist.learner_group import LearnerGroup  # noqa: E402
 from grpo_dist.models import build_tiny_model  # noqa: E402
 from grpo_dist.transports import adapter_slots, make_transport  # noqa: E402
 from grpo_dist.types import Sampling  # noqa: E402

@@ -152,10 +152,10 @@ def in_flight(steps: int, out_dir: Path, overrides: list[str]) -> None:
 def reward_pool_scaling(completions: int = 64) -> None:
     import ray
 
+    from grpo_dist.cluster.placement import place
+    from grpo_dist.cluster.reward_pool import RewardPool
     from grpo_dist.config import load_config
     from grpo_dist.faults import FaultLog
-    from grpo_dist.placement import place
-    from grpo_dist.reward_pool import RewardPool
     from grpo_dist.types import ScoreRequest
 
     ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": environment()["PYTHONPATH"]}})

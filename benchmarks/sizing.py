@@ -1,4 +1,4 @@
-"""The sizing table of docs/scaling.md ("Sizing"), made by the memory plan (`grpo_dist.plan`) from each model's
+"""The sizing table of docs/scaling.md ("Sizing"), made by the memory plan (`grpo_dist.config.plan`) from each model's
 config.json: model states by DeepSpeed's own estimators, the reference, engines in bfloat16, 80 GB GPUs.
 
     python benchmarks/sizing.py
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_dist.config import validate_config
-from grpo_dist.plan import Shape, plan
+from grpo_dist.config.plan import Shape, plan
 
 SHAPES = {  # the fields of each model's config.json a plan reads, as published
     "0.5B": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,

@@ -24,9 +24,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from grpo_dist.jail import Isolation
 from grpo_dist.rewards.code import Bounds, holds, in_process, passes
 from grpo_dist.rewards.verdicts import Split, split_test
+from grpo_dist.sandbox.jail import Isolation
 
 Test = tuple[str, str | None]  # a test and the entry point it checks (None: the test names the function)
 

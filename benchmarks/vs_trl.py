@@ -35,8 +35,8 @@ from learning import grpo_dist  # noqa: E402
 
 from grpo_dist.config import Config, load_config  # noqa: E402
 from grpo_dist.data.sources import read_source  # noqa: E402
-from grpo_dist.inputs import prepare_data  # noqa: E402
 from grpo_dist.rewards.registry import resolve_reward  # noqa: E402
+from grpo_dist.run.inputs import prepare_data  # noqa: E402
 
 OWN_ACCURACY = re.compile(r"eval held_out after training: accuracy ([0-9.]+)")
 LOSS_TYPES = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}

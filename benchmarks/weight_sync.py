@@ -31,9 +31,9 @@ import ray
 import torch
 from transformers import AutoConfig
 
-from grpo_dist.actors.generator import Generator
+from grpo_dist.cluster.actors.generator import Generator
+from grpo_dist.cluster.learner_group import LearnerGroup
 from grpo_dist.config import validate_config
-from grpo_dist.learner_group import LearnerGroup
 from grpo_dist.models import build_tiny_model
 from grpo_dist.transports import make_transport
 
@@ -60,7 +60,7 @@ def config(model_dir: str, transport: str, args: argparse.Namespace, dtype: str 
 def training_batch(vocab: int, seed: int):
     """Two groups of 4 random completions with different rewards: one real GRPO step's worth of gradient."""
     from grpo_dist.algo import group_advantages
-    from grpo_dist.batch import collate
+    from grpo_dist.algo.batch import collate
     from grpo_dist.types import Completion
 
     generator = torch.Generator().manual_seed(seed)

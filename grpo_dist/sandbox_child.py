@@ -23,10 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from grpo_dist import privileges
 from grpo_dist.agents.tools import BUILTIN_TOOLS, resolve_tool
 from grpo_dist.rewards.registry import BUILTIN_REWARDS, raised, resolve_reward, to_score
-from grpo_dist.sandbox import ANSWER_LIMIT, Limits, ended_kind, exit_reason
+from grpo_dist.sandbox import ANSWER_LIMIT, Limits, ended_kind, exit_reason, privileges
 from grpo_dist.types import REWARD_LIMIT
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000  # linux/sched.h

@@ -26,7 +26,7 @@ def ray_cluster(tmp_path_factory):
     generators started on it read their delay from the file `slow_generation` writes (`faults.SLOW_GENERATION`)."""
     import ray
 
-    from grpo_dist.cluster import start_local_ray
+    from grpo_dist.cluster.cluster import start_local_ray
     from grpo_dist.faults import SLOW_GENERATION
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
@@ -79,8 +79,9 @@ def train_here(capfd, config, *overrides: str, cluster=None, resume: bool | str 
     checks and messages, without a Ray cluster of its own or a second import of the stack, for the runs a test
     neither kills nor signals. Given a `cluster` (`SharedActors.use`), the run uses those actors instead of starting its
     own, resuming as `resume` says (`--resume`'s values). Returns the exit code and everything printed."""
-    from grpo_dist import cli, driver
+    from grpo_dist import cli
     from grpo_dist.config import load_config
+    from grpo_dist.run import driver
 
     capfd.readouterr()
     stdout, sigterm = sys.stdout, signal.getsignal(signal.SIGTERM)
@@ -173,8 +174,8 @@ class SharedActors:
     def use(self, cfg) -> Iterator:
         """Actors for a run of `cfg`: the kept ones when they can run it, else new ones (the kept ones stopped); a
         failure in the block stops them, so that no run takes over actors a failure left behind."""
-        from grpo_dist.cluster import Cluster, differences
-        from grpo_dist.inputs import prepare
+        from grpo_dist.cluster.cluster import Cluster, differences
+        from grpo_dist.run.inputs import prepare
 
         model_path = prepare(cfg).model_path
         kept = self.cluster
@@ -204,11 +205,11 @@ def shared_actors(ray_cluster, tmp_path_factory) -> Iterator[SharedActors]:
 
 def written_checkpoint(path: Path, raw: dict) -> Path:
     """A checkpoint directory at `path` as one learner rank writes it (empty shards, a run state, the config of
-    `raw`, a manifest): enough for `grpo_dist.checkpoints.find` and `check_config`."""
+    `raw`, a manifest): enough for `grpo_dist.run.checkpoints.find` and `check_config`."""
     import yaml
 
-    from grpo_dist import manifest
     from grpo_dist.config import validate_config
+    from grpo_dist.storage import manifest
 
     (path / "learner" / "state").mkdir(parents=True)
     (path / "learner" / "state" / "mp_rank_00_model_states.pt").write_bytes(b"")
@@ -260,7 +261,7 @@ def pytest_configure(config):
     """Refuse to run beside a cluster `grpo-dist up` started: the runs the tests start without a cluster of their
     own would join it, and the tests that count the machine's processes would count its. The clusters the tests
     start themselves (`ray start`, `ray.cluster_utils`) run their actors at grpo-dist's priority."""
-    from grpo_dist import standing
+    from grpo_dist.cluster import standing
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # the clusters the tests start by hand, as grpo-dist's own
     if (found := standing.find()) is not None:

@@ -14,7 +14,7 @@ import psutil
 from conftest import TESTS_DIR
 
 # The tests' Ray nodes listen on ports drawn as the learner group's are.
-from grpo_dist.actors.learner import free_port as free_port
+from grpo_dist.cluster.actors.learner import free_port as free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
 

@@ -1,9 +1,9 @@
-"""Rollouts built by hand for the tests of `grpo_dist.rollouts`."""
+"""Rollouts built by hand for the tests of `grpo_dist.run.rollouts`."""
 
 from __future__ import annotations
 
 from grpo_dist.data import PromptRecord
-from grpo_dist.rollouts import Rollout
+from grpo_dist.run.rollouts import Rollout
 from grpo_dist.types import Completion, Score
 
 

@@ -26,7 +26,7 @@ from grpo_dist.agents.parsers import hermes
 from grpo_dist.agents.protocol import ToolCall
 from grpo_dist.agents.render import Renderer, TemplateError
 from grpo_dist.agents.tools import ToolBox, argument_error, calculator, tool_spec
-from grpo_dist.batch import collate
+from grpo_dist.algo.batch import collate
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.models.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
 from grpo_dist.sandbox import Limits
@@ -359,11 +359,11 @@ def test_a_failed_trajectory_is_unscored_untrained_counted_and_printed_once(caps
     naming it (`reward.max_unscored_fraction`)."""
     import torch
 
+    from grpo_dist.cluster.reward_pool import RewardFailures, RewardPool
     from grpo_dist.data import PromptRecord
     from grpo_dist.faults import RunFailed
-    from grpo_dist.metrics import episode_metrics
-    from grpo_dist.reward_pool import RewardFailures, RewardPool
-    from grpo_dist.rollouts import score_requests
+    from grpo_dist.run.metrics import episode_metrics
+    from grpo_dist.run.rollouts import score_requests
     from grpo_dist.types import Completion, Episode, Score
 
     why = "RaisingEnvironment.step raised ValueError: turn 1 is not what I expected"
@@ -428,10 +428,10 @@ def warmed_up(tmp_path_factory) -> Path:
 def start_pool(directory: Path, environment: dict, tmp_path: Path):
     """One generator of the warmed-up model, its completions trajectories in `environment` (over the task's
     defaults); with the pool's config, placement, fault log, training prompts and tokenizer."""
+    from grpo_dist.cluster.generator_pool import GeneratorPool
+    from grpo_dist.cluster.placement import place
     from grpo_dist.faults import FaultLog
-    from grpo_dist.generator_pool import GeneratorPool
-    from grpo_dist.inputs import load_tokenizer, prepare_data, read_prompts
-    from grpo_dist.placement import place
+    from grpo_dist.run.inputs import load_tokenizer, prepare_data, read_prompts
 
     environment = {**task_config(tmp_path)["environment"], "max_total_tokens": 176, **environment}
     raw = task_config(tmp_path, environment=environment)  # room in the engine to read back a whole trajectory
@@ -668,9 +668,9 @@ def test_an_llm_judges_verdict_is_a_reward_function_weighted_with_the_others(ray
     import torch
     from transformers import AutoModelForCausalLM
 
+    from grpo_dist.cluster.placement import place
+    from grpo_dist.cluster.reward_pool import RewardPool
     from grpo_dist.faults import FaultLog
-    from grpo_dist.placement import place
-    from grpo_dist.reward_pool import RewardPool
     from grpo_dist.types import ScoreRequest
 
     model = str(warmed_up / "agent-sft")
@@ -717,10 +717,10 @@ def test_a_batch_of_trajectories_drawn_ahead_loads_back_from_a_checkpoint(tmp_pa
     episodes load back (`weights_only`, with the run state's classes allowed) exactly as they were."""
     import torch
 
-    from grpo_dist.checkpoints import RUN_STATE_CLASSES
     from grpo_dist.data import PromptRecord
-    from grpo_dist.rollouts.rollout import Rollout
-    from grpo_dist.safe_load import load
+    from grpo_dist.run.checkpoints import RUN_STATE_CLASSES
+    from grpo_dist.run.rollouts.rollout import Rollout
+    from grpo_dist.storage.safe_load import load
     from grpo_dist.types import Completion, Episode, Score
 
     episode = Episode([{"role": "user", "content": "2*3="}], turns=2, tool_calls=1, rewards={"step": 0.5})
@@ -756,8 +756,8 @@ def test_the_agent_rewards_and_metrics_read_the_episode():
     """`tool_use` is 1 only when tools were called and none answered an error; `environment` is the environment's
     reward parts summed; the step's agent metrics are per-trajectory means over the batch (single-turn completions
     left out)."""
-    from grpo_dist.metrics import episode_metrics
     from grpo_dist.rewards.registry import resolve_reward
+    from grpo_dist.run.metrics import episode_metrics
     from grpo_dist.types import Completion, Episode
 
     worked = [{"role": "user", "content": "2*3="}, {"role": "tool", "content": "6"}]
@@ -782,7 +782,7 @@ def test_the_agent_rewards_and_metrics_read_the_episode():
 
 
 def test_a_judge_model_that_is_not_there_is_refused_before_anything_starts(tmp_path):
-    from grpo_dist.inputs import check_judge
+    from grpo_dist.run.inputs import check_judge
 
     judge = {"model": str(tmp_path / "nowhere"), "verdict": "([0-9])"}
     raw = small_config(tmp_path, reward={"judge": judge, "functions": [{"name": "judge"}]})

@@ -15,9 +15,9 @@ from conftest import TESTS_DIR, small_config
 from test_overlap import UNTIL_STOPPED, stop, wait_for_row
 from test_resume import training
 
-from grpo_dist.autoscale import Autoscaler
 from grpo_dist.config import AutoscaleConfig, ConfigError, validate_config
 from grpo_dist.faults import SLOW_GENERATION
+from grpo_dist.run.autoscale import Autoscaler
 
 
 def timing(learner_idle: float, generator_idle: float, count: int = 1, joining: int = 0) -> dict[str, float]:

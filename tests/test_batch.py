@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_dist.batch import collate
+from grpo_dist.algo.batch import collate
 from grpo_dist.data import PromptRecord
-from grpo_dist.rollouts import Rollout
+from grpo_dist.run.rollouts import Rollout
 from grpo_dist.types import Completion, Score
 
 

@@ -11,9 +11,10 @@ import pytest
 import yaml
 from conftest import small_config
 
-from grpo_dist import checkpoints, manifest
 from grpo_dist.config import ConfigError, validate_config
-from grpo_dist.run_dir import open_run
+from grpo_dist.run import checkpoints
+from grpo_dist.storage import manifest
+from grpo_dist.storage.run_dir import open_run
 
 SHARDS = ("mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
           "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")  # fmt: skip

@@ -19,12 +19,11 @@ import yaml
 from conftest import small_config, train_here
 from test_resume import grpo_dist, rows
 
-from grpo_dist import safe_load
-from grpo_dist.checkpoints import RUN_STATE_CLASSES, STATE, prunable
 from grpo_dist.config import load_config
 from grpo_dist.data import split_task
-from grpo_dist.run_dir import open_run
-from grpo_dist.storage import Store
+from grpo_dist.run.checkpoints import RUN_STATE_CLASSES, STATE, prunable
+from grpo_dist.storage import Store, safe_load
+from grpo_dist.storage.run_dir import open_run
 
 
 def test_pruning_keeps_the_newest_written_and_the_resumed_from_whatever_their_steps():

@@ -194,7 +194,7 @@ def test_the_driver_picks_the_transport_and_reads_a_sync_report_without_loading_
     path = write_config(tmp_path, small_config(tmp_path))
     report = pickle.dumps(SyncReport("full", 10, 10, 40))
     code = (
-        "import pickle, sys; import grpo_dist.driver; from grpo_dist.config import load_config; "
+        "import pickle, sys; import grpo_dist.run.driver; from grpo_dist.config import load_config; "
         "from grpo_dist.transports import transport_name; "
         f"print(transport_name(load_config({str(path)!r})), pickle.loads({report!r}).mode, 'vllm' in sys.modules)"
     )
@@ -216,7 +216,7 @@ def test_cli_reports_a_typo_before_starting_anything(capfd, tmp_path):
     ids=["auto-cpu", "auto-gpu-cuda-graphs", "asked-eager", "asked-graphs"],
 )
 def test_engines_use_cuda_graphs_on_a_gpu_unless_asked_to_run_eagerly(tmp_path, setting, on_gpu, expected):
-    from grpo_dist.actors.generator import eager
+    from grpo_dist.cluster.actors.generator import eager
 
     rollout = validate_config(small_config(tmp_path, rollout={"enforce_eager": setting})).rollout
     assert eager(rollout, on_gpu) is expected

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, Ran, cli_here, small_config
 
-from grpo_dist.config_sections import FieldsConfig
+from grpo_dist.config.sections import FieldsConfig
 from grpo_dist.data import DatasetError
 from grpo_dist.data.dataset import encode_prompts, prompt_text
 from grpo_dist.data.prepare import gsm8k_answer, last_boxed, prepare
@@ -94,7 +94,7 @@ def test_a_hub_dataset_resolves_offline_from_the_cache(hf_home, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code = (
-        "import json, sys; from grpo_dist.config_sections import FieldsConfig; "
+        "import json, sys; from grpo_dist.config.sections import FieldsConfig; "
         "from grpo_dist.data.sources import read_source; "
         "print(json.dumps(read_source('acme/sums', sys.argv[1], sys.argv[2], "
         "FieldsConfig(prompt='question', answer='solution'), 'data.path')))"

@@ -58,8 +58,8 @@ def scale_every_weight(self) -> None:
 def test_delta_sync_matches_a_full_sync_through_steps_joins_reconnects_and_updates_in_flight(ray_cluster, tmp_path):
     from test_learner import sample_batch
 
-    from grpo_dist.actors.generator import Generator
-    from grpo_dist.learner_group import LearnerGroup
+    from grpo_dist.cluster.actors.generator import Generator
+    from grpo_dist.cluster.learner_group import LearnerGroup
     from grpo_dist.models import build_tiny_model
     from grpo_dist.transports import make_transport
 

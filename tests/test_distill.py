@@ -11,14 +11,14 @@ import torch
 from conftest import small_config
 
 from grpo_dist.algo import AGGREGATIONS, distill_advantages, group_baseline, policy_loss, reverse_kl
-from grpo_dist.batch import collate
+from grpo_dist.algo.batch import collate
+from grpo_dist.cluster.placement import plan as placement_plan
 from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.config.plan import Shape, plan
 from grpo_dist.data import PromptRecord
-from grpo_dist.inputs import check_teacher, load_tokenizer, tokenizer_difference
 from grpo_dist.models.tiny import build_tiny_model
-from grpo_dist.placement import plan as placement_plan
-from grpo_dist.plan import Shape, plan
-from grpo_dist.rollouts import Rollout, add_distillation, compute_advantages
+from grpo_dist.run.inputs import check_teacher, load_tokenizer, tokenizer_difference
+from grpo_dist.run.rollouts import Rollout, add_distillation, compute_advantages
 from grpo_dist.types import Completion, Score
 
 
@@ -197,8 +197,8 @@ def test_each_teacher_engine_gets_a_placement_group_and_a_line_in_the_memory_pla
 
 
 def test_a_distillation_run_reserves_cpus_for_its_teacher_engines_and_its_eval_starts_none(tmp_path):
-    from grpo_dist.cluster import actor_cpus
-    from grpo_dist.evaluation import eval_config
+    from grpo_dist.cluster.cluster import actor_cpus
+    from grpo_dist.run.evaluation import eval_config
 
     raw = small_config(tmp_path)
     plain = validate_config(raw)

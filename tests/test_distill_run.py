@@ -11,8 +11,8 @@ import pytest
 from conftest import small_config, train_here
 
 from grpo_dist.config import validate_config
-from grpo_dist.inputs import load_tokenizer
-from grpo_dist.sft import run_sft
+from grpo_dist.run.inputs import load_tokenizer
+from grpo_dist.run.sft import run_sft
 
 pytestmark = pytest.mark.slow
 
@@ -85,9 +85,9 @@ def test_a_sequence_filling_the_context_gets_the_teacher_models_log_prob_at_ever
     import torch
     from transformers import AutoModelForCausalLM
 
+    from grpo_dist.cluster.placement import place
+    from grpo_dist.cluster.teacher_pool import TeacherPool
     from grpo_dist.faults import FaultLog
-    from grpo_dist.placement import place
-    from grpo_dist.teacher_pool import TeacherPool
     from grpo_dist.types import Completion
 
     data = {**TASK, "max_prompt_tokens": 8}

@@ -9,10 +9,10 @@ import logging
 import pytest
 from conftest import small_config
 
+from grpo_dist.algo.throughput import flop_params, forward_flops, peak_flops, step_flops, throughput_metrics
 from grpo_dist.config import ConfigError, validate_config
-from grpo_dist.console import Console, step_line
-from grpo_dist.evaluation import Sample, final_answer, majority_correct, pass_at_k, set_metrics
-from grpo_dist.throughput import flop_params, forward_flops, peak_flops, step_flops, throughput_metrics
+from grpo_dist.run.evaluation import Sample, final_answer, majority_correct, pass_at_k, set_metrics
+from grpo_dist.storage.console import Console, step_line
 
 
 def test_pass_at_k_is_the_unbiased_estimate():
@@ -165,7 +165,7 @@ def test_the_weights_flops_are_what_torch_counts_and_training_is_three_forwards(
 
 
 def test_grpo_dist_eval_builds_its_own_config_and_leaves_the_users_as_it_was(tmp_path):
-    from grpo_dist.evaluation import eval_config
+    from grpo_dist.run.evaluation import eval_config
 
     cfg = validate_config(small_config(tmp_path, wandb={"enabled": True}, checkpoint={"dir": str(tmp_path / "c")}))
     before = cfg.model_dump()

@@ -210,11 +210,11 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
 
 
 def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(ray_cluster, tmp_path):
+    from grpo_dist.cluster.generator_pool import GeneratorPool
+    from grpo_dist.cluster.placement import place
     from grpo_dist.config import load_config
     from grpo_dist.faults import FaultLog, RunFailed
-    from grpo_dist.generator_pool import GeneratorPool
-    from grpo_dist.inputs import prepare_model
-    from grpo_dist.placement import place
+    from grpo_dist.run.inputs import prepare_model
 
     # An engine takes seconds to load, so a 0.5 s start bound passes first; the sync bound (600 s) plays no part.
     config = tmp_path / "start.yaml"

@@ -19,9 +19,9 @@ from test_resume import rows, training
 
 from grpo_dist.config import ConfigError, HealthConfig, load_config, validate_config
 from grpo_dist.faults import DROP_WEIGHTS, SCALE_LOSS, SCALE_LR, StepFactors
-from grpo_dist.health import Event, Guard
-from grpo_dist.recovery import why_no_rollback
-from grpo_dist.run_dir import open_run
+from grpo_dist.run.health import Event, Guard
+from grpo_dist.run.recovery import why_no_rollback
+from grpo_dist.storage.run_dir import open_run
 
 
 def guard_with(history: dict[str, list[float]], **settings) -> Guard:
@@ -289,8 +289,8 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     6's loss is scaled a million times the first time it is trained: its gradient norm spikes against the median
     of the steps before, the learner and generators go back to the step-5 checkpoint, and step 6 is trained again on
     the next batch. Every step is logged once; the rollback is counted and kept in the checkpoints after it."""
-    from grpo_dist import safe_load
-    from grpo_dist.checkpoints import RUN_STATE_CLASSES
+    from grpo_dist.run.checkpoints import RUN_STATE_CLASSES
+    from grpo_dist.storage import safe_load
 
     monkeypatch.setenv(SCALE_LOSS, "3:nan,6:1e6:once")
     run_dir = tmp_path / "outputs" / "test"

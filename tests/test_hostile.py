@@ -23,10 +23,9 @@ import pytest
 from conftest import small_config
 from test_sandbox import runner_of, sandboxed_processes
 
-from grpo_dist import jail, privileges
 from grpo_dist.agents.protocol import ToolCall
 from grpo_dist.agents.tools import ToolBox, tool_spec
-from grpo_dist.sandbox import NOBODY
+from grpo_dist.sandbox import NOBODY, jail, privileges
 from grpo_dist.sandbox import Limits as SandboxLimits
 from grpo_dist.types import Failure
 
@@ -509,7 +508,7 @@ def test_the_scratch_directories_of_killed_workers_are_removed_by_the_next_proce
     for path in (left, kept):
         path.mkdir()
         (path / "file").write_text("x")
-    script = "from grpo_dist import jail; import shutil; shutil.rmtree(jail.scratch_dir('probe'))"
+    script = "from grpo_dist.sandbox import jail; import shutil; shutil.rmtree(jail.scratch_dir('probe'))"
     try:
         subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
         assert not left.exists() and kept.exists()

@@ -99,7 +99,7 @@ def test_the_policy_loaded_is_the_revision_asked_for(hub_cache, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(hub_cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code = (
-        "import sys\nfrom grpo_dist.hub import snapshot\n"
+        "import sys\nfrom grpo_dist.models.hub import snapshot\n"
         "for revision in sys.argv[1:]: print('=', snapshot('acme/tiny', revision, 'model.path'))"
     )
     done = subprocess.run([sys.executable, "-c", code, "main", "v1"], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""What a run checks before any actor starts (`grpo_dist.inputs`, shared by `train`, `sft` and `check`), and how it
+"""What a run checks before any actor starts (`grpo_dist.run.inputs`, shared by `train`, `sft` and `check`), and how it
 keeps earlier runs."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from conftest import cli_here, small_config
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.data import DatasetError
-from grpo_dist.inputs import prepare
-from grpo_dist.run_dir import open_run, start_run_dir
+from grpo_dist.run.inputs import prepare
+from grpo_dist.storage.run_dir import open_run, start_run_dir
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_an_earlier_run_is_moved_aside_not_overwritten(tmp_path):
 
 
 def test_a_failed_preflight_check_leaves_no_run_directory_and_the_earlier_run_in_place(tmp_path):
-    from grpo_dist.driver import train
+    from grpo_dist.run.driver import train
 
     cfg = validate_config(small_config(tmp_path, data={"prompts_per_step": 65}))
     with pytest.raises(ConfigError):
@@ -162,7 +162,7 @@ def test_a_failed_preflight_check_leaves_no_run_directory_and_the_earlier_run_in
 
 
 def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
-    from grpo_dist.cluster import start_ray
+    from grpo_dist.cluster.cluster import start_ray
 
     cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
     with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):
@@ -171,7 +171,7 @@ def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
 
 @pytest.mark.slow
 def test_an_unreachable_ray_address_fails_even_in_a_process_already_connected_to_ray(tmp_path, ray_cluster):
-    from grpo_dist.cluster import start_ray
+    from grpo_dist.cluster.cluster import start_ray
 
     cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
     with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):

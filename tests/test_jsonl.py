@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from grpo_dist import jsonl
-from grpo_dist.metrics import MetricsSink
+from grpo_dist.run.metrics import MetricsSink
+from grpo_dist.storage import jsonl
 
 WHOLE = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
 

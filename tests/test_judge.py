@@ -12,8 +12,8 @@ from conftest import small_config
 from tokenizers import AddedToken
 
 from grpo_dist.config import ConfigError, JudgeConfig, validate_config
-from grpo_dist.judge_prompt import JudgePrompt, VerdictReader
 from grpo_dist.models.tiny import CHAT_TEMPLATE, build_tiny_tokenizer
+from grpo_dist.rewards.judge_prompt import JudgePrompt, VerdictReader
 from grpo_dist.types import ScoreRequest
 
 CHATML = (

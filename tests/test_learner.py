@@ -11,7 +11,7 @@ import torch
 from conftest import small_config
 
 from grpo_dist.algo import group_advantages
-from grpo_dist.batch import collate
+from grpo_dist.algo.batch import collate
 from grpo_dist.config import validate_config
 from grpo_dist.types import Completion
 
@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 def start_group(ray_cluster, tmp_path, model_dir, learner: dict, algorithm: dict, **sections):
     """A learner group on the tiny model (no vLLM, no generators)."""
-    from grpo_dist.learner_group import LearnerGroup
+    from grpo_dist.cluster.learner_group import LearnerGroup
 
     cfg = validate_config(small_config(tmp_path, learner=learner, algorithm=algorithm, **sections))
     return LearnerGroup.start(cfg, model_dir)

@@ -51,10 +51,10 @@ def dynamo_off(_actor) -> bool:
 def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path, monkeypatch):
     import ray
 
-    from grpo_dist import driver
-    from grpo_dist.cluster import ActorsDiffer, Cluster
-    from grpo_dist.driver import train
-    from grpo_dist.inputs import prepare
+    from grpo_dist.cluster.cluster import ActorsDiffer, Cluster
+    from grpo_dist.run import driver
+    from grpo_dist.run.driver import train
+    from grpo_dist.run.inputs import prepare
 
     # The scaled-out shape: 2 learner ranks under ZeRO-3, 2 generators, weights broadcast over gloo.
     raw = small_config(
@@ -127,7 +127,7 @@ def interrupted_step(*args, **kwargs):
 
 
 def check_run(ray_cluster, cluster, cfg, inputs, initial, run_dir) -> None:
-    from grpo_dist.actors.generator import Generator
+    from grpo_dist.cluster.actors.generator import Generator
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -178,7 +178,7 @@ def check_lora_run(ray_cluster, cluster, raw, inputs, initial) -> None:
     weight the adapter does not touch is the initial one; `final/` holds the merged policy, which transformers reads,
     and the adapter in PEFT's layout, which `grpo-dist export --merge` makes a model vLLM serves. (Engines serving
     the adapter itself: `test_lora.py`.)"""
-    from grpo_dist.driver import train
+    from grpo_dist.run.driver import train
 
     lora = {**raw["learner"], "lora": {"rank": 4, "alpha": 16, "serve": "merged"}, "lr": 5e-2}
     run_dir = train(validate_config({**raw, "run": {**raw["run"], "name": "lora"}, "learner": lora}), cluster)
@@ -204,7 +204,7 @@ def check_lora_run(ray_cluster, cluster, raw, inputs, initial) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_dist import cli
-    from grpo_dist.actors.generator import Generator
+    from grpo_dist.cluster.actors.generator import Generator
 
     exported = run_dir / "exported"
     assert cli.main(["export", str(run_dir / "final" / "adapter"), str(exported), "--merge"]) == 0

@@ -13,7 +13,7 @@ from conftest import small_config, written_checkpoint
 from test_resume import training
 
 from grpo_dist.config import ConfigError, validate_config
-from grpo_dist.config_sections import LoraConfig
+from grpo_dist.config.sections import LoraConfig
 from grpo_dist.faults import DROP_WEIGHTS
 
 
@@ -28,7 +28,7 @@ def wrapped(model_dir: str, seed: int = 1, **lora):
     """The tiny model with an adapter whose B is random (a freshly made adapter is zero, a no-op), drawn at `seed`."""
     from transformers import AutoModelForCausalLM
 
-    from grpo_dist import lora as lora_module
+    from grpo_dist.models import lora as lora_module
 
     policy = lora_module.wrap(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraConfig(**lora))
     torch.manual_seed(seed)
@@ -46,7 +46,7 @@ def test_the_merged_state_is_the_one_peft_merges_under_the_base_models_names_and
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from grpo_dist.lora import adapter_state_dict, merged_name, merged_state_dict, save_adapter
+    from grpo_dist.models.lora import adapter_state_dict, merged_name, merged_state_dict, save_adapter
 
     policy = wrapped(model_dir, rank=4, alpha=8, target_modules=["q_proj", "down_proj"])
     merged = merged_state_dict(policy)
@@ -73,7 +73,7 @@ def test_the_merged_state_is_the_one_peft_merges_under_the_base_models_names_and
 def test_the_reference_is_the_base_model_and_the_policy_is_not(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from grpo_dist.lora import AdapterOff
+    from grpo_dist.models.lora import AdapterOff
 
     policy = wrapped(model_dir, rank=4, alpha=8)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -89,7 +89,7 @@ def test_the_reference_is_the_base_model_and_the_policy_is_not(model_dir):
 def test_target_modules_that_name_no_linear_layer_are_refused_before_the_run_naming_those_that_would(
     model_dir, tmp_path
 ):
-    from grpo_dist.inputs import check_lora_targets
+    from grpo_dist.run.inputs import check_lora_targets
 
     def config(targets: list[str]):
         return validate_config(small_config(tmp_path, learner={"lora": {"target_modules": targets}}))
@@ -104,7 +104,7 @@ def test_target_modules_that_name_no_linear_layer_are_refused_before_the_run_nam
 def test_an_adapter_on_the_output_layer_tied_to_the_embedding_is_refused(model_dir, tmp_path):
     """The tiny model ties `lm_head` to the input embedding: engines and transformers read that weight once, as the
     embedding, so a merged adapter on it would never be served."""
-    from grpo_dist.inputs import check_lora_targets
+    from grpo_dist.run.inputs import check_lora_targets
 
     cfg = validate_config(small_config(tmp_path, learner={"lora": {"target_modules": ["lm_head"], "serve": "merged"}}))
     with pytest.raises(ConfigError, match=r"\['lm_head'\] is tied to the input embedding"):
@@ -115,7 +115,7 @@ def test_in_bfloat16_the_merge_is_rounded_once_from_float32(model_dir):
     """A bf16 weight plus an adapter's small product: computed in float32 and rounded once, so an update is not
     lost to a bf16 product rounded before the sum. (Updates under half a bf16 step of a weight still round away:
     the engines get the merged weights in their dtype.)"""
-    from grpo_dist.lora import merged_weight
+    from grpo_dist.models.lora import merged_weight
 
     policy = wrapped(model_dir, rank=4, alpha=8).to(torch.bfloat16)
     layer = policy.base_model.model.model.layers[0].mlp.up_proj
@@ -128,8 +128,8 @@ def test_in_bfloat16_the_merge_is_rounded_once_from_float32(model_dir):
 
 def test_a_resume_with_other_lora_settings_is_refused_and_one_with_another_dropout_is_not(tmp_path):
     """The adapter's rank, scale and modules decide what the checkpoint's adapter means; its dropout does not."""
-    from grpo_dist import checkpoints
-    from grpo_dist.run_dir import open_run
+    from grpo_dist.run import checkpoints
+    from grpo_dist.storage.run_dir import open_run
 
     raw = small_config(tmp_path, learner={"lora": {"rank": 4}})
     checkpoint = written_checkpoint(tmp_path / "step-000003", raw)
@@ -171,7 +171,7 @@ def test_export_merges_the_saved_adapter_into_a_model_transformers_loads_with_th
     from transformers import AutoModelForCausalLM
 
     from grpo_dist import cli
-    from grpo_dist import lora as lora_module
+    from grpo_dist.models import lora as lora_module
 
     policy = wrapped(model_dir, rank=4, alpha=8).eval()
     adapter = tmp_path / "final" / "adapter"
@@ -262,8 +262,8 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
     import os
     import tempfile
 
-    from grpo_dist import lora as lora_module
-    from grpo_dist.actors.generator import Generator
+    from grpo_dist.cluster.actors.generator import Generator
+    from grpo_dist.models import lora as lora_module
     from grpo_dist.transports.base import adapter_slots
     from grpo_dist.types import Sampling
 

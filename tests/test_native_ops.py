@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from grpo_dist import native_ops
+from grpo_dist.algo import native_ops
 
 
 def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_one(tmp_path):
@@ -16,7 +16,7 @@ def test_a_lock_left_by_a_killed_load_does_not_hang_the_next_one(tmp_path):
     stale = tmp_path / "deepspeed_shm_comm" / "lock"
     stale.touch()  # what a process killed inside torch's build lock leaves
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    code = "from grpo_dist import native_ops; native_ops.load([native_ops.COMM])"
+    code = "from grpo_dist.algo import native_ops; native_ops.load([native_ops.COMM])"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "left by a DeepSpeed op load that was killed" in done.stdout
@@ -40,7 +40,7 @@ def test_a_load_with_another_ninja_first_on_path_does_not_recompile(tmp_path):
     so, log = tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so", tmp_path / "deepspeed_shm_comm" / ".ninja_log"
     before = (so.stat().st_mtime_ns, log.read_text())
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    code = "from grpo_dist import native_ops; native_ops.load([native_ops.COMM])"
+    code = "from grpo_dist.algo import native_ops; native_ops.load([native_ops.COMM])"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert (so.stat().st_mtime_ns, log.read_text()) == before  # nothing rebuilt, nothing relinked

@@ -10,8 +10,8 @@ import pytest
 from conftest import small_config
 
 from grpo_dist.config import ConfigError, validate_config
-from grpo_dist.run_dir import PROBE, open_run, start_run_dir
 from grpo_dist.storage import StorageError, Store, StoreError
+from grpo_dist.storage.run_dir import PROBE, open_run, start_run_dir
 
 
 def test_a_tree_goes_up_and_comes_back_whole(s3, tmp_path):
@@ -93,7 +93,8 @@ def test_a_checkpoint_in_the_store_must_list_every_ranks_part_and_hold_each_file
     """What a learner node that uploaded nothing, or an upload cut short, leaves in the store is refused."""
     from test_checkpoint_parts import SHARDS, fake_checkpoint
 
-    from grpo_dist import checkpoints, manifest
+    from grpo_dist.run import checkpoints
+    from grpo_dist.storage import manifest
 
     run = open_run(validate_config(small_config(tmp_path)))[1]
     store = Store(s3)

@@ -19,8 +19,9 @@ import yaml
 from conftest import REPO, TESTS_DIR, cli_here, slow_generation, small_config
 from test_resume import grpo_dist, training
 
-from grpo_dist import control, jail
 from grpo_dist.config import ConfigError, load_config, validate_config
+from grpo_dist.sandbox import jail
+from grpo_dist.storage import control
 from grpo_dist.types import Sampling
 
 
@@ -126,7 +127,7 @@ ENGINE = {"max_model_len": 128}
 def train_rows(shared, raw: dict) -> tuple[Path, list[dict]]:
     """Train the config `raw` to the end on the shared actors; the run directory and its metrics rows, one per
     step."""
-    from grpo_dist.driver import train
+    from grpo_dist.run.driver import train
 
     cfg = validate_config(shared.config(raw))
     with shared.use(cfg) as cluster:
@@ -265,7 +266,7 @@ def wait_for_row(run_dir, run: subprocess.Popen, condition, timeout_s: float = 3
 
 
 def test_generators_share_prompts_by_half_an_even_share_and_a_lone_one_takes_all():
-    from grpo_dist.generator_pool import requests_per_generator
+    from grpo_dist.cluster.generator_pool import requests_per_generator
 
     assert [requests_per_generator(16, g) for g in (1, 2, 3, 4)] == [16, 4, 3, 2]
     assert requests_per_generator(16, 1, lone_takes_all=False) == 8  # evaluation, in-flight updates
@@ -275,7 +276,7 @@ def test_generators_share_prompts_by_half_an_even_share_and_a_lone_one_takes_all
 def test_a_generator_counts_as_hung_only_after_a_bound_without_answers():
     """A slot's time without progress starts at its last answer, or at the sending of its oldest request under way
     if that is later: a long queue in an engine that keeps answering is not a hang."""
-    from grpo_dist.generator_pool import GeneratorPool, Request
+    from grpo_dist.cluster.generator_pool import GeneratorPool, Request
 
     pool = object.__new__(GeneratorPool)  # the bookkeeping alone, no generators
     pool.answered = {0: 40.0, 1: 5.0}
@@ -294,10 +295,10 @@ def test_a_slow_generator_takes_fewer_prompts(ray_cluster, tmp_path):
     all the rest, and the batch comes back whole, in prompt order."""
     import os
 
+    from grpo_dist.cluster.generator_pool import GeneratorPool, requests_per_generator
+    from grpo_dist.cluster.placement import place
     from grpo_dist.faults import FaultLog
-    from grpo_dist.generator_pool import GeneratorPool, requests_per_generator
-    from grpo_dist.inputs import prepare
-    from grpo_dist.placement import place
+    from grpo_dist.run.inputs import prepare
 
     cfg = validate_config(small_config(tmp_path, rollout={"num_generators": 2}, faults={"generate_timeout_s": 60}))
     inputs = prepare(cfg)
@@ -330,10 +331,10 @@ def test_requests_cancelled_by_the_pool_are_aborted_in_the_engine(ray_cluster, t
     """Dynamic sampling's stop: once the step has its groups the generation is cancelled, and the engine
     drops them (vLLM aborts a request whose call is cancelled). The engine is paused with its requests kept before
     the stop, so a request that was not aborted would stay in it rather than finish on its own."""
+    from grpo_dist.cluster.generator_pool import GeneratorPool
+    from grpo_dist.cluster.placement import place
     from grpo_dist.faults import FaultLog
-    from grpo_dist.generator_pool import GeneratorPool
-    from grpo_dist.inputs import prepare
-    from grpo_dist.placement import place
+    from grpo_dist.run.inputs import prepare
 
     cfg = validate_config(small_config(tmp_path, rollout={"max_new_tokens": 200, "max_model_len": 256}))
     inputs = prepare(cfg)
@@ -374,7 +375,7 @@ def test_an_update_in_flight_splits_a_completion_between_versions(ray_cluster, t
     in the test's hands (the engine may finish first), so it tries a few batches."""
     from safetensors.torch import load_file
 
-    from grpo_dist.actors.generator import Generator
+    from grpo_dist.cluster.actors.generator import Generator
     from grpo_dist.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model")

@@ -1,4 +1,4 @@
-"""Packed micro-batches (`grpo_dist.scoring`) against the padded forward on the tiny model, in this process: the
+"""Packed micro-batches (`grpo_dist.algo.scoring`) against the padded forward on the tiny model, in this process: the
 same loss for every aggregation, with the KL, entropy and importance weights, and the same gradients; chunked
 log-prob selection against the full log-softmax; micro-batches by a token budget, balanced over the ranks."""
 
@@ -9,12 +9,11 @@ import torch
 from conftest import small_config
 from test_shard import loss_of, rollout_batch, shard_rows
 
-from grpo_dist import scoring
-from grpo_dist.algo import policy_loss
+from grpo_dist.algo import policy_loss, scoring
+from grpo_dist.algo.batch import TrainBatch, shard_batch, token_budget_micro_batches
 from grpo_dist.algo.loss import AGGREGATIONS
-from grpo_dist.batch import TrainBatch, shard_batch, token_budget_micro_batches
+from grpo_dist.algo.scoring import token_logprobs, token_logprobs_and_entropy
 from grpo_dist.config import ConfigError, validate_config
-from grpo_dist.scoring import token_logprobs, token_logprobs_and_entropy
 
 
 @pytest.fixture(scope="module")

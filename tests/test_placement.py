@@ -15,8 +15,8 @@ import pytest
 import yaml
 from conftest import REPO, TESTS_DIR, cli_here, small_config
 
+from grpo_dist.cluster.placement import describe, fits, generator_resources, plan
 from grpo_dist.config import Config, validate_config
-from grpo_dist.placement import describe, fits, generator_resources, plan
 
 TWO_CPU_NODES = [{"ip": "10.0.0.1", "CPU": 2, "GPU": 0}, {"ip": "10.0.0.2", "CPU": 2, "GPU": 0}]
 
@@ -129,7 +129,7 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_dist.config import validate_config
-from grpo_dist.placement import PlacementError, generator_resources, place
+from grpo_dist.cluster.placement import PlacementError, generator_resources, place
 
 configs = json.loads(sys.argv[1])
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
@@ -281,7 +281,7 @@ def test_check_against_an_unreachable_cluster_says_so(capfd, tmp_path):
 def test_actors_serve_a_run_that_differs_only_in_what_they_are_not_started_with(tmp_path):
     """`differences`: a run's algorithm, learning rate, sampling, staleness, sync mode and rewards need no other
     actors; another model, placement, engine window, seed or weight-transfer backend does, and is named."""
-    from grpo_dist.cluster import differences
+    from grpo_dist.cluster.cluster import differences
 
     base = validate_config(small_config(tmp_path))
     model = str(tmp_path / "model")
@@ -307,7 +307,7 @@ STARTED_LATE = textwrap.dedent("""
     import os, time
     import psutil, ray
     import ray._private.services as services
-    from grpo_dist.cluster import start_local_ray
+    from grpo_dist.cluster.cluster import start_local_ray
 
     registered, asked = services.get_node, []
     def late(gcs_address, node_id):  # the first node's raylet never registers: Ray gives up on it after 30 s

@@ -1,4 +1,5 @@
-"""The memory plan (`grpo_dist.plan`, `grpo-dist plan`, part of `check`): parameters counted from a config.json as
+"""The memory plan (`grpo_dist.config.plan`, `grpo-dist plan`, part of `check`): parameters counted from a config.json
+as
 the model has them, the manual's sizing arithmetic, every shipped recipe fitting the GPUs it names, and configs that
 do not fit refused with their numbers. The recipes' models are hub ids; their config.json files (the shapes
 published with them, no weights) are put in a hub cache of the test's own and resolved offline."""
@@ -15,7 +16,7 @@ from conftest import REPO, Ran, cli_batch, cli_here, small_config
 from test_hub_models import cache_model
 
 from grpo_dist.config import ConfigError, load_config, validate_config
-from grpo_dist.plan import Shape
+from grpo_dist.config.plan import Shape
 
 SHAPES = {  # config.json of each recipe's model: the fields a plan reads, as published
     "deepseek-ai/deepseek-math-7b-instruct": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
@@ -152,7 +153,7 @@ def test_check_refuses_a_config_that_does_not_fit_before_reading_its_data(said):
 def test_a_model_the_plan_does_not_know_is_said_so_and_not_refused(tmp_path, capsys):
     """A mixture of experts: the dense arithmetic would undercount its parameters, so the plan is skipped with a
     line, and the config is not refused."""
-    from grpo_dist.plan import check_plan
+    from grpo_dist.config.plan import check_plan
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 16,
                                                       "num_hidden_layers": 1, "num_attention_heads": 1}))  # fmt: skip
@@ -176,8 +177,8 @@ def test_an_engine_is_planned_at_the_dtype_it_runs_in(said):
     """`rollout.dtype: auto` (the default) runs a GPU engine in the model's own 16-bit dtype, and the plan counts 2 B
     a weight; float32 doubles that: DAPO's 32B engine on one GPU fits in bfloat16 and not in float32 (the refusal
     above). On CPUs auto is float32, where generator and learner logprobs agree."""
-    from grpo_dist.actors.generator import engine_dtype
-    from grpo_dist.config_sections import RolloutConfig
+    from grpo_dist.cluster.actors.generator import engine_dtype
+    from grpo_dist.config.sections import RolloutConfig
 
     assert RolloutConfig().dtype == "auto"
     assert engine_dtype(RolloutConfig(), on_gpu=False) == "float32"
@@ -194,8 +195,8 @@ def test_a_lora_adapter_is_counted_as_peft_builds_it(tmp_path, targets):
     import torch  # noqa: F401  (transformers needs it to build the model)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from grpo_dist import lora
-    from grpo_dist.config_sections import LoraConfig
+    from grpo_dist.config.sections import LoraConfig
+    from grpo_dist.models import lora
 
     shape = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
@@ -209,7 +210,7 @@ def test_a_lora_adapter_is_counted_as_peft_builds_it(tmp_path, targets):
 def test_lora_plans_the_frozen_base_and_no_reference(tmp_path, capsys):
     """A 7B policy on one 80 GB GPU: refused for full training (weights, gradients and Adam states: 16 B and more a
     parameter), planned with LoRA at its frozen bf16 weights, the adapter's states and no reference copy."""
-    from grpo_dist.plan import check_plan
+    from grpo_dist.config.plan import check_plan
 
     (tmp_path / "config.json").write_text(json.dumps(SHAPES["Qwen/Qwen2.5-Math-7B"]))
     full = load_config(REPO / "configs" / "grpo.yaml", ["learner.num_ranks=1"])

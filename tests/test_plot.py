@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from grpo_dist.plot import eval_curves, moving_average, plot_rewards, plot_run, reward_summary, step_rewards
+from grpo_dist.ops.plot import eval_curves, moving_average, plot_rewards, plot_run, reward_summary, step_rewards
 
 
 def test_summary_and_curve_from_metrics(tmp_path):

@@ -145,8 +145,8 @@ def recipe_rows(shared_actors, train_path, tmp_path_factory) -> Callable[[str], 
     """`recipe_rows(name)`: the metrics.jsonl rows of configs/<name>.yaml, shrunk; each recipe runs once per module,
     all on the shared actors (the recipes differ in their algorithm, not in their actors, once shrunk)."""
     from grpo_dist.config import load_config
-    from grpo_dist.driver import train
     from grpo_dist.models import build_tiny_model
+    from grpo_dist.run.driver import train
 
     model_path = str(build_tiny_model(shared_actors.model_path))
     done: dict[str, list[Row]] = {}

@@ -144,9 +144,9 @@ def test_a_lora_run_killed_and_resumed_matches_the_uninterrupted_run(shared_acto
 
 
 def test_resume_refuses_a_changed_group_size(tmp_path):
-    from grpo_dist import checkpoints
     from grpo_dist.config import ConfigError, validate_config
-    from grpo_dist.run_dir import open_run
+    from grpo_dist.run import checkpoints
+    from grpo_dist.storage.run_dir import open_run
 
     raw = small_config(tmp_path)
     checkpoint = written_checkpoint(tmp_path / "step-000003", raw)

@@ -230,9 +230,9 @@ def test_weighted_sum_is_float64_and_unscored_out_of_range(
 def test_a_sum_out_of_range_is_the_completions_failure_counted_in_reward_failures(capsys) -> None:
     """Both functions score 1e308: each is a number, their sum is not. The worker names why, the pool counts it in
     `reward_failures/weighted_sum` (no call failed: `why/*` stay 0), and advantages leave the completion out."""
-    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.cluster.actors.reward_worker import RewardWorker
+    from grpo_dist.cluster.reward_pool import RewardFailures
     from grpo_dist.config import RewardConfig, RewardFunctionConfig
-    from grpo_dist.reward_pool import RewardFailures
 
     functions = [RewardFunctionConfig(name=f"{FIXTURES}.length_reward", kwargs={"scale": 1e308})] * 2
     worker = RewardWorker(RewardConfig(functions=functions, sandbox=False), judges=[])
@@ -347,7 +347,7 @@ def test_score_one_failure_gives_nan_and_error(
 
 
 def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_replaced() -> None:
-    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.cluster.actors.reward_worker import RewardWorker
     from grpo_dist.config import RewardConfig, RewardFunctionConfig
 
     # One function and the judge -> 8 threads; each request leaves one call sleeping past the 0.1 s limit.
@@ -363,8 +363,8 @@ def test_a_worker_without_a_sandbox_with_half_its_threads_stuck_asks_to_be_repla
 
 
 def test_a_run_scoring_nothing_stops_naming_each_functions_first_error(capsys) -> None:
+    from grpo_dist.cluster.reward_pool import RewardFailures
     from grpo_dist.faults import RunFailed
-    from grpo_dist.reward_pool import RewardFailures
 
     failures = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=2)
     bad, good = Score(math.nan, [math.nan, 1.0], {"a": Failure("sandbox_died", "x")}), Score(1.0, [1.0, 1.0])
@@ -396,7 +396,7 @@ def test_a_call_the_completion_made_fail_scores_the_floor_unless_told_to_leave_i
 ) -> None:
     """`reward.on_failure: floor` (the default): the failing function scores its floor, which enters the weighted
     sum like a score; `unscored`: the completion is unscored, as a failure of the machine leaves it."""
-    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.cluster.actors.reward_worker import RewardWorker
 
     failing = RewardFunctionConfig(name=f"{FIXTURES}.{name}", kwargs=kwargs, weight=2.0, floor=-1.0)
     functions = [failing, RewardFunctionConfig(name="exact_answer")]
@@ -435,8 +435,8 @@ def test_floored_completions_are_counted_by_kind_never_stop_a_run_and_are_said_o
     """Four completions of four, each with a failed call scored 0 (the floor): counted in `reward_failures/floored`
     and by kind, `unscored` stays 0, so no stop however long it lasts; the first error of each kind is printed, and
     the function failing on more than `max_fraction` of a step's completions is said once per run."""
+    from grpo_dist.cluster.reward_pool import RewardFailures
     from grpo_dist.faults import RunFailed
-    from grpo_dist.reward_pool import RewardFailures
 
     failures = RewardFailures(["a", "b"], max_fraction=0.5, max_steps=2)
     timed_out = Score(1.0, [0.0, 1.0], {"a": Failure("timeout", "timed out after 10s")})

@@ -1,4 +1,4 @@
-"""A batch's shaped rewards and advantages (`grpo_dist.rollouts.advantages`), by hand. No actors."""
+"""A batch's shaped rewards and advantages (`grpo_dist.run.rollouts.advantages`), by hand. No actors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from conftest import small_config
 
 from grpo_dist.config import validate_config
 from grpo_dist.data import PromptRecord
-from grpo_dist.rollouts import Rollout, compute_advantages
+from grpo_dist.run.rollouts import Rollout, compute_advantages
 from grpo_dist.types import Completion, Score
 
 

@@ -1,4 +1,4 @@
-"""Collecting a step's groups (`grpo_dist.rollouts.collect`): what it does with each event of a generation. The
+"""Collecting a step's groups (`grpo_dist.run.rollouts.collect`): what it does with each event of a generation. The
 generator pool and the reward pool are stood in for by scripted objects here (the real ones run in the loop tests
 of test_loop.py, test_overlap.py and test_faults.py); what is tested is the decisions: every group scored as it
 comes and the batch put back in prompt order, a replaced generator reconnected before it gets work, the in-flight
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 from conftest import small_config
 
+from grpo_dist.algo.throughput import StepTimer
+from grpo_dist.cluster.generator_pool import Advanced
 from grpo_dist.config import validate_config
 from grpo_dist.data import PromptRecord, PromptSampler
 from grpo_dist.faults import RunFailed
-from grpo_dist.generator_pool import Advanced
-from grpo_dist.rollouts import collect_rollout
-from grpo_dist.throughput import StepTimer
+from grpo_dist.run.rollouts import collect_rollout
 from grpo_dist.types import Completion, Score
 
 

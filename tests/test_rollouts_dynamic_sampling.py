@@ -1,4 +1,4 @@
-"""Dynamic sampling (`grpo_dist.rollouts.dynamic_sampling`): the prompts a step streams and the groups it trains
+"""Dynamic sampling (`grpo_dist.run.rollouts.dynamic_sampling`): the prompts a step streams and the groups it trains
 on, whatever order the engines finish them in. No actors."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from conftest import small_config
 
 from grpo_dist.config import validate_config
 from grpo_dist.data import PromptRecord, PromptSampler
-from grpo_dist.rollouts import Rollout
-from grpo_dist.rollouts.dynamic_sampling import Refill, prompt_seeds
+from grpo_dist.run.rollouts import Rollout
+from grpo_dist.run.rollouts.dynamic_sampling import Refill, prompt_seeds
 from grpo_dist.types import Completion, Score
 
 

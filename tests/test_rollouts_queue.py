@@ -1,4 +1,4 @@
-"""The batch drawn ahead (`grpo_dist.rollouts.queue`) and its place in a checkpoint. No actors."""
+"""The batch drawn ahead (`grpo_dist.run.rollouts.queue`) and its place in a checkpoint. No actors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from rollout_helpers import rollout_of
 
 from grpo_dist.config import validate_config
 from grpo_dist.data import PromptRecord, PromptSampler
-from grpo_dist.rollouts import RolloutQueue
+from grpo_dist.run.rollouts import RolloutQueue
 
 
 def test_a_checkpoint_holds_the_batch_drawn_ahead_and_a_run_resumed_on_policy_draws_its_prompts_again(tmp_path, capsys):

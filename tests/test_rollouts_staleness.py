@@ -1,4 +1,4 @@
-"""Bounded staleness (`grpo_dist.rollouts.staleness`): which groups a step may train on, and when the generators
+"""Bounded staleness (`grpo_dist.run.rollouts.staleness`): which groups a step may train on, and when the generators
 must sync for the next batch to keep the bound. No actors."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rollout_helpers import rollout_of
 
-from grpo_dist.rollouts import bound_staleness, sync_due
+from grpo_dist.run.rollouts import bound_staleness, sync_due
 
 
 def test_a_group_holding_one_completion_older_than_k_versions_is_dropped_whole():

@@ -4,13 +4,15 @@ naming what it holds, and the command never runs; the run state's own classes lo
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 import torch
 
-from grpo_dist import safe_load
-from grpo_dist.checkpoints import RUN_STATE_CLASSES
-from grpo_dist.rollouts.rollout import Rollout
+from grpo_dist.run.checkpoints import RUN_STATE_CLASSES
+from grpo_dist.run.rollouts.rollout import Rollout
+from grpo_dist.storage import safe_load
 from grpo_dist.types import Completion, Failure, Score
 
 
@@ -46,3 +48,22 @@ def test_the_run_states_own_classes_load(tmp_path):
     path = tmp_path / "run_state.pt"
     torch.save(state, path)
     assert safe_load.load(path, RUN_STATE_CLASSES) == state
+
+
+def test_a_run_state_written_before_the_rollout_batch_moved_loads(tmp_path, monkeypatch):
+    """A run state pickled when `Rollout` lived in `grpo_dist.rollouts.rollout` (before the subpackages) still loads,
+    as the class it is now; under a name the allowed list does not give, the same file is refused."""
+    completion = Completion(0, [1, 2], [3], "3", [-0.5], "stop", 2)
+    rollout = Rollout([], [completion], [Score(1.0, [1.0])])
+    old = types.ModuleType("grpo_dist.rollouts.rollout")
+    old.Rollout = Rollout
+    monkeypatch.setitem(sys.modules, "grpo_dist.rollouts.rollout", old)
+    monkeypatch.setattr(Rollout, "__module__", "grpo_dist.rollouts.rollout")
+    path = tmp_path / "run_state.pt"
+    torch.save({"step": 2, "ahead": {"batch": (3, rollout)}}, path)
+    monkeypatch.undo()
+    assert b"grpo_dist.rollouts.rollout" in path.read_bytes()
+    loaded = safe_load.load(path, RUN_STATE_CLASSES)["ahead"]["batch"][1]
+    assert type(loaded) is Rollout and loaded == rollout
+    with pytest.raises(safe_load.UnsafeCheckpoint, match=r"holds grpo_dist.rollouts.rollout.Rollout besides"):
+        safe_load.load(path, [cls for cls in RUN_STATE_CLASSES if not isinstance(cls, tuple)])

@@ -22,10 +22,9 @@ import pytest
 from conftest import small_config
 from test_resume import training
 
-from grpo_dist import privileges
 from grpo_dist.config import RewardConfig, RewardFunctionConfig
 from grpo_dist.rewards.runner import RewardRunner
-from grpo_dist.sandbox import SANDBOX_MARK, ended_kind, exit_reason
+from grpo_dist.sandbox import SANDBOX_MARK, ended_kind, exit_reason, privileges
 from grpo_dist.types import ScoreRequest
 
 FIXTURES = "reward_fixtures"
@@ -127,7 +126,7 @@ def test_how_a_sandbox_ended_in_a_call_tells_whose_failure_it_was(code, kind):
 @pytest.mark.parametrize("on_failure", ["floor", "unscored"])
 def test_a_reward_that_crashes_its_sandbox_scores_the_floor_in_a_worker(on_failure):
     """The reward worker gives the crashing function its floor (0) under the default, adding the other's score."""
-    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.cluster.actors.reward_worker import RewardWorker
 
     names = [f"{FIXTURES}.crashing_reward", f"{FIXTURES}.length_reward"]
     functions = [RewardFunctionConfig(name=name) for name in names]

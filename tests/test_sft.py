@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from grpo_dist.cli import main
 from grpo_dist.config import ConfigError, load_config
 from grpo_dist.data import DatasetError
-from grpo_dist.inputs import prepare_model
-from grpo_dist.sft import run_sft
+from grpo_dist.run.inputs import prepare_model
+from grpo_dist.run.sft import run_sft
 
 ACCURACY = re.compile(r"held-out accuracy (before|after) warm-up: ([0-9.]+)")
 

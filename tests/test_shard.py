@@ -8,8 +8,8 @@ import torch
 from test_learner import fake_rollout
 
 from grpo_dist.algo import policy_loss
+from grpo_dist.algo.batch import TrainBatch, collate, shard_batch
 from grpo_dist.algo.loss import AGGREGATIONS
-from grpo_dist.batch import TrainBatch, collate, shard_batch
 
 
 def rollout_batch(groups: int = 3, group_size: int = 4) -> TrainBatch:

@@ -7,9 +7,9 @@ import json
 
 import yaml
 
-from grpo_dist import control
 from grpo_dist.cli import main
-from grpo_dist.status import status_from_logs, summary
+from grpo_dist.storage import control
+from grpo_dist.storage.status import status_from_logs, summary
 
 
 def run_dir_with(tmp_path, rows: list[dict], events: list[dict], steps: int = 10):

@@ -168,7 +168,7 @@ LOCAL_SETTINGS = {"HF_HOME": "/shared/hf", "AWS_ENDPOINT_URL": "http://minio:900
 def sent(monkeypatch, tmp_path):
     """What `grpo-dist submit` sends to the job server (stood in for: nothing is reached), one runtime_env per job;
     WANDB_API_KEY, HF_TOKEN and AWS keys set here, and settings that are not secrets."""
-    from grpo_dist import submit
+    from grpo_dist.ops import submit
 
     jobs = []
     monkeypatch.setattr(submit, "JobServer", lambda address: None)

@@ -69,7 +69,7 @@ def test_the_learners_side_of_a_sync_imports_no_vllm():
     import subprocess
     import sys
 
-    modules = "grpo_dist.actors.learner, grpo_dist.transports.broadcast, grpo_dist.transports.gloo_sender"
+    modules = "grpo_dist.cluster.actors.learner, grpo_dist.transports.broadcast, grpo_dist.transports.gloo_sender"
     code = f"import sys, {modules}; print(sorted(name for name in sys.modules if name.split('.')[0] == 'vllm'))"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert found.strip() == "[]", found
@@ -115,7 +115,7 @@ def test_a_rendezvous_port_is_free_and_outside_the_range_the_kernel_hands_out():
     import socket
     from pathlib import Path
 
-    from grpo_dist.actors.learner import RAY_WORKER_PORTS_END, free_port
+    from grpo_dist.cluster.actors.learner import RAY_WORKER_PORTS_END, free_port
 
     low, _ = (int(part) for part in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     ports = {free_port() for _ in range(20)}
@@ -132,8 +132,8 @@ def test_every_generator_holds_the_learners_weights_after_each_transport(ray_clu
     then equal the learner's (and differ from the initial model's), for each transport in turn."""
     from test_learner import sample_batch
 
-    from grpo_dist.actors.generator import Generator
-    from grpo_dist.learner_group import LearnerGroup
+    from grpo_dist.cluster.actors.generator import Generator
+    from grpo_dist.cluster.learner_group import LearnerGroup
     from grpo_dist.models import build_tiny_model
     from grpo_dist.transports import make_transport, wire_backend
 
@@ -179,7 +179,7 @@ def test_nccl_broadcast_reaches_both_workers_of_a_tensor_parallel_engine(ray_clu
     worker per GPU): the NCCL broadcast reaches both workers and the engine's logprobs equal the learner's."""
     from test_learner import sample_batch
 
-    from grpo_dist.cluster import Cluster
+    from grpo_dist.cluster.cluster import Cluster
     from grpo_dist.models import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / "model"))

@@ -133,7 +133,7 @@ def test_the_in_process_protocol_still_holds_its_own_forgeries():
 
 
 def test_the_reward_worker_hands_back_its_counts_with_the_scores():
-    from grpo_dist.actors.reward_worker import RewardWorker
+    from grpo_dist.cluster.actors.reward_worker import RewardWorker
     from grpo_dist.types import ScoreRequest
 
     reward = RewardConfig(functions=[RewardFunctionConfig(name="code_tests")], sandbox=False, timeout_s=30)
@@ -147,7 +147,7 @@ def test_the_reward_worker_hands_back_its_counts_with_the_scores():
 
 
 def test_the_pool_logs_the_count_every_step_and_says_it_once(capsys):
-    from grpo_dist.reward_pool import RewardFailures, RewardPool
+    from grpo_dist.cluster.reward_pool import RewardFailures, RewardPool
 
     pool = RewardPool.__new__(RewardPool)  # its metrics alone
     pool.failures, pool.isolation, pool.judge = RewardFailures(["code_tests"], 0.9, 3), {}, None

@@ -12,7 +12,7 @@ import wandb
 from conftest import TESTS_DIR, small_config
 
 from grpo_dist.config import validate_config
-from grpo_dist.metrics import start_wandb, wandb_mode
+from grpo_dist.run.metrics import start_wandb, wandb_mode
 
 SWITCHES = ("WANDB_MODE", "WANDB_DISABLED", "WANDB_API_KEY", "WANDB_BASE_URL", "NETRC")
 
@@ -74,7 +74,7 @@ import os, sys
 from pathlib import Path
 from conftest import small_config
 from grpo_dist.config import validate_config
-from grpo_dist.metrics import start_wandb
+from grpo_dist.run.metrics import start_wandb
 cfg = validate_config(small_config(Path(sys.argv[1]), wandb={"enabled": True, "mode": "offline"}))
 run = start_wandb(cfg, Path(sys.argv[1]), "samerun01")
 print("logged", flush=True)

@@ -21,7 +21,7 @@ from test_resume import grpo_dist, rows
 from transformers import AutoModelForCausalLM
 from wandb_files import history, records, table
 
-from grpo_dist.throughput import flop_params
+from grpo_dist.algo.throughput import flop_params
 
 pytestmark = pytest.mark.slow
 
@@ -192,7 +192,7 @@ def test_train_runs_twice_in_one_process(tmp_path):
     script = (
         "import sys\n"
         "from grpo_dist.config import load_config\n"
-        "from grpo_dist.driver import train\n"
+        "from grpo_dist.run.driver import train\n"
         "for name in ('first', 'second'):\n"
         "    print('ran', train(load_config(sys.argv[1], [f'run.name={name}'])), flush=True)\n"
     )

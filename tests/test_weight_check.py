@@ -8,7 +8,7 @@ from conftest import small_config
 
 from grpo_dist.config import validate_config
 from grpo_dist.faults import DROP_WEIGHTS, Bound, drops_weights
-from grpo_dist.weight_check import Probe, WeightCheck, max_gap, probe_tokens
+from grpo_dist.transports.weight_check import Probe, WeightCheck, max_gap, probe_tokens
 
 
 def test_the_probe_is_the_first_prompts_joined_and_cut_to_the_engines_length(tmp_path):

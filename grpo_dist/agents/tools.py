@@ -30,9 +30,9 @@ from typing import Any
 
 from grpo_dist.agents.protocol import ToolCall, resolve_named
 from grpo_dist.config import MODEL_CODE_TOOLS
-from grpo_dist.jail import Isolation
 from grpo_dist.rewards.code import run_python
 from grpo_dist.sandbox import Sandbox
+from grpo_dist.sandbox.jail import Isolation
 
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 PYTHON_TYPES = {

@@ -16,7 +16,7 @@ from grpo_dist.cli import checks, files, jobs, runs
 from grpo_dist.cli.checks import reference_markdown, reference_text
 from grpo_dist.cli.common import Command, refuse_credentials_in_flags
 from grpo_dist.config import ConfigError
-from grpo_dist.console import survive_a_closed_reader
+from grpo_dist.storage.console import survive_a_closed_reader
 
 __all__ = ["COMMANDS", "main", "reference_markdown", "reference_text"]
 

@@ -31,9 +31,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from grpo_dist.hub import CONFIG_FILES
-    from grpo_dist.inputs import prepare_model, teacher_directory
-    from grpo_dist.plan import check_plan
+    from grpo_dist.config.plan import check_plan
+    from grpo_dist.models.hub import CONFIG_FILES
+    from grpo_dist.run.inputs import prepare_model, teacher_directory
 
     cfg = load_config(args.config, args.overrides)
     with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
@@ -49,8 +49,8 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from grpo_dist.status import summary
-    from grpo_dist.submit import SubmitError, job_status
+    from grpo_dist.ops.submit import SubmitError, job_status
+    from grpo_dist.storage.status import summary
 
     try:
         lines = job_status(args.run, args.address) if args.address else summary(Path(args.run))
@@ -84,7 +84,7 @@ def _plot_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from grpo_dist.plot import plot_run, reward_summary, step_rewards
+    from grpo_dist.ops.plot import plot_run, reward_summary, step_rewards
 
     if not Path(args.metrics).is_file():
         raise ConfigError(f"{args.metrics}: no such metrics file (a run writes run.output_dir/run.name/metrics.jsonl)")
@@ -102,8 +102,8 @@ def _check_inputs(cfg: Config) -> None:
 
     import yaml
 
-    from grpo_dist.hub import TOKENIZER_FILES
-    from grpo_dist.inputs import prepare
+    from grpo_dist.models.hub import TOKENIZER_FILES
+    from grpo_dist.run.inputs import prepare
 
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     with tempfile.TemporaryDirectory(prefix="grpo-dist-check-") as scratch:
@@ -120,7 +120,7 @@ def _check_cluster(cfg: Config, address: str) -> int:
     cannot be reached. Every step is bounded: a TCP probe of the address first, then one connection attempt."""
     import ray
 
-    from grpo_dist.cluster import unreachable
+    from grpo_dist.cluster.cluster import unreachable
 
     problem = unreachable(address)
     if problem is None:
@@ -138,7 +138,7 @@ def _check_cluster(cfg: Config, address: str) -> int:
             file=sys.stderr,
         )
         return 2
-    from grpo_dist.placement import cluster_nodes, describe, fits
+    from grpo_dist.cluster.placement import cluster_nodes, describe, fits
 
     try:
         nodes = cluster_nodes()

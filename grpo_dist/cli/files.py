@@ -19,7 +19,7 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from grpo_dist.export import merge_adapter
+    from grpo_dist.ops.export import merge_adapter
 
     adapted = merge_adapter(Path(args.adapter), Path(args.out), args.base)
     print(f"{adapted} adapted weights merged; the model in {args.out} loads in transformers and vLLM")

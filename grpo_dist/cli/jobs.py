@@ -43,7 +43,7 @@ def _job_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _submit_or_job(args: argparse.Namespace) -> int:
-    from grpo_dist.submit import SubmitError, job, submit
+    from grpo_dist.ops.submit import SubmitError, job, submit
 
     if not args.address:
         raise ConfigError("--address: the Ray job server's URL (http://HEAD:8265) is needed, or RAY_ADDRESS set to it")
@@ -77,8 +77,8 @@ def _scale_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _scale_run(run: str, setting: str, address: str | None) -> int:
-    from grpo_dist.control import NotRunning, scale
-    from grpo_dist.submit import SubmitError, scale_on_cluster
+    from grpo_dist.ops.submit import SubmitError, scale_on_cluster
+    from grpo_dist.storage.control import NotRunning, scale
 
     key, _, value = setting.partition("=")
     if key != "generators" or not value.isdigit() or int(value) < 1:

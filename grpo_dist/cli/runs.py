@@ -43,8 +43,8 @@ def resume_or_override(args: argparse.Namespace) -> None:
 @bad_data_exits_2
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from grpo_dist.driver import train
     from grpo_dist.faults import RunFailed
+    from grpo_dist.run.driver import train
     from grpo_dist.storage import StoreError
 
     signal.signal(signal.SIGTERM, _stop)  # preemption, `ray job stop`: the same clean stop as Ctrl-C
@@ -84,7 +84,7 @@ def _sft_arguments(parser: argparse.ArgumentParser) -> None:
 
 @bad_data_exits_2
 def _sft(args: argparse.Namespace) -> int:
-    from grpo_dist.sft import run_sft
+    from grpo_dist.run.sft import run_sft
 
     run_sft(load_config(args.config, args.overrides), overwrite=args.overwrite)
     return 0
@@ -110,14 +110,14 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 @bad_data_exits_2
 def _eval(args: argparse.Namespace) -> int:
-    from grpo_dist.evaluation import evaluate_checkpoint
+    from grpo_dist.run.evaluation import evaluate_checkpoint
 
     evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint, args.out, args.verbose)
     return 0
 
 
 def _up(args: argparse.Namespace) -> int:
-    from grpo_dist.standing import StandingError, up
+    from grpo_dist.cluster.standing import StandingError, up
 
     if args.num_cpus is not None and args.num_cpus < 1:
         print(f"grpo-dist up: --num-cpus must be at least 1, not {args.num_cpus}", file=sys.stderr)
@@ -134,7 +134,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from grpo_dist.standing import down, find
+    from grpo_dist.cluster.standing import down, find
 
     standing = find()
     stopped = down()

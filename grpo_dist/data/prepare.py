@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_dist.config_sections import FieldsConfig
+from grpo_dist.config.sections import FieldsConfig
 from grpo_dist.data.dataset import DatasetError
 from grpo_dist.data.sources import read_source
 

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from grpo_dist.config_sections import FieldsConfig
+from grpo_dist.config.sections import FieldsConfig
 from grpo_dist.data.dataset import MISSING, SUPPORTED_SUFFIXES, DatasetError, check_row, load_rows, lookup
 
 HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -86,7 +86,7 @@ def _from_disk(path: Path, split: str, key: str) -> list[dict[str, Any]]:
 def _from_hub(repo_id: str, subset: str | None, split: str, key: str, revision: str | None) -> list[dict[str, Any]]:
     """A hub dataset: its snapshot resolved like a hub model's (from the Hugging Face cache, or downloaded there),
     then read by `datasets` from that directory (its README's configs name the subsets and splits)."""
-    from grpo_dist.hub import snapshot
+    from grpo_dist.models.hub import snapshot
 
     return _through_datasets(snapshot(repo_id, revision, key, kind="dataset"), subset, split, key)
 

@@ -1,5 +1,5 @@
 """Running the model's code against tests (`code_tests`) and as a tool (`python`), each run jailed
-(`grpo_dist.jail`), judged here, in the trusted process that started it.
+(`grpo_dist.sandbox.jail`), judged here, in the trusted process that started it.
 
 `code_tests` runs every test in a fresh jailed process of its own: the process comes up and says so; the
 completion's code is sent and run; the process says it ran; only then is the test sent. Once the code ran it owns
@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from grpo_dist.jail import Isolation, Jailed, Limits
 from grpo_dist.rewards import counters
 from grpo_dist.rewards.verdicts import ENCODING, NotPlain, Split, decode, judge, split_test
+from grpo_dist.sandbox.jail import Isolation, Jailed, Limits
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 START_TIMEOUT_S = 30.0  # a jailed interpreter coming up on a loaded machine
@@ -271,10 +271,10 @@ def code_tests(
     **_: Any,
 ) -> float:
     """The fraction of ``tests`` (a row field, `read_tests`) the completion's code passes: its last fenced Python
-    block, or the whole completion. Each test runs in a jailed process of its own (`grpo_dist.jail`), the code and
-    then the test each given ``timeout_per_test_s``; code that fails to run fails every test. All of them get
-    ``budget_s`` (the reward worker's `reward.timeout_s`): a test not done by then fails, so slow code scores what
-    it solved, never more.
+    block, or the whole completion. Each test runs in a jailed process of its own (`grpo_dist.sandbox.jail`), the code
+    and then the test each given ``timeout_per_test_s``; code that fails to run fails every test. All of them get
+    ``budget_s`` (the reward worker's `reward.timeout_s`): a test not done by then fails, so slow code scores what it
+    solved, never more.
 
     A Python test is judged here where `verdicts.split_test` splits it (``entry_point``, a row field: the function
     a HumanEval-style `check(candidate)` checks); one it cannot split runs in the code's own process, counted in

@@ -3,7 +3,7 @@ the calling process. The reward workers, the pre-flight check and `grpo-dist sft
 so user reward code runs the same way (and under the same limits) wherever it is called from.
 
 The built-ins that run the model's code (`config.MODEL_CODE_REWARDS`: `code_tests`) are called here, in the trusted
-process: each run of the model's code is jailed (`grpo_dist.jail`), and this side alone reads its verdict."""
+process: each run of the model's code is jailed (`grpo_dist.sandbox.jail`), and this side alone reads its verdict."""
 
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from grpo_dist import lora
 from grpo_dist.config import Config
 from grpo_dist.faults import Bound, Bounds
+from grpo_dist.models import lora
 from grpo_dist.transports.base import generator_names, wait_all, wire_backend
 
 log = logging.getLogger("grpo_dist")
@@ -199,14 +199,14 @@ def vllm_source(source):
 
 def model_source(module, zero3: bool, wire_dtype=None, to_rank0: bool = False):
     """A `WeightSource` (`grpo_dist.transports.gloo_sender`'s) over a Hugging Face module trained by DeepSpeed: full
-    shapes from metadata without gathering; under ZeRO-3 iteration gathers one decoder layer at a time (a collective
-    on every rank) and frees it once the next is asked for. With `to_rank0` (the gloo sender's way) and several
-    ranks, a layer's partitions go to rank 0 alone, with the next layer's under way, and rank 0 gets each weight as
-    its partitions (`Partitions`) to copy straight into a bucket; the other ranks get None. With `wire_dtype` the
-    metadata declares floating-point weights at that dtype (the sender casts them as it packs). Tied weights are
-    sent under each of their names (as in the module's state dict): vLLM's layerwise reload waits for
-    `lm_head.weight` even when it is the embedding. A LoRA policy (`grpo_dist.lora`) is sent merged, under the base
-    model's names, each layer gathered on every rank."""
+    shapes from metadata without gathering; under ZeRO-3 iteration gathers one decoder layer at a time (a collective on
+    every rank) and frees it once the next is asked for. With `to_rank0` (the gloo sender's way) and several ranks, a
+    layer's partitions go to rank 0 alone, with the next layer's under way, and rank 0 gets each weight as its
+    partitions (`Partitions`) to copy straight into a bucket; the other ranks get None. With `wire_dtype` the metadata
+    declares floating-point weights at that dtype (the sender casts them as it packs). Tied weights are sent under each
+    of their names (as in the module's state dict): vLLM's layerwise reload waits for `lm_head.weight` even when it is
+    the embedding. A LoRA policy (`grpo_dist.models.lora`) is sent merged, under the base model's names, each layer
+    gathered on every rank."""
     import deepspeed
 
     from grpo_dist.transports.gloo_wire import ParamMeta, layer_groups

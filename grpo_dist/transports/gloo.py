@@ -24,7 +24,7 @@ version it is based on: any that differs from the sender's has the sync done aga
 sync is full anyway.
 
 Importing the module registers the worker engine with vLLM: the generator's worker extension
-(`grpo_dist.actors.weight_sync`) imports it inside every vLLM worker. The learner's side is vLLM's trainer-engine
+(`grpo_dist.transports.weight_sync`) imports it inside every vLLM worker. The learner's side is vLLM's trainer-engine
 protocol written without vLLM's types (`gloo_sender`), so the learner never imports vLLM.
 
 The module's parts: `gloo_wire` (what a sync declares, the bucket plan, packing, the group and broadcast),

@@ -1,5 +1,5 @@
 """Object-store transport: learner rank 0 returns the full state dict (every rank gathers it under ZeRO-3), Ray keeps
-one copy per node, and each generator loads it through vLLM's in-place reload (`grpo_dist.actors.weight_sync`).
+one copy per node, and each generator loads it through vLLM's in-place reload (`grpo_dist.transports.weight_sync`).
 
 Simple and always available, but the whole model crosses host memory on every sync and rank 0 holds all of it.
 """

@@ -1,0 +1,542 @@
+"""Generator actor: one vLLM asynchronous engine sampling groups of completions, versioned by the weights it holds.
+
+The actor is asynchronous (a Ray async actor around vLLM's `AsyncLLM`): it serves many `generate` calls at once, one
+prompt's group each, and the engine batches whatever is running (continuous batching). A weight update pauses the
+engine with its requests kept, loads the weights and resumes; a request under way then samples its remaining tokens
+with the new weights, and its completion records the oldest and newest weight versions its tokens were sampled by
+(vLLM labels every output token with the version that sampled it). The KV cache such a request already holds was
+computed under the old weights and is kept, as in PipelineRL (arXiv 2509.19128); the prefix cache is salted with
+the weight version, so no new request reuses a prompt's cache from older weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from grpo_dist.config import EnvironmentConfig, RolloutConfig
+from grpo_dist.faults import drops_weights, slow_generation_s
+from grpo_dist.sandbox.privileges import die_with_parent
+from grpo_dist.types import Completion, Sampling
+
+ENGINE_MARK = "GRPO_DIST_ENGINE"
+"""Set in a generator's environment, so the engine processes vLLM starts from it die with it
+(`grpo_dist.cluster.actors.engine_plugin`)."""
+
+
+def eager(rollout: RolloutConfig, on_gpu: bool) -> bool:
+    """Whether the engine runs eagerly: `rollout.enforce_eager` when set; else on CPU only (CUDA graphs on a GPU)."""
+    return rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu
+
+
+def engine_dtype(rollout: RolloutConfig, on_gpu: bool) -> str:
+    """`rollout.dtype`, auto meaning float32 on the CPU backend (where vLLM's auto would take a bfloat16 checkpoint
+    as it is) and the model's own dtype on a GPU."""
+    return "float32" if rollout.dtype == "auto" and not on_gpu else rollout.dtype
+
+
+def engine_environment(eager_engine: bool) -> dict[str, str]:
+    """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
+    process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
+    cores), the engine's processes die with the actor. An engine that runs eagerly (`eager`: the CPU backend's
+    default) also runs without torch.compile: vLLM's sampler would still compile its log-prob gather on the first
+    request that asks for log-probs, 3 of an engine's 9 seconds of start-up on the quick start's model (0.04 s
+    without), and again whenever a batch's shape calls for a recompile."""
+    return {
+        **({"TORCHDYNAMO_DISABLE": "1"} if eager_engine else {}),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "TOKENIZERS_PARALLELISM": "false",
+        ENGINE_MARK: "1",
+    }
+
+
+def fork_engine_core() -> None:
+    """Have vLLM start this process's engine core by forking it, not spawning it (a vLLM release without the hook
+    spawns as before). vLLM's CPU backend always spawns, and a spawned engine core imports vLLM and torch again, most
+    of its start-up's CPU time on a small model. Forking is safe here: the generator has touched no CUDA, runs no
+    OpenMP work before the engine exists, and its engine core uses none of the Ray connection it inherits (only for
+    one engine process: the "uni" executor). The child is set up as a spawned one is (`engine_core_child`)."""
+    import multiprocessing
+
+    import vllm.v1.engine.utils as launcher
+
+    if hasattr(launcher, "get_mp_context"):
+        launcher.get_mp_context = lambda: multiprocessing.get_context("fork")
+        os.register_at_fork(after_in_child=engine_core_child)
+
+
+def shm_dir() -> str | None:
+    """Shared memory for files handed to the engine (weights, adapters), where the machine has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def adapter_dir() -> str:
+    """A new directory in shared memory for this process's adapters (`Generator.load_adapter`), named by its pid;
+    those of generators that died without closing (their pid gone) are removed first."""
+    import glob
+
+    import psutil
+
+    prefix = os.path.join(shm_dir() or tempfile.gettempdir(), "grpo-dist-adapters-")
+    for stale in glob.glob(f"{prefix}*"):
+        pid = stale.removeprefix(prefix).split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"grpo-dist-adapters-{os.getpid()}-", dir=shm_dir())
+
+
+def engine_core_child() -> None:
+    """In the forked engine core: die with the generator, and be titled `VLLM::EngineCore` as a spawned one is (by the
+    plugin and by vLLM, neither of which can do it in a fork: the plugin is not loaded again, and vLLM's retitling
+    fails in a copy of a process Ray has retitled, so it is done with Ray's)."""
+    die_with_parent()
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._raylet import setproctitle
+
+        setproctitle("VLLM::EngineCore")
+
+
+class Generator:
+    """Wraps one `AsyncLLM`. Wrapped as a Ray actor by `grpo_dist.cluster.generator_pool` (resources are given there);
+    `start` must be awaited before any other call."""
+
+    def __init__(
+        self,
+        model_path: str,
+        rollout: RolloutConfig,
+        seed: int,
+        weight_transfer: str | None = None,
+        environment: EnvironmentConfig | None = None,
+        isolation: tuple[str, list[str]] = ("best_effort", []),
+        adapters: tuple[int, int] | None = None,
+    ) -> None:
+        """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
+        None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
+        in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools.
+        `adapters`: (largest rank, versions held) when the engine serves LoRA adapters (`load_adapter`)."""
+        import torch
+
+        die_with_parent()
+        on_gpu = torch.cuda.is_available()
+        os.environ.update(engine_environment(eager(rollout, on_gpu)))
+        from vllm import AsyncEngineArgs
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from grpo_dist.transports.weight_sync import WORKER_EXTENSION
+
+        self.rollout = rollout
+        self.agent = None
+        if environment is not None:
+            from transformers import AutoTokenizer
+
+            from grpo_dist.agents.episode import AgentLoop
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.agent = AgentLoop(environment, tokenizer, rollout.max_new_tokens, *isolation)
+        self.weight_version = 0
+        self.dropped: set[int] = set()  # weight versions dropped for a test (`grpo_dist.faults.DROP_WEIGHTS`)
+        self.adapters = adapters
+        self.lora = None  # the adapter new requests are served with (a `LoRARequest`), when serving adapters
+        self.held: dict[int, list[Path]] = {}  # weight version -> the directories of its loaded adapter, oldest first
+        self.loads = 0  # adapters loaded so far
+        self.adapter_lock = asyncio.Lock()
+        self.held_back = asyncio.Lock()  # one group at a time under `faults.SLOW_GENERATION`
+        self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
+        self.adapter_dir = adapter_dir() if adapters else None
+        self.request_ids = itertools.count()
+        self.stats = EngineStats()
+        if not on_gpu and rollout.tensor_parallel_size == 1:
+            fork_engine_core()
+        self.engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=model_path,
+                dtype=engine_dtype(rollout, on_gpu),
+                max_model_len=rollout.max_model_len,
+                gpu_memory_utilization=rollout.gpu_memory_utilization,
+                kv_cache_memory_bytes=None if on_gpu else int(rollout.cpu_kv_cache_gib * 2**30),
+                # On the CPU backend a seeded request whose prompt is cut between engine steps stops the engine
+                # (its random generator cannot step back), so a prompt is always prefilled whole there.
+                enable_chunked_prefill=None if on_gpu else False,
+                enforce_eager=eager(rollout, on_gpu),
+                seed=seed,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=WORKER_EXTENSION,
+                weight_transfer_config=WeightTransferConfig(backend=weight_transfer) if weight_transfer else None,
+                tensor_parallel_size=rollout.tensor_parallel_size,
+                distributed_executor_backend="ray" if rollout.tensor_parallel_size > 1 else "uni",
+                disable_log_stats=True,
+                enable_lora=adapters is not None,
+                **({"max_lora_rank": adapters[0], "max_loras": adapters[1]} if adapters else {}),
+            ),
+            usage_context=UsageContext.LLM_CLASS,  # batch sizes for offline batches, as `vllm.LLM` has
+            stat_loggers=[self.stats.logger_factory()],  # vLLM's own schedulers' statistics, and no console log
+        )
+
+    async def start(self) -> None:
+        """Label the initial weights version 0 and sample two greedy tokens with their logprobs (the first request
+        asking for logprobs costs seconds), so an engine's first-call costs fall in its start-up (bounded by
+        `faults.start_timeout_s`), not in a step's generation (bounded by `faults.generate_timeout_s`)."""
+        from vllm import SamplingParams
+
+        await self.engine.update_weight_version(str(self.weight_version))
+        await self._sample([0], SamplingParams(max_tokens=2, temperature=0.0, logprobs=0))
+        if self.agent is not None:
+            await self.agent.start()
+
+    async def configure(self, rollout: RolloutConfig) -> None:
+        """A new run's rollout settings; the engine's own (`ENGINE_SETTINGS`) are the ones it was started with."""
+        self.rollout = rollout
+
+    async def close(self) -> None:
+        """End the engine's process and the tools' sandboxes, and wait until they are gone (the pool calls it before
+        killing the generator)."""
+        if self.agent is not None:
+            self.agent.close()
+        self.engine.shutdown(timeout=10)
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        group_size: int,
+        evaluation: Sampling | None,
+        prompt_index: int,
+        seed: int | None = None,
+        row: dict | None = None,
+    ) -> list[Completion]:
+        """One prompt's group: `group_size` samples, tagged `prompt_index`, sampled as `rollout` says or, for an
+        evaluation, as `evaluation` says. With `seed` the samples use seed, seed + 1, ... (vLLM's per-request
+        seeds), so the same weights give the same completions whichever generator draws them. With an environment
+        each sample is a trajectory from `row` (its turns and fields), all G running at once."""
+        from vllm import SamplingParams
+
+        sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
+        if self.agent is not None:
+            group = await self._trajectories(row, prompt_token_ids, group_size, sampling, prompt_index, seed)
+        else:
+            params = SamplingParams(
+                n=group_size,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,
+                seed=seed,
+            )
+            output = await self._sample(prompt_token_ids, params)
+            group = [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
+        if delay_s := slow_generation_s():  # tests only (see faults.py)
+            async with self.held_back:
+                await asyncio.sleep(delay_s)
+        return group
+
+    async def _trajectories(
+        self,
+        row: dict,
+        prompt_token_ids: list[int],
+        group_size: int,
+        sampling: Sampling,
+        prompt_index: int,
+        seed: int | None,
+    ) -> list[Completion]:
+        """`group_size` trajectories from `row`, each advancing on its own; the group once all have ended. One whose
+        user code raised comes back failed (no tokens after `prompt_token_ids`, `episode.failure`), the rest as
+        they ended."""
+        import asyncio
+        import copy
+
+        from vllm import SamplingParams
+
+        from grpo_dist.agents.protocol import Sampled
+
+        async def sample(prefix: list[int], max_tokens: int, turn_seed: int | None) -> Sampled:
+            params = SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                logprobs=0,
+                max_tokens=min(max_tokens, sampling.max_tokens),
+                seed=turn_seed,
+            )
+            (turn,) = (await self._sample(prefix, params)).outputs
+            return Sampled(list(turn.token_ids), _logprobs(turn), turn.finish_reason or "length", self._versions(turn))
+
+        seeds = [None if seed is None else seed + number for number in range(group_size)]
+        rows = [copy.deepcopy(row) for _ in seeds]  # each its own: an environment may change what it is given
+        trajectories = await asyncio.gather(
+            *(self.agent.trajectory(r, sample, each, prompt_token_ids) for r, each in zip(rows, seeds, strict=True))
+        )
+        return [
+            Completion(
+                prompt_index=prompt_index,
+                prompt_token_ids=t.prompt_token_ids,
+                token_ids=t.token_ids,
+                text=t.text,
+                logprobs=t.logprobs,
+                finish_reason=t.finish_reason,
+                mask=t.mask,
+                episode=t.episode,
+                **self._version_fields(t.versions),
+            )
+            for t in trajectories
+        ]
+
+    def _versions(self, sample) -> list[int]:
+        """The weight versions that sampled any of a sample's tokens (serving adapters: the one its request had)."""
+        if self.adapters is not None:
+            return [sample.adapter_version]
+        return [int(span.version) for span in sample.weight_versions or [] if span.end > span.start]
+
+    def _version_fields(self, versions: list[int]) -> dict[str, int | None]:
+        """`weight_version` (the oldest) and `newest_weight_version` (when another) of a completion."""
+        return {
+            "weight_version": min(versions, default=self.weight_version),
+            "newest_weight_version": max(versions) if len(set(versions)) > 1 else None,
+        }
+
+    async def _sample(self, prompt_token_ids: list[int], params):
+        """The engine's final output for one request."""
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        version, lora, salt = self.weight_version, self.lora, self.salt  # a request keeps the adapter it started with
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=salt)
+        async for output in self.engine.generate(prompt, params, str(next(self.request_ids)), lora_request=lora):
+            final = output
+        for sample in final.outputs:
+            sample.adapter_version = version
+        return final
+
+    def _completion(self, prompt_index: int, prompt_token_ids: list[int], sample) -> Completion:
+        return Completion(
+            prompt_index=prompt_index,
+            prompt_token_ids=list(prompt_token_ids),
+            token_ids=list(sample.token_ids),
+            text=sample.text,
+            logprobs=_logprobs(sample),
+            finish_reason=sample.finish_reason or "length",
+            **self._version_fields(self._versions(sample)),
+        )
+
+    async def load_weights(self, state_dict: dict, weight_version: int) -> float:
+        """Load the learner's full weights (the object-store transport); tokens sampled afterwards carry
+        `weight_version`. They reach the engine's process through a file in shared memory. Returns the seconds the
+        engine took to load them."""
+        from safetensors.torch import save_file
+
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=shm_dir()) as weights:
+            save_file({name: tensor.contiguous() for name, tensor in state_dict.items()}, weights.name)
+            await self._pause()
+            (seconds, *_) = await self.engine.collective_rpc("receive_weights_file", args=(weights.name,))
+        await self._resume(weight_version)
+        return seconds
+
+    async def load_adapter(self, adapter: tuple[dict, dict], weight_version: int) -> tuple[int, int]:
+        """Serve the learner's LoRA adapter (its weights by PEFT name and its config's fields, from the object
+        store) as `weight_version` to every request from now on; requests under way keep theirs. The newest
+        `rollout.max_staleness` + 1 versions stay loaded (pinned), older ones are removed. No pause: the base is not
+        touched. A version sent again (after a failed check, a reconnect, a learner restarted from a checkpoint)
+        replaces its adapter in place, and new requests use a prefix cache of their own. Returns the adapter's
+        elements and bytes."""
+        from vllm.lora.request import LoRARequest
+
+        from grpo_dist.models.lora import write_adapter
+
+        weights, config = adapter
+        async with self.adapter_lock:  # one load at a time: a resend may come while a timed-out one still runs
+            self.loads += 1
+            path = Path(self.adapter_dir) / f"v{weight_version}.{self.loads}"
+            staging = path.with_name(f".{path.name}")
+            sent = write_adapter(weights, config, staging)
+            staging.rename(path)  # whole, or not there
+            name, lora_id = f"v{weight_version}", weight_version + 1
+            await self.engine.add_lora(LoRARequest(name, lora_id, str(path), load_inplace=True))
+            await self.engine.pin_lora(lora_id)
+            served = LoRARequest(name, lora_id, str(path))  # requests carry this one: no reload at each step
+            self.held.setdefault(weight_version, []).append(path)
+            self.held[weight_version] = self.held.pop(weight_version)  # now the newest
+            # The new version first, then the old ones out: no request is sent with an adapter being removed.
+            self.lora = None if drops_weights(weight_version, self.dropped) else served  # a test's dropped adapter
+            self.weight_version, self.salt = weight_version, f"{weight_version}.{self.loads}"
+            for version in list(self.held)[: max(0, len(self.held) - (self.adapters[1] - 1))]:
+                await self.engine.remove_lora(version + 1)
+                for stale in self.held.pop(version):
+                    shutil.rmtree(stale, ignore_errors=True)
+        return sum(tensor.numel() for tensor in weights.values()), sent
+
+    async def adapters_loaded(self) -> list[int]:
+        """The weight versions whose adapters the engine holds now (asked of vLLM), oldest first."""
+        return sorted(lora_id - 1 for lora_id in await self.engine.list_loras())
+
+    async def _pause(self) -> None:
+        """Stop scheduling, the requests under way kept where they are."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def _resume(self, weight_version: int) -> None:
+        """After new weights are in: tokens sampled from now on are labelled `weight_version`, new requests use
+        its prefix cache, and scheduling goes on (the older prefix cache is freed where no request holds it)."""
+        if drops_weights(weight_version, self.dropped):  # a test's engine that serves other weights than it was sent
+            await self.engine.collective_rpc("reload_initial_weights")
+        await asyncio.gather(self.engine.reset_prefix_cache(), self.engine.update_weight_version(str(weight_version)))
+        self.weight_version, self.salt = weight_version, str(weight_version)
+        await self.engine.resume_generation()
+
+    # The broadcast transport's control plane (`grpo_dist.transports.broadcast.GeneratorClient`): vLLM runs each
+    # on every worker of the engine, where the weight-transfer engine lives.
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        await self._pause()
+        await self.engine.collective_rpc("close_abandoned_update")  # one a failed sync left open
+        await self.engine.start_weight_update()
+
+    async def apply_weight_update(self, update_info: dict, weight_version: int) -> list[dict]:
+        """A whole weight update in one call (the gloo engine's): pause with requests kept, let every worker
+        receive and load the weights, resume labelled `weight_version`. Returns each worker's report."""
+        # The pause goes out first and the update right behind it, without waiting for the pause's answer (which
+        # comes back tens of milliseconds later): the engine takes its calls in order, so it is paused before the
+        # update starts.
+        # (vLLM sends a call's message before its first wait, so one turn of the loop sends the pause.)
+        paused = asyncio.ensure_future(self._pause())
+        await asyncio.sleep(0)  # the pause's message is sent
+        try:
+            reports = await self.engine.collective_rpc("apply_weight_update", args=(update_info,))
+        finally:
+            await paused  # a failed update leaves the engine paused: the next update resumes it
+        await self._resume(weight_version)
+        return reports
+
+    async def update_weights(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, weight_version: int) -> None:
+        await self.engine.finish_weight_update()
+        await self._resume(weight_version)
+
+    async def engine_stats(self) -> dict[str, float]:
+        """vLLM's scheduler statistics since the last call (KV-cache use, running and waiting requests at their
+        highest, preemptions), and the memory this engine holds: the in-use memory of the GPU this actor was
+        given (what vLLM reserved, with whatever else runs on it), or on a CPU the resident memory of this
+        process. With tensor parallelism the engine's workers hold its GPUs, and no memory is reported."""
+        import psutil
+        import ray
+        import torch
+
+        found = self.stats.take()
+        if ray.get_gpu_ids():
+            free, total = torch.cuda.mem_get_info()
+            found["memory_gb"] = (total - free) / 1e9
+        elif not torch.cuda.is_available():
+            found["memory_gb"] = psutil.Process().memory_info().rss / 1e9
+        return found
+
+    async def judge(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        """Greedy replies to `prompts` (token ids), all at once: a judge engine's verdicts."""
+        from vllm import SamplingParams
+
+        outputs = await self._sample_each(prompts, lambda: SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        return [output.outputs[0].text for output in outputs]
+
+    async def token_logprobs(self, sequences: list[tuple[list[int], int]]) -> list[list[float]]:
+        """A teacher engine's judgement: for each (token ids, start), the log-probability of every token from
+        `start` on after the tokens before it (the model's own distribution, at temperature 1), all at once."""
+        from vllm import SamplingParams
+
+        prompts = [tokens for tokens, _ in sequences]
+        outputs = await self._sample_each(prompts, lambda: SamplingParams(max_tokens=1, prompt_logprobs=0))
+        return [
+            [output.prompt_logprobs[at][tokens[at]].logprob for at in range(start, len(tokens))]  # the first is None
+            for output, (tokens, start) in zip(outputs, sequences, strict=True)
+        ]
+
+    async def _sample_each(self, prompts: list[list[int]], params) -> list:
+        """The engine's final output for each of `prompts`, all under way at once, each with its own `params()`
+        (a request's sampling parameters are set on it by `_sample`)."""
+        import asyncio
+
+        return await asyncio.gather(*(self._sample(prompt, params()) for prompt in prompts))
+
+    async def current_weight_version(self) -> int:
+        """The weights it holds; raises vLLM's `EngineDeadError` when its engine core is gone (the probe that finds
+        a generator whose process lives but whose engine died: `faults.as_fault`)."""
+        await self.engine.check_health()
+        return self.weight_version
+
+    async def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probability of each token of `token_ids` after the first, under the engine's current weights."""
+        from vllm import SamplingParams
+
+        output = await self._sample(token_ids, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0))
+        steps = output.prompt_logprobs[1:]  # the first token has no logprob
+        return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
+
+
+def _logprobs(sample) -> list[float]:
+    """[T] the sampling logprob of each token of a vLLM sample: its logprobs hold one {token_id: Logprob} dict per
+    sampled token, with logprobs=0 just the sampled token's."""
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+
+
+class EngineStats:
+    """What vLLM's scheduler reports at every engine step, kept as highest values (KV-cache use, running and
+    waiting requests) and a count (preemptions) until taken; fed by a stat logger vLLM calls (`logger_factory`)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.kv_cache_usage = self.running = self.waiting = 0.0
+        self.preemptions = 0.0
+        self.steps = 0
+
+    def take(self) -> dict[str, float]:
+        found = {
+            "kv_cache_usage_max": self.kv_cache_usage,
+            "running_max": self.running,
+            "waiting_max": self.waiting,
+            "preemptions": self.preemptions,
+            "engine_steps": float(self.steps),
+        }
+        self._reset()
+        return found
+
+    def record(self, scheduler, iteration) -> None:
+        if scheduler is not None:
+            self.kv_cache_usage = max(self.kv_cache_usage, float(scheduler.kv_cache_usage))
+            self.running = max(self.running, float(scheduler.num_running_reqs))
+            self.waiting = max(self.waiting, float(scheduler.num_waiting_reqs))
+            self.steps += 1
+        if iteration is not None:
+            self.preemptions += iteration.num_preempted_reqs
+
+    def logger_factory(self):
+        """A factory of vLLM stat loggers (one per engine) that feed this."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self
+
+        class Feed(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                stats.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Feed

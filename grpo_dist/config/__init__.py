@@ -1,0 +1,534 @@
+"""The one typed configuration of a grpo-dist run.
+
+Loaded from YAML with dotted command-line overrides (``learner.lr=5e-6``), validated in full before any actor
+starts. This module imports neither torch nor ray, so ``grpo-dist --help`` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from grpo_dist.config.sections import (  # noqa: F401 (re-exported: the sections are part of the config's API)
+    AlgorithmConfig,
+    AutoscaleConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    DistillConfig,
+    EnvironmentConfig,
+    EvalConfig,
+    EvalSetConfig,
+    FaultsConfig,
+    HealthConfig,
+    JudgeConfig,
+    LearnerConfig,
+    ModelConfig,
+    RayConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+    RolloutConfig,
+    RunConfig,
+    SftConfig,
+    SyncConfig,
+    TaskConfig,
+    TinyModelConfig,
+    WandbConfig,
+    _Section,
+    engine_rollout,
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: the message names the key and what to do."""
+
+
+class Config(_Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity, length and outputs."""
+    model: ModelConfig
+    """The initial policy."""
+    data: DataConfig
+    """Prompts and their fields."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generators and sampling."""
+    reward: RewardConfig
+    """Reward functions and workers."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages and loss."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """Optimizer and DeepSpeed."""
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    """Weight sync from the learner to the generators."""
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    """What a run survives: bounds on every remote call and how many replacements it may make."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Periodic checkpoints a run resumes from (`grpo-dist train CONFIG --resume`)."""
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    """What the run checks after every step (a non-finite update, a gradient spike, the KL, the engines' log-prob
+    gap, entropy or reward collapsing) and what it does then: warn, roll back, stop."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation before, during and after training: accuracy, pass@k, maj@k per eval set."""
+    environment: EnvironmentConfig | None = None
+    """Agentic rollouts: each completion is a multi-turn trajectory in this environment, with tools; null: one
+    turn per completion."""
+    sft: SftConfig | None = None
+    """Supervised warm-up on the task's solved rows (`grpo-dist sft CONFIG`) writing `model.path`; null: none."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Cluster to run on."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """The hardware the memory plan is checked against."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Experiment tracking."""
+
+    @model_validator(mode="after")
+    def _no_credentials_in_uris(self) -> Config:
+        """First of the checks, so that no later message can show a secret: every value of the config ends up in
+        config.yaml, each checkpoint and the W&B run's config."""
+        for key, value in _strings(self.model_dump(mode="json")):
+            refuse_credentials(value, key)
+        return self
+
+    @model_validator(mode="after")
+    def _storage_uris_whole(self) -> Config:
+        """A store's URI is printed and joined with keys: it must be one whole URI, which has no blank or quote."""
+        for key, value in (("run.output_dir", self.run.output_dir), ("checkpoint.dir", self.checkpoint.dir or "")):
+            if SCHEME.match(value) and not URI.fullmatch(value):
+                raise ValueError(f"{key}: {shown_uri(value)}: percent-encode it (%20 for a blank, %22 or %27 a quote)")
+        return self
+
+    @model_validator(mode="after")
+    def _off_policy_resolved(self) -> Config:
+        algorithm, off_policy = self.algorithm, self.rollout.max_staleness >= 1
+        if algorithm.old_logprobs == "auto":  # top_p < 1 samples a truncated distribution: every ratio falls below 1
+            sampler = off_policy and self.rollout.top_p == 1 and not isinstance(algorithm.is_cap, float)
+            algorithm.old_logprobs = "sampler" if sampler else "learner"
+        if algorithm.is_cap == "auto":
+            algorithm.is_cap = 2.0 if off_policy and algorithm.old_logprobs == "learner" else None
+        if algorithm.is_cap is not None and algorithm.old_logprobs == "sampler":
+            raise ValueError(
+                f"algorithm.is_cap={algorithm.is_cap} does nothing with algorithm.old_logprobs=sampler: the ratio is "
+                "already taken against the sampling policy (its importance weight) and the clip bounds it; set "
+                "is_cap=null, or old_logprobs=learner for truncated importance sampling"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _jail_settings_from_their_keys(self) -> Config:
+        """`code_tests`'s jail takes its isolation, memory and time budget from the `reward` section alone."""
+        for number, spec in enumerate(self.reward.functions):
+            named = sorted(set(spec.kwargs) & set(JAIL_SETTINGS)) if spec.name in MODEL_CODE_REWARDS else []
+            if named:
+                raise ValueError(
+                    f"reward.functions.{number}.kwargs.{named[0]}: {spec.name}'s jail takes it from "
+                    f"{RESERVED_FIELDS[named[0]]}, not from its kwargs: remove it there and set that key"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _isolation_where_the_model_code_runs(self) -> Config:
+        if self.reward.isolation == "auto":
+            self.reward.isolation = "require" if self.model_code_runs else "best_effort"
+        return self
+
+    @property
+    def model_code_runs(self) -> bool:
+        """Whether the model's own code runs (`runs_model_code`)."""
+        tools = (self.environment.tools or []) if self.environment is not None else []
+        return runs_model_code([spec.name for spec in self.reward.functions] + self.judges, tools)
+
+    @model_validator(mode="after")
+    def _judge_is_a_reward(self) -> Config:
+        named = [spec.name for spec in self.reward.functions].count("judge")
+        if self.reward.judge is not None and named != 1:
+            raise ValueError(
+                "reward.judge is set: list its verdict once in reward.functions, as {name: judge, weight: ...}"
+            )
+        if self.reward.judge is None and named:
+            raise ValueError("reward.functions names `judge`, and reward.judge (its model, prompt, verdict) is not set")
+        return self
+
+    @model_validator(mode="after")
+    def _pure_distillation_samples_every_group(self) -> Config:
+        distill = self.algorithm.distill
+        if distill is not None and not distill.with_rewards and self.algorithm.dynamic_sampling:
+            raise ValueError(
+                "algorithm.dynamic_sampling drops groups whose rewards are equal, and pure distillation "
+                "(algorithm.distill.with_rewards: false) trains on the teacher's judgement, not the rewards: turn "
+                "dynamic_sampling off, or set algorithm.distill.with_rewards: true"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _delta_needs_broadcast(self) -> Config:
+        if self.sync.delta and self.sync.transport == "object_store":
+            raise ValueError(
+                "sync.delta needs the broadcast transport (it patches each engine's copy in place); got "
+                "sync.transport=object_store: set sync.transport to broadcast or auto, or sync.delta to false"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_go_whole(self) -> Config:
+        if self.sync.delta and self.learner.lora is not None and self.learner.lora.serve == "adapter":
+            raise ValueError(
+                "sync.delta sends the changed elements of a model's weights; with learner.lora.serve=adapter a sync "
+                "sends the adapter alone, whole (megabytes): set sync.delta to false, or learner.lora.serve=merged"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _in_flight_needs_staleness(self) -> Config:
+        if self.sync.mode == "in_flight" and self.rollout.max_staleness == 0:
+            raise ValueError(
+                "sync.mode=in_flight needs rollout.max_staleness >= 1: at 0 nothing is generated while the learner "
+                "trains, so there is no batch under way to update; set rollout.max_staleness=1 or sync.mode="
+                "between_batches"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> Config:
+        algorithm = self.algorithm
+        if algorithm.overlong == "soft_penalty" and not 0 < algorithm.overlong_buffer <= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer must be in 1..rollout.max_new_tokens ({self.rollout.max_new_tokens}) "
+                f"with overlong: soft_penalty (got {algorithm.overlong_buffer})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_object_store(self) -> Config:
+        if self.checkpoint.dir and "://" in self.checkpoint.dir:
+            raise ValueError(
+                f"checkpoint.dir={redact(self.checkpoint.dir)!r}: an object store is set as run.output_dir "
+                "(checkpoints go under it); checkpoint.dir takes a path"
+            )
+        if self.object_store and self.checkpoint.dir:
+            raise ValueError(
+                f"checkpoint.dir must be null with an object-store run.output_dir ({redact(self.run.output_dir)}): the "
+                "checkpoints go there, under <name>/checkpoints"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequences_fit_a_micro_batch(self) -> Config:
+        budget = self.learner.max_tokens_per_micro_batch
+        if budget is not None and budget < self.sequence_budget:
+            source = (
+                "environment.max_total_tokens"
+                if self.environment
+                else "data.max_prompt_tokens + rollout.max_new_tokens"
+            )
+            raise ValueError(
+                f"learner.max_tokens_per_micro_batch ({budget}) is below the longest sequence the learner can get "
+                f"({self.sequence_budget} tokens: {source}): raise it to at least {self.sequence_budget}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _trajectories_fit(self) -> Config:
+        environment = self.environment
+        if environment is None:
+            return self
+        if environment.max_total_tokens > self.rollout.max_model_len:
+            raise ValueError(
+                f"environment.max_total_tokens ({environment.max_total_tokens}) is above rollout.max_model_len "
+                f"({self.rollout.max_model_len}), the engine's context: lower the one or raise the other"
+            )
+        if self.data.max_prompt_tokens >= environment.max_total_tokens:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) leaves no room for a turn under "
+                f"environment.max_total_tokens ({environment.max_total_tokens})"
+            )
+        if self.data.chat_template is False:
+            raise ValueError(
+                "an environment's conversations are rendered by the chat template: data.chat_template "
+                "cannot be false with an environment"
+            )
+        if self.algorithm.overlong == "soft_penalty":
+            raise ValueError(
+                "algorithm.overlong=soft_penalty measures a completion against rollout.max_new_tokens, a "
+                "turn's limit: with an environment use overlong: mask (cut trajectories out of the loss) "
+                "or none"
+            )
+        longest = max(
+            environment.max_turns * environment.tool_timeout_s,
+            environment.episode_timeout_s if environment.agent else 0.0,
+        )
+        if longest >= self.faults.generate_timeout_s:
+            raise ValueError(
+                f"an episode may wait {longest:g} s on its tools or agent (environment.max_turns x tool_timeout_s, or "
+                f"episode_timeout_s), not less than faults.generate_timeout_s ({self.faults.generate_timeout_s:g} s), "
+                "after which a generator without an answer is replaced as hung: lower the one or raise the other"
+            )
+        return self
+
+    @property
+    def generation_budget(self) -> int:
+        """The most tokens a completion samples: `rollout.max_new_tokens`; with an environment, a trajectory's
+        turns together, bounded by `environment.max_total_tokens`."""
+        return self.environment.max_total_tokens if self.environment else self.rollout.max_new_tokens
+
+    @property
+    def sequence_budget(self) -> int:
+        """The longest sequence the learner trains on: prompt and completion, or a whole trajectory."""
+        if self.environment:
+            return self.environment.max_total_tokens
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+
+    @property
+    def judges(self) -> list[str]:
+        """The rewards that judge evaluation answers: `eval.reward`, then each eval set's own, each once."""
+        names = [self.eval.reward] + [spec.reward for spec in self.eval.sets if spec.reward]
+        return list(dict.fromkeys(names))
+
+    @property
+    def object_store(self) -> str | None:
+        """The object-store URI the run's files go to (`run.output_dir`), or None when it is a path."""
+        return self.run.output_dir if "://" in self.run.output_dir else None
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes its outputs (with an object store: the staging directory on this node)."""
+        return Path(self.run.staging_dir if self.object_store else self.run.output_dir) / self.run.name
+
+    def shown(self, *parts: str) -> str:
+        """Where a file of the run is, as its user finds it: under `run.output_dir` (a path, or a URI)."""
+        if not self.object_store:
+            return str(self.run_dir.joinpath(*parts).expanduser().absolute())
+        return redact(uri_join(self.run.output_dir, self.run.name, *parts))
+
+    @property
+    def checkpoints_shown(self) -> str:
+        """Where the run's checkpoints are, as its user finds them."""
+        return self.shown("checkpoints") if self.object_store else str(self.checkpoint_dir)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+
+
+MODEL_CODE_REWARDS = ("code_tests",)
+"""Built-in rewards that run the model's code, each run jailed (`grpo_dist.rewards.code`)."""
+MODEL_CODE_TOOLS = ("python",)
+"""Built-in tools that run the model's code, each call jailed: run by the generator itself, not a tool sandbox."""
+RESERVED_FIELDS = {
+    "isolation": "reward.isolation",
+    "memory_mb": "reward.sandbox_memory_mb",
+    "budget_s": "reward.timeout_s",
+    "timeout_per_test_s": "reward.functions[].kwargs of code_tests",
+    "strict": "reward.functions[].kwargs of code_tests",
+}
+"""The names no field of a dataset row may have, each with the config key that sets it: the settings of the jail
+`code_tests` runs the model's code in, which it takes as keyword arguments. A row's fields are passed to the reward
+functions as keyword arguments, and a row must not set how its completions are judged (lift the memory cap, drop
+`require`, stretch the time), so `grpo_dist.run.inputs` refuses a row that carries one before a run starts, and a reward
+call never passes one on (`grpo_dist.rewards.registry.call_kwargs`)."""
+JAIL_SETTINGS = ("isolation", "memory_mb", "budget_s")
+"""Those of `RESERVED_FIELDS` the reward runner passes `code_tests` from the `reward` section itself: not from a
+reward's kwargs either."""
+
+
+def runs_model_code(rewards: list[str], tools: list[str] = ()) -> bool:
+    """Whether rewards and tools so named run the model's code (where `reward.isolation: auto` means `require`)."""
+    return bool(set(rewards) & set(MODEL_CODE_REWARDS) or set(tools) & set(MODEL_CODE_TOOLS))
+
+
+def uri_join(uri: str, *parts: str) -> str:
+    """`uri` with `parts` appended to its path, its query kept (`s3://b/r?endpoint_override=h:9`, ...)."""
+    base, sep, query = uri.partition("?")
+    return "/".join([base.rstrip("/"), *filter(None, parts)]) + sep + query
+
+
+URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
+"""A URI (`s3://...`, `https://...`) on its own or inside a message, up to the next blank or quote."""
+SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+"""How a URI begins: a value that begins so is read as a URI, whole, even past a blank or a quote."""
+CREDENTIAL_PARAMETER = re.compile(r"key|secret|token|password|passwd|credential|signature|^sig$", re.IGNORECASE)
+"""A query parameter whose value is a credential: pyarrow's `access_key`, `secret_key`, `session_token`,
+`access_token`, `account_key`, `sas_token`, `client_secret`; a presigned URL's `X-Amz-Credential`, `X-Amz-Signature`,
+`X-Amz-Security-Token`, Azure's `sig`."""
+CREDENTIALS_GO = (
+    "credentials come from each node's environment or the provider's own files, never from a URI (it would be "
+    "printed and written to config.yaml, every checkpoint and the W&B config): AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or ~/.aws/credentials with AWS_PROFILE, for s3://; "
+    "GOOGLE_APPLICATION_CREDENTIALS for gs://; HADOOP_USER_NAME and a Kerberos ticket for hdfs://; the endpoint may "
+    "stay in the URI (`?endpoint_override=host:9000&scheme=http`) or go to AWS_ENDPOINT_URL"
+)
+
+
+def _redact_one(uri: str) -> str:
+    scheme, _, rest = uri.partition("://")
+    if "@" in rest:  # userinfo; a password may hold `/` or `?`, so everything up to the last `@` goes
+        rest = "***" + rest[rest.rindex("@") :]
+    base, sep, query = rest.partition("?")
+    parameters = []
+    for parameter in query.split("&") if sep else []:
+        name, equals, value = parameter.partition("=")
+        parameters.append(f"{name}=***" if CREDENTIAL_PARAMETER.search(unquote(name)) else parameter)
+    return f"{scheme}://{base}{sep}{'&'.join(parameters)}"
+
+
+def redact(text: str) -> str:
+    """`text` (a URI, or a message holding URIs) with whatever in a URI could be a credential masked: a user and
+    password before `@` (`s3://***@bucket/path`) and each credential query parameter's value (`?secret_key=***`).
+    For every line that shows a URI."""
+    return URI.sub(lambda match: _redact_one(match.group()), text)
+
+
+def uri_credentials(value: str) -> list[str]:
+    """What in `value`, when it is a URI (it begins with `scheme://`), is a credential: a user or password before
+    `@`, and each credential query parameter by name. Read over the whole value, so a credential holding a character
+    no URI carries (a quote in a password) is found too. Empty for a URI without any, and for anything that is not a
+    URI."""
+    if not SCHEME.match(value):
+        return []
+    rest = value.partition("://")[2]
+    found = ["a user or password before '@'"] if "@" in rest else []
+    query = rest.rpartition("@")[2].partition("?")[2]
+    names = [unquote(parameter.partition("=")[0]) for parameter in query.split("&") if parameter]
+    return found + [f"query parameter {name!r}" for name in names if CREDENTIAL_PARAMETER.search(name)]
+
+
+def shown_uri(value: str) -> str:
+    """`value`, a URI, as a message may show it: redacted; one holding a blank or a quote, where a redaction cannot
+    tell where a credential ends, as its scheme alone."""
+    if URI.fullmatch(value):
+        return redact(value)
+    scheme = value.partition("://")[0]
+    return f"the {scheme}:// URI (not shown: it holds a blank or a quote, which a URI carries only percent-encoded)"
+
+
+def refuse_credentials(value: str, key: str) -> None:
+    """Raise `ConfigError` when `value`, given as `key` (a config key, a command-line flag), is a URI carrying
+    credentials; the message shows it redacted, or not at all (`shown_uri`)."""
+    found = uri_credentials(value)
+    if found:
+        raise ConfigError(
+            f"{key}: {shown_uri(value)} carries credentials ({', '.join(found)}): remove them; {CREDENTIALS_GO}"
+        )
+
+
+def _strings(tree: Any, key: str = "") -> list[tuple[str, str]]:
+    """Every string in a dumped config, by its dotted key (`eval.sets.0.path`)."""
+    if isinstance(tree, dict):
+        return [found for name, child in tree.items() for found in _strings(child, f"{key}.{name}".lstrip("."))]
+    if isinstance(tree, list):
+        return [found for index, child in enumerate(tree) for found in _strings(child, f"{key}.{index}")]
+    return [(key, tree)] if isinstance(tree, str) else []
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply `a.b.c=value` overrides and validate everything."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, source=str(path))
+
+
+def apply_override(raw: dict, override: str) -> None:
+    """Set `section.key=value` in a raw config dict; the value is parsed as YAML (`8`, `1e-5`, `null`, `[a, b]`). A
+    number picks an item of a list (`reward.functions.1.weight=0.5`: the second function's weight)."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {redact(repr(override))} must look like section.key=value")
+    named = redact(repr(override))
+    node = raw
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(
+                    f"override {named}: {'.'.join(parts[:depth])} is a list of {len(node)} items, indexed 0 to "
+                    f"{len(node) - 1}, not {part!r}"
+                )
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"override {named}: {parts[depth - 1]!r} holds a value, not a section")
+        if last:
+            node[part] = yaml.safe_load(text) if text.strip() else None
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            node = node[part]
+
+
+def validate_config(raw: dict, source: str = "<config>") -> Config:
+    """Validate a raw dict into a Config; every problem is reported with its dotted key."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        problems = [_describe(error) for error in err.errors()]
+        raise ConfigError(f"{source}: invalid config:\n  " + "\n  ".join(problems)) from None
+
+
+def _describe(error: dict) -> str:
+    location = [str(part) for part in error["loc"]]
+    key = ".".join(location) or "<top level>"
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key{_suggestion(location)}"
+    if error["type"] == "missing":
+        return f"{key}: required key is missing"
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {redact(repr(value))})"
+    if isinstance(value, str) and SCHEME.match(value) and not URI.fullmatch(value):  # a redaction could miss a secret
+        shown = f" (got {shown_uri(value)})"
+    return f"{key}: {error['msg']}{shown}"
+
+
+def _suggestion(location: list[str]) -> str:
+    """' (did you mean X?)' for a typo in a key, from the valid keys at that level."""
+    model: type[BaseModel] | None = Config
+    for part in location[:-1]:
+        if part.isdigit():  # an index into a list of sections, e.g. reward.functions.0
+            continue
+        field = model.model_fields.get(part) if model else None
+        model = _section_type(field.annotation) if field else None
+        if model is None:
+            return ""
+    close = difflib.get_close_matches(location[-1], list(model.model_fields), n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean {'.'.join(location[:-1] + close)}?)"
+    return f"; valid keys here: {', '.join(model.model_fields)}"
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    candidates = getattr(annotation, "__args__", (annotation,))
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, description) for every field: the site's configuration page and `grpo-dist reference`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        section = _section_type(field.annotation)
+        if section is not None and typing.get_origin(field.annotation) is not list:
+            rows.append((key, "", field.description or ""))
+            rows.extend(field_docs(section, prefix=f"{key}."))
+            continue
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        rows.append((key, default, field.description or ""))
+        if section is not None:  # a list of sections: document the fields of one item
+            rows.extend(field_docs(section, prefix=f"{key}[]."))
+    return rows
