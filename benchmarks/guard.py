@@ -14,7 +14,7 @@ steps and its entropy then swings by orders of magnitude from step to step, the 
 nothing may roll it back or stop it.
 
 Fault runs: the quick start at seed 0, checkpointed every 5 steps (so that a rollback has somewhere to go), each
-with one cause injected at a known step through the learner's and generators' fault hooks (`grpo_dist.faults`):
+with one cause injected at a known step (`faults.inject`, `grpo_dist.faults.inject`):
 | name | cause | expected to be caught by |
 | nonfinite | step 4's loss NaN | `nonfinite` (the update dropped) |
 | lr_spike | step 6 trained once at 300x the learning rate | `entropy` (divergence), the step after |
@@ -64,7 +64,6 @@ class Run:
     name: str
     config: str
     overrides: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
     cause: str = ""  # empty: a healthy run
     shows_at: int = 0  # the step the cause first shows in
     caught_by: tuple[str, ...] = ()  # the checks (or `sync.probe`) named for it
@@ -72,7 +71,7 @@ class Run:
     warns: tuple[str, ...] = ()  # checks a healthy run may warn on (figures that are truly past their bounds)
 
 
-SUSTAINED = ",".join(f"{step}:100" for step in range(6, 13))  # every time each is trained: rollbacks meet it again
+SUSTAINED = ", ".join(f"{{step: {step}, factor: 100}}" for step in range(6, 13))  # each time trained: rollbacks too
 FAULT_RUN = ["run.steps=12", "checkpoint.every_steps=5", "eval.every=0", "eval.sets=[{name: held_out}]"]
 
 
@@ -94,17 +93,18 @@ def runs(out_dir: Path) -> list[Run]:
         f"kwargs: {{path: '{flag}'}}}}]",
     ]
     faults = [
-        Run("nonfinite", "configs/quickstart.yaml", FAULT_RUN, {"GRPO_DIST_SCALE_LOSS": "4:nan"},
+        Run("nonfinite", "configs/quickstart.yaml", [*FAULT_RUN, "faults.inject.scale_loss=[{step: 4, factor: .nan}]"],
             "step 4's loss NaN", 4, ("nonfinite",)),
-        Run("lr_spike", "configs/quickstart.yaml", FAULT_RUN, {"GRPO_DIST_SCALE_LR": "6:300:once"},
+        Run("lr_spike", "configs/quickstart.yaml",
+            [*FAULT_RUN, "faults.inject.scale_lr=[{step: 6, factor: 300, once: true}]"],
             "step 6 once at 300x the learning rate", 7, ("entropy",)),
-        Run("lr50", "configs/quickstart.yaml", [*FAULT_RUN, "learner.lr=50"], {},
+        Run("lr50", "configs/quickstart.yaml", [*FAULT_RUN, "learner.lr=50"],
             "learning rate 50 from the start", 2, ("entropy",)),
-        Run("engine_weights", "configs/quickstart.yaml", FAULT_RUN, {"GRPO_DIST_DROP_WEIGHTS": "4"},
+        Run("engine_weights", "configs/quickstart.yaml", [*FAULT_RUN, "faults.inject.drop_weights=[{version: 4}]"],
             "the engines keep the initial weights at version 4", 4, ("sync.probe",)),
-        Run("reward_collapse", "configs/quickstart.yaml", [*FAULT_RUN, *flag_reward], {},
+        Run("reward_collapse", "configs/quickstart.yaml", [*FAULT_RUN, *flag_reward],
             "the grader breaks after step 5", 6, ("reward",), flag_after=5),
-        Run("entropy_collapse", "configs/quickstart.yaml", FAULT_RUN, {"GRPO_DIST_SCALE_LR": SUSTAINED},
+        Run("entropy_collapse", "configs/quickstart.yaml", [*FAULT_RUN, f"faults.inject.scale_lr=[{SUSTAINED}]"],
             "every step from 6 on at 100x the learning rate", 7, ("entropy",)),
     ]  # fmt: skip
     return healthy + faults
@@ -130,7 +130,6 @@ def run_one(run: Run, out_dir: Path, overrides: list[str]) -> dict:
     ]  # fmt: skip
     env = {
         **os.environ,
-        **run.env,
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
     }
     started = time.monotonic()

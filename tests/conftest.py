@@ -16,41 +16,21 @@ import pytest
 
 TESTS_DIR = Path(__file__).parent
 REPO = TESTS_DIR.parent
-GENERATION_DELAY: Path | None = None
-"""The file the generators on the session's cluster read their delay from (`slow_generation`)."""
 
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py, and the
-    generators started on it read their delay from the file `slow_generation` writes (`faults.SLOW_GENERATION`)."""
+    """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py."""
     import ray
 
-    from grpo_dist.cluster.cluster import start_local_ray
-    from grpo_dist.faults import SLOW_GENERATION
+    from grpo_dist.cluster.ray_cluster import start_local_ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("WANDB_MODE", "offline")
-    global GENERATION_DELAY
-    GENERATION_DELAY = tmp_path_factory.mktemp("faults") / "slow_generation"
-    GENERATION_DELAY.write_text("0")
-    env = {"TOKENIZERS_PARALLELISM": "false", SLOW_GENERATION: str(GENERATION_DELAY)}
+    env = {"TOKENIZERS_PARALLELISM": "false"}
     start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
-
-
-@contextmanager
-def slow_generation(seconds: float) -> Iterator[None]:
-    """Within the block, every generator on the session's cluster (`ray_cluster`) holds each prompt's group back
-    `seconds` before sampling it, one group at a time: generation outlasts a tiny model's training step however
-    fast the engines are on this machine."""
-    assert GENERATION_DELAY is not None, "slow_generation needs the session's cluster (the ray_cluster fixture)"
-    GENERATION_DELAY.write_text(str(seconds))
-    try:
-        yield
-    finally:
-        GENERATION_DELAY.write_text("0")
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +198,11 @@ def written_checkpoint(path: Path, raw: dict) -> Path:
     (path / "config.yaml").write_text(yaml.safe_dump(validate_config(raw).model_dump(mode="json")))
     manifest.write(path)
     return path
+
+
+def injected(raw: dict, **inject) -> dict:
+    """`raw` with the faults `inject` names injected (`faults.inject`), its other fault settings kept."""
+    return {**raw, "faults": {**raw.get("faults", {}), "inject": inject}}
 
 
 def small_config(tmp_path: Path, **sections) -> dict:

@@ -1,6 +1,6 @@
 """Generators that follow the bottleneck (`rollout.autoscale`): the decisions on hand-made step timings (no Ray),
-and a real run on a local multi-node Ray cluster whose generation a test hook slows (`faults.SLOW_GENERATION`): it
-asks for a second generator and Ray's autoscaler for its room, takes it in once a node joins, and gives it back
+and a real run on a local multi-node Ray cluster whose generation is slowed (`faults.inject.slow_generation_file`):
+it asks for a second generator and Ray's autoscaler for its room, takes it in once a node joins, and gives it back
 once generation is fast again, every step logged once."""
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TESTS_DIR, small_config
+from conftest import TESTS_DIR, injected, small_config
 from test_overlap import UNTIL_STOPPED, stop, wait_for_row
 from test_resume import training
 
 from grpo_dist.config import AutoscaleConfig, ConfigError, validate_config
-from grpo_dist.faults import SLOW_GENERATION
 from grpo_dist.run.autoscale import Autoscaler
 
 
@@ -89,7 +88,6 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
 
     slow = tmp_path / "slow_s"
     slow.write_text("1.0")
-    monkeypatch.setenv(SLOW_GENERATION, str(slow))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
     cluster.add_node(num_cpus=4)
@@ -101,6 +99,7 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
         learner={"micro_batch_size": 1},
         rollout={"autoscale": {"min": 1, "max": 2, "patience": 2}},
     )
+    raw = injected(raw, slow_generation_file=str(slow))
     run_dir = tmp_path / "outputs" / "test"
     try:
         with training(tmp_path, raw) as run:

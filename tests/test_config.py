@@ -216,7 +216,7 @@ def test_cli_reports_a_typo_before_starting_anything(capfd, tmp_path):
     ids=["auto-cpu", "auto-gpu-cuda-graphs", "asked-eager", "asked-graphs"],
 )
 def test_engines_use_cuda_graphs_on_a_gpu_unless_asked_to_run_eagerly(tmp_path, setting, on_gpu, expected):
-    from grpo_dist.cluster.actors.generator import eager
+    from grpo_dist.cluster.actors.engine import eager
 
     rollout = validate_config(small_config(tmp_path, rollout={"enforce_eager": setting})).rollout
     assert eager(rollout, on_gpu) is expected

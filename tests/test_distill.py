@@ -197,7 +197,7 @@ def test_each_teacher_engine_gets_a_placement_group_and_a_line_in_the_memory_pla
 
 
 def test_a_distillation_run_reserves_cpus_for_its_teacher_engines_and_its_eval_starts_none(tmp_path):
-    from grpo_dist.cluster.cluster import actor_cpus
+    from grpo_dist.cluster.ray_cluster import actor_cpus
     from grpo_dist.run.evaluation import eval_config
 
     raw = small_config(tmp_path)

@@ -18,10 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import TESTS_DIR, small_config
+from conftest import TESTS_DIR, injected, small_config
 from test_resume import training
-
-from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SLOW_TRAINING
 
 pytestmark = pytest.mark.slow
 
@@ -230,11 +228,11 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
         placement.remove()
 
 
-def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path, monkeypatch):
+def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path):
     """One run, two learner faults.
-    - Training step 3 is slowed, as a machine shared with other work would slow it: a test hook holds each of its
-      64 micro-batches back 0.15 s after its backward pass (`faults.SLOW_TRAINING`), so the step lasts about 10 s,
-      twice `faults.train_timeout_s`, on any machine, and goes on to the end without a restart, because its
+    - Training step 3 is slowed, as a machine shared with other work would slow it: an injected fault holds each of
+      its 64 micro-batches back 0.15 s after its backward pass (`faults.inject.slow_training`), so the step lasts
+      about 10 s, twice `faults.train_timeout_s`, on any machine, and goes on to the end without a restart, because its
       micro-batches keep finishing. (Stopping the learner's process from outside, as this test once did, slowed
       whatever part of step 3 was left when step 2 was logged: on a fast machine, too little of it.)
     - Then each learner rank asks for more memory than the machine has inside training step 4 (a real allocation
@@ -242,8 +240,6 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
       way again, and the run stops, naming the settings that make a step smaller."""
     bound_s = 5.0
     held_s = 0.15
-    monkeypatch.setenv(SLOW_TRAINING, f"3:{held_s}")
-    monkeypatch.setenv(FAIL_ALLOCATION_AT_STEP, "4")
     raw = small_config(
         tmp_path,
         run={"steps": 6},
@@ -252,6 +248,7 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
         checkpoint={"every_steps": 1, "keep": 2},
         faults={"train_timeout_s": bound_s},
     )
+    raw = injected(raw, slow_training={"step": 3, "seconds": held_s}, fail_allocation_at_step=4)
     run_dir = tmp_path / "outputs" / "test"
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]

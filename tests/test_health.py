@@ -1,5 +1,5 @@
 """The divergence guard: its checks on hand-made step metrics (no Ray), and real runs whose loss a test hook poisons
-(`faults.SCALE_LOSS`): a non-finite step is dropped and the run goes on, a gradient spike is rolled back to the
+(`faults.inject.scale_loss`): a non-finite step is dropped and the run goes on, a gradient spike is rolled back to the
 latest checkpoint with its batch skipped, and the same spike twice stops the run."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import cli_here, small_config
+from conftest import cli_here, injected, small_config
 from test_resume import rows, training
 
-from grpo_dist.config import ConfigError, HealthConfig, load_config, validate_config
-from grpo_dist.faults import DROP_WEIGHTS, SCALE_LOSS, SCALE_LR, StepFactors
+from grpo_dist.config import ConfigError, HealthConfig, InjectConfig, load_config, validate_config
+from grpo_dist.faults.inject import Injector, describe
 from grpo_dist.run.health import Event, Guard
 from grpo_dist.run.recovery import why_no_rollback
 from grpo_dist.storage.run_dir import open_run
@@ -258,13 +258,28 @@ def test_skip_is_an_action_of_the_nonfinite_check_only(tmp_path):
     )
 
 
-def test_the_loss_hook_scales_its_steps_and_once_only_the_first_time(monkeypatch):
-    monkeypatch.setenv(SCALE_LOSS, "2:nan,4:1e6:once")
-    hook = StepFactors.from_environment(SCALE_LOSS)
-    assert hook.factor(1) == 1.0 and math.isnan(hook.factor(2)) and hook.factor(4) == 1e6
+def test_an_injected_loss_factor_scales_its_steps_and_once_only_the_first_time():
+    inject = InjectConfig(scale_loss=[{"step": 2, "factor": ".nan"}, {"step": 4, "factor": 1e6, "once": True}])
+    hook = Injector(inject)
+    assert hook.loss_factor(1) == 1.0 and math.isnan(hook.loss_factor(2)) and hook.loss_factor(4) == 1e6
+    assert hook.lr_factor(4) == 1.0  # the loss's factors only
     hook.trained(2)
     hook.trained(4)
-    assert math.isnan(hook.factor(2)) and hook.factor(4) == 1.0
+    assert math.isnan(hook.loss_factor(2)) and hook.loss_factor(4) == 1.0
+    assert Injector(inject).loss_factor(4) == 1e6  # a new run's injector: nothing met yet
+    assert describe(inject) == "injecting faults (faults.inject): loss xnan at step 2; loss x1e+06 at step 4 once"
+
+
+def test_nothing_is_injected_unless_the_config_lists_it(tmp_path):
+    cfg = validate_config(small_config(tmp_path))
+    hook = Injector(cfg.faults.inject)
+    assert describe(cfg.faults.inject) is None
+    assert [hook.loss_factor(step) for step in range(1, 9)] == [1.0] * 8
+    assert [hook.lr_factor(step) for step in range(1, 9)] == [1.0] * 8
+    assert not any(hook.drops(version) or hook.fails_allocation(version) for version in range(1, 9))
+    assert hook.training_delay_s(3) == 0.0 and hook.generation_delay_s() == 0.0
+    with pytest.raises(ConfigError, match=r"faults.inject.scale_lr.0.step"):
+        validate_config(injected(small_config(tmp_path), scale_lr=[{"step": 0, "factor": 2}]))
 
 
 def health_run(tmp_path, steps: int, every_steps: int = 1, **health) -> dict:
@@ -284,7 +299,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_skipped(capfd, tmp_path, monkeypatch):
+def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_skipped(capfd, tmp_path):
     """Step 3's loss is NaN: its update is dropped (the learner leaves the weights alone) and the run goes on. Step
     6's loss is scaled a million times the first time it is trained: its gradient norm spikes against the median
     of the steps before, the learner and generators go back to the step-5 checkpoint, and step 6 is trained again on
@@ -292,11 +307,13 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     from grpo_dist.run.checkpoints import RUN_STATE_CLASSES
     from grpo_dist.storage import safe_load
 
-    monkeypatch.setenv(SCALE_LOSS, "3:nan,6:1e6:once")
+    raw = health_run(tmp_path, 8, grad_norm={"factor": 1000.0, "action": "rollback"})
+    raw = injected(raw, scale_loss=[{"step": 3, "factor": ".nan"}, {"step": 6, "factor": 1e6, "once": True}])
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, health_run(tmp_path, 8, grad_norm={"factor": 1000.0, "action": "rollback"})) as run:
+    with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
+    assert "injecting faults (faults.inject): loss xnan at step 3; loss x1e+06 at step 6 once" in output
     logged = rows(run_dir)
     assert [row["step"] for row in logged] == list(range(1, 9))
     by_step = {row["step"]: row for row in logged}
@@ -340,12 +357,12 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
 
 
 @pytest.mark.slow
-def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and_figures(tmp_path, monkeypatch):
+def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and_figures(tmp_path):
     """Without checkpoints, a rollback from step 2 goes back to the initial model (steps 1 and 2 trained again),
     where step 2 spikes again."""
-    monkeypatch.setenv(SCALE_LOSS, "2:1e6")  # every time step 2 is trained
     run_dir = tmp_path / "outputs" / "test"
     raw = health_run(tmp_path, 5, every_steps=0, grad_norm={"factor": 1000.0, "action": "rollback"})
+    raw = injected(raw, scale_loss=[{"step": 2, "factor": 1e6}])  # every time step 2 is trained
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
     output = (tmp_path / "run.log").read_text()
@@ -361,23 +378,22 @@ def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and
 
 
 @pytest.mark.slow
-def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(tmp_path, monkeypatch):
+def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(tmp_path):
     """One run, every check warning only, each cause injected at its own step:
-    - the engines serve the initial weights labelled as version 2 (`DROP_WEIGHTS`, the sync check off): the batch
-      of step 3 is sampled by other weights than the learner's, the log-prob gap check fires at step 3;
+    - the engines serve the initial weights labelled as version 2 (`faults.inject.drop_weights`, the sync check off):
+      the batch of step 3 is sampled by other weights than the learner's, the log-prob gap check fires at step 3;
     - the reward's flag file is removed once step 3 is logged: the mean reward collapses a step or two later;
-    - step 6 is trained at 300 times the learning rate (`SCALE_LR`): its update wrecks the weights, and step 7's
-      KL to the reference and entropy show it."""
+    - step 6 is trained at 300 times the learning rate (`faults.inject.scale_lr`): its update wrecks the weights, and
+      step 7's KL to the reference and entropy show it."""
     flag = tmp_path / "reward-on"
     flag.write_text("")
-    monkeypatch.setenv(DROP_WEIGHTS, "2:once")
-    monkeypatch.setenv(SCALE_LR, "6:300")
     warn = {"action": "warn"}
     raw = health_run(
         tmp_path, 8, every_steps=0, grad_norm=warn, kl={**warn, "max": 1.0}, logprob_gap={**warn, "max": 1e-3},
         entropy={**warn, "fraction": 0.5}, reward={**warn, "fraction": 0.5},
     )  # fmt: skip
     raw["sync"] = {"probe": False}  # the sync check would catch the dropped weights first and send them again
+    raw = injected(raw, drop_weights=[{"version": 2, "once": True}], scale_lr=[{"step": 6, "factor": 300}])
     raw["reward"]["sandbox"] = False  # the flag file is outside what a sandbox sees
     raw["reward"]["functions"].append({"name": "reward_fixtures.flag_reward", "weight": 1.0,
                                        "kwargs": {"path": str(flag)}})  # fmt: skip

@@ -162,7 +162,7 @@ def test_a_failed_preflight_check_leaves_no_run_directory_and_the_earlier_run_in
 
 
 def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
-    from grpo_dist.cluster.cluster import start_ray
+    from grpo_dist.cluster.ray_cluster import start_ray
 
     cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
     with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):
@@ -171,7 +171,7 @@ def test_an_unreachable_ray_address_fails_at_once_naming_it(tmp_path):
 
 @pytest.mark.slow
 def test_an_unreachable_ray_address_fails_even_in_a_process_already_connected_to_ray(tmp_path, ray_cluster):
-    from grpo_dist.cluster.cluster import start_ray
+    from grpo_dist.cluster.ray_cluster import start_ray
 
     cfg = validate_config(small_config(tmp_path, ray={"address": "127.0.0.1:1"}))
     with pytest.raises(ConnectionError, match=r"ray.address: cannot reach the Ray cluster at 127.0.0.1:1"):

@@ -9,12 +9,11 @@ import re
 
 import pytest
 import torch
-from conftest import small_config, written_checkpoint
+from conftest import injected, small_config, written_checkpoint
 from test_resume import training
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.config.sections import LoraConfig
-from grpo_dist.faults import DROP_WEIGHTS
 
 
 @pytest.fixture(scope="module")
@@ -204,17 +203,17 @@ def test_export_merges_the_saved_adapter_into_a_model_transformers_loads_with_th
 
 @pytest.mark.slow
 def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and_if_it_persists_stops_the_run(
-    tmp_path, monkeypatch
+    tmp_path,
 ):
     """A LoRA run (`grpo-dist train`, its own Ray cluster) whose engine serves the adapter itself: each sync sends the
     adapter alone (a small fraction of the model's bytes), and the check after it finds the engine's log-probabilities
     the learner's. Its generator, right after loading adapter version 2 the first time and version 4 every time,
     serves the base instead (the adapter dropped) while labelling what it serves with the new version
-    (`faults.DROP_WEIGHTS`). The check catches both in the step that synced: version 2 is sent again and taken, and
-    the run goes on with one mismatch counted; version 4 is dropped again after it is sent again, and the run stops,
+    (`faults.inject.drop_weights`). The check catches both in the step that synced: version 2 is sent again and taken,
+    and the run goes on with one mismatch counted; version 4 is dropped again after it is sent again, and the run stops,
     naming the generator and the bound."""
-    monkeypatch.setenv(DROP_WEIGHTS, "2:once,4")
     raw = small_config(tmp_path, run={"steps": 6}, learner={"lr": 5e-2, "lora": {"rank": 4, "alpha": 16}})
+    raw = injected(raw, drop_weights=[{"version": 2, "once": True}, {"version": 4}])
     run_dir = tmp_path / "outputs" / "test"
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, cli_here, slow_generation, small_config
+from conftest import REPO, TESTS_DIR, cli_here, injected, small_config
 from test_resume import grpo_dist, training
 
 from grpo_dist.config import ConfigError, load_config, validate_config
@@ -147,10 +147,12 @@ def test_every_trained_sample_is_at_most_k_versions_old(shared_actors, tmp_path,
     # In flight, the weights go by delta sync (whose exactness test_delta_sync checks): it must keep the loop going.
     sync = {"mode": mode, "delta": mode == "in_flight", "full_every": 3}
     raw = small_config(tmp_path, run={"steps": steps}, rollout=rollout, sync=sync)
-    # In flight, generation outlasts training (each group held 0.5 s once sampled, 2 s a batch, against a tiny
-    # model's step of about 0.1 s): updates land mid-batch, and the groups sampled before them are a version older.
-    with slow_generation(0.5 if mode == "in_flight" else 0):
-        run_dir, rows = train_rows(shared_actors, raw)
+    if mode == "in_flight":
+        # Generation outlasts training (each group held 0.5 s once sampled, 2 s a batch, against a tiny model's step
+        # of about 0.1 s): updates land mid-batch, and the groups sampled before them are a version older.
+        (tmp_path / "slow_s").write_text("0.5")
+        raw = injected(raw, slow_generation_file=str(tmp_path / "slow_s"))
+    run_dir, rows = train_rows(shared_actors, raw)
     cfg = validate_config(raw)
     # staleness/max is the largest over the step's samples: the bound holds for each one, and is reached.
     assert all(row["staleness/max"] <= k for row in rows)

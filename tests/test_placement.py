@@ -307,7 +307,7 @@ STARTED_LATE = textwrap.dedent("""
     import os, time
     import psutil, ray
     import ray._private.services as services
-    from grpo_dist.cluster.cluster import start_local_ray
+    from grpo_dist.cluster.ray_cluster import start_local_ray
 
     registered, asked = services.get_node, []
     def late(gcs_address, node_id):  # the first node's raylet never registers: Ray gives up on it after 30 s

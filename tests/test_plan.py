@@ -177,7 +177,7 @@ def test_an_engine_is_planned_at_the_dtype_it_runs_in(said):
     """`rollout.dtype: auto` (the default) runs a GPU engine in the model's own 16-bit dtype, and the plan counts 2 B
     a weight; float32 doubles that: DAPO's 32B engine on one GPU fits in bfloat16 and not in float32 (the refusal
     above). On CPUs auto is float32, where generator and learner logprobs agree."""
-    from grpo_dist.cluster.actors.generator import engine_dtype
+    from grpo_dist.cluster.actors.engine import engine_dtype
     from grpo_dist.config.sections import RolloutConfig
 
     assert RolloutConfig().dtype == "auto"

@@ -14,7 +14,8 @@ import pytest
 from conftest import small_config
 
 from grpo_dist.cli import main
-from grpo_dist.config import ConfigError, redact, validate_config
+from grpo_dist.config import ConfigError, validate_config
+from grpo_dist.config.uris import redact
 from grpo_dist.storage import StorageError, Store, StoreError, private_dir
 
 KEY_ID, SECRET = "AKIAEXAMPLEKEYID", "wJalr/XUtnFEMI+K7MDENG?bPxRfiCY"  # a '/' and a '?' as real secret keys hold

@@ -87,7 +87,7 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
 
 NICENESS = """
 import os, ray
-from grpo_dist.cluster.cluster import start_local_ray
+from grpo_dist.cluster.ray_cluster import start_local_ray
 start_local_ray(num_cpus=1)
 print(ray.get(ray.remote(lambda: os.nice(0)).remote()))
 ray.shutdown()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import small_config
 
-from grpo_dist.config import validate_config
-from grpo_dist.faults import DROP_WEIGHTS, Bound, drops_weights
+from grpo_dist.config import InjectConfig, validate_config
+from grpo_dist.faults import Bound
+from grpo_dist.faults.inject import Injector
 from grpo_dist.transports.weight_check import Probe, WeightCheck, max_gap, probe_tokens
 
 
@@ -37,12 +38,10 @@ def test_the_default_bound_follows_the_dtypes_and_a_set_one_wins(tmp_path, rollo
     assert max_gap(cfg) == expected
 
 
-def test_the_hook_drops_the_listed_versions_once_or_every_time(monkeypatch):
-    monkeypatch.setenv(DROP_WEIGHTS, "2:once,4")
-    dropped: set[int] = set()
-    assert [drops_weights(version, dropped) for version in (1, 2, 2, 3, 4, 4)] == [0, 1, 0, 0, 1, 1]
-    monkeypatch.delenv(DROP_WEIGHTS)
-    assert not drops_weights(4, set())
+def test_injected_dropped_weights_drop_the_listed_versions_once_or_every_time():
+    hook = Injector(InjectConfig(drop_weights=[{"version": 2, "once": True}, {"version": 4}]))
+    assert [hook.drops(version) for version in (1, 2, 2, 3, 4, 4)] == [0, 1, 0, 0, 1, 1]
+    assert not Injector(InjectConfig()).drops(4)
 
 
 @pytest.mark.parametrize(

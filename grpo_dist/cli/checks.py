@@ -120,7 +120,7 @@ def _check_cluster(cfg: Config, address: str) -> int:
     cannot be reached. Every step is bounded: a TCP probe of the address first, then one connection attempt."""
     import ray
 
-    from grpo_dist.cluster.cluster import unreachable
+    from grpo_dist.cluster.ray_cluster import unreachable
 
     problem = unreachable(address)
     if problem is None:

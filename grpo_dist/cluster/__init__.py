@@ -1,13 +1,15 @@
 """The Ray side of a run: where its actors go, the pools that keep them, and the actors themselves.
 
 - `cluster`: the run's actors by role (`Cluster`): started together, handed to a run, weights synced, the learner
-  group restarted, the generator pool scaled; and joining or starting Ray.
+  group restarted, the generator pool scaled.
+- `ray_cluster`: joining Ray (`ray.address`, or the cluster `grpo-dist up` keeps) or starting it for the run.
 - `placement`: the placement groups the config asks for, checked against what the cluster has.
 - `generator_pool`, `reward_pool`, `teacher_pool`, `judge_pool`: the pools of vLLM engines, reward workers,
   distillation teachers and judge models, each replacing a faulty member.
 - `learner_group`: the learner's DeepSpeed ranks as one group.
 - `standing`: a local Ray cluster kept up between runs (`grpo-dist up` / `down`).
-- `actors`: the actor classes (generator, learner rank, reward worker) and vLLM's plugin.
+- `actors`: the actor classes (a generator and its engine process, a learner rank and its weights, a reward
+  worker) and vLLM's plugin.
 
 May import: `agents`, `rewards`, `transports`, `data`, `models`, `storage`, `sandbox` and below (never `run`).
 """

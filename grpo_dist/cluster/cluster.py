@@ -1,4 +1,5 @@
-"""The Ray side of a run: start or join a cluster, place the actors by role, and the few calls the driver makes.
+"""The run's actors by role, placed on the Ray cluster the run joined (`grpo_dist.cluster.ray_cluster`), and the few
+calls the driver makes.
 
 Each role is its own module (`grpo_dist.cluster.learner_group`, `grpo_dist.cluster.generator_pool`,
 `grpo_dist.cluster.reward_pool`) and owns its state; the cluster joins them with the weight transport, brings a replaced
@@ -8,15 +9,12 @@ generator or learner group back into it, and resizes the generator pool on reque
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 
 import ray
 
-from grpo_dist.cluster import standing as standing_cluster
 from grpo_dist.cluster.generator_pool import GeneratorPool
 from grpo_dist.cluster.learner_group import (
     LearnerGroup,
@@ -27,123 +25,18 @@ from grpo_dist.cluster.learner_group import (
     collective_timeout_s,
 )
 from grpo_dist.cluster.placement import Placement, place, plan
+from grpo_dist.cluster.ray_cluster import (
+    start_ray,
+)
 from grpo_dist.cluster.reward_pool import RewardPool
 from grpo_dist.cluster.teacher_pool import TeacherPool
-from grpo_dist.config import Config, ConfigError
+from grpo_dist.config import Config
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.storage import RunStore
 from grpo_dist.storage.console import Console, bar, section
 from grpo_dist.storage.run_dir import Probe, check_visible, write_probe
 from grpo_dist.transports import WeightSyncError, WeightTransport, adapter_slots, make_transport, wire_backend
 from grpo_dist.transports.weight_check import ServedWeightsDiffer, WeightCheck
-
-
-def actor_cpus(cfg: Config) -> float:
-    """Logical CPUs the actors of a run ask for."""
-    engines = [(cfg.rollout.num_generators, cfg.rollout.num_cpus)]
-    if (judge := cfg.reward.judge) is not None:
-        engines.append((judge.num_engines, judge.num_cpus))
-    if (distill := cfg.algorithm.distill) is not None:
-        engines.append((distill.num_engines, distill.num_cpus))
-    return (
-        cfg.learner.num_ranks * cfg.learner.num_cpus
-        + sum(count * cpus for count, cpus in engines)
-        + cfg.reward.num_workers * cfg.reward.num_cpus
-    )
-
-
-def start_ray(cfg: Config) -> bool:
-    """Join `ray.address`; else the local cluster `grpo-dist up` started, when it is up (`grpo_dist.cluster.standing`);
-    else start a local cluster of this run's own big enough for its actors (even where another Ray cluster runs on
-    the machine: that one is joined only when named in `ray.address`). Returns whether it did: a process already
-    connected to Ray (the caller's own `ray.init`) keeps that connection."""
-    if cfg.ray.address and (problem := unreachable(cfg.ray.address)):
-        raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
-    if ray.is_initialized():
-        if cfg.ray.address:
-            log.info(
-                "this process is already connected to Ray (%s): the run uses that connection, ray.address %s is not"
-                " joined again",
-                ray.get_runtime_context().gcs_address,
-                cfg.ray.address,
-            )
-        return False
-    quiet = {"TOKENIZERS_PARALLELISM": "false"}
-    if cfg.ray.address:
-        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "30")  # Ray's own retries would take minutes
-        ray.init(address=cfg.ray.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
-        return True
-    if (standing := standing_cluster.find()) is not None:
-        if (wanted := actor_cpus(cfg)) > standing.num_cpus:
-            raise ConfigError(
-                f"the local Ray cluster `grpo-dist up` started ({standing.address}) has {standing.num_cpus} CPUs and"
-                f" this run's actors ask for {wanted:g}: `grpo-dist down`, then `grpo-dist up --num-cpus"
-                f" {int(wanted + 0.999)}`"
-            )
-        section(f"joining the local Ray cluster `grpo-dist up` started ({standing.address}); `grpo-dist down` stops it")
-        standing.join_environment()
-        ray.init(address=standing.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
-        return True
-    num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
-    start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)
-    return True
-
-
-LOCAL_START_ATTEMPTS = 2
-WORKER_NICENESS = 0
-"""The scheduling priority of the actors' processes on a cluster grpo-dist starts (a run's local one, `grpo-dist up`):
-the driver's own. Ray's default, 15, lets any other busy process on the machine take the CPU from a run's
-actors (a nice-0 process gets about 30 times their share): with one core kept busy beside it, the quick start's steps
-took 3.90 s each, and 0.80 s at 0 (`benchmarks/contention.py --busy 1`)."""
-
-
-def start_local_ray(**settings) -> None:
-    """`ray.init` of a local cluster of this process's own, started again once where Ray gave up on it: Ray gives a
-    new node's raylet a fixed 30 s to register, which a machine busy with another run's start-up can exceed. What the
-    failed start left running (its GCS, raylet and agents, children of this process) is stopped first. Its actors
-    run at the driver's priority (`WORKER_NICENESS`)."""
-    system = {"worker_niceness": WORKER_NICENESS, **settings.pop("_system_config", {})}
-    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
-        try:
-            ray.init(address="local", include_dashboard=False, _system_config=system, **settings)
-            return
-        except Exception as err:  # Ray raises a bare Exception for it
-            if "timed out during startup" not in str(err) or attempt == LOCAL_START_ATTEMPTS:
-                raise
-            log.warning("the local Ray cluster did not start (%s); starting it again", err)
-            stop_ray_children()
-
-
-def stop_ray_children() -> None:
-    """Kill this process's child processes that run Ray's programs, and wait for them (at most 10 s)."""
-    import psutil
-
-    package = os.path.dirname(ray.__file__)
-    left = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if any(package in part or part.startswith("ray::") for part in child.cmdline()):
-                child.kill()
-                left.append(child)
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=10)
-
-
-CONNECT_TIMEOUT_S = 10.0  # how long a cluster's address may take to accept a connection
-
-
-def unreachable(address: str) -> str | None:
-    """Why nothing answers at `address` within CONNECT_TIMEOUT_S, or None (also for `auto`, which Ray resolves)."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if address == "auto" or not sep or not port.isdigit():
-        return None
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as err:
-        return f"nothing answers at {host}:{port} within {CONNECT_TIMEOUT_S:g} s ({err})"
-    return None
-
 
 RECONNECT_ATTEMPTS = 3  # a node going down takes its generators one after another
 

@@ -129,6 +129,7 @@ class GeneratorPool:
                 cfg.environment,
                 (cfg.reward.isolation, cfg.reward.sandbox_env),
                 adapter_slots(cfg),
+                cfg.faults.inject,
             )
         )
 
@@ -146,7 +147,9 @@ class GeneratorPool:
         self.joining = []
         self.pool.begin_run(faults, cfg.faults.max_generator_restarts, self.bounds.start)
         slots = range(len(self.actors))
-        outcomes = self.pool.call("configure", {slot: (cfg.rollout,) for slot in slots}, self.bounds.probe)
+        outcomes = self.pool.call(
+            "configure", {slot: (cfg.rollout, cfg.faults.inject) for slot in slots}, self.bounds.probe
+        )
         for slot, outcome in outcomes.items():
             if outcome.fault is not None:  # a new one starts with `cfg`'s settings
                 self.pool.replace(slot, outcome.fault, counter=restart_counter(outcome.kind))

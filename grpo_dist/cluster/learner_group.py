@@ -69,7 +69,7 @@ class LearnerGroup:
         actor = ray.remote(concurrency_groups={"heartbeat": 1})(Learner)  # `progress` answers while a step runs
         ranks = [
             actor.options(num_cpus=learner.num_cpus, num_gpus=learner.num_gpus, scheduling_strategy=strategy).remote(
-                model_path, learner, cfg.algorithm, budgeted(cfg), cfg.run.seed
+                model_path, learner, cfg.algorithm, budgeted(cfg), cfg.run.seed, cfg.faults.inject
             )
             for strategy in strategies
         ]
@@ -103,9 +103,10 @@ class LearnerGroup:
         self.threads = self._wait(calls, "setup", bound=start)
 
     def begin_run(self, cfg: Config) -> None:
-        """A new run's config on these ranks, built as it would build them (its bounds; its staging directory on each
-        node for an object-store run)."""
+        """A new run's config on these ranks, built as it would build them (its bounds; the faults it injects; its
+        staging directory on each node for an object-store run)."""
         self.cfg, self.bounds = cfg, Bounds.of(cfg)
+        self._call("inject_faults", cfg.faults.inject, bound=self.bounds.probe)
         if cfg.object_store:
             self.on_each_node("make_staging_dir", cfg.run.staging_dir, cfg.run.name)
 

@@ -83,9 +83,9 @@ cores (the quick start's actors ask for 2.5), and a run that starts a cluster of
 
 def up(num_cpus: int | None = None) -> tuple[Standing, bool]:
     """Start the cluster (`num_cpus` logical CPUs; by default the machine's count, at least `DEFAULT_CPUS`; its actors
-    at the priority of the processes that start them, as `grpo_dist.cluster.cluster.WORKER_NICENESS` says) unless one is
-    up already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when it cannot
-    start."""
+    at the priority of the processes that start them, as `grpo_dist.cluster.ray_cluster.WORKER_NICENESS` says) unless
+    one is up already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when it
+    cannot start."""
     if (standing := find()) is not None:
         return standing, False
     cpus = num_cpus or max(DEFAULT_CPUS, os.cpu_count() or 1)

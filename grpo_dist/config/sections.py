@@ -655,6 +655,54 @@ class SyncConfig(_Section):
     differs)."""
 
 
+class StepFactor(_Section):
+    step: int = Field(ge=1)
+    """The training step."""
+    factor: float = Field(allow_inf_nan=True)
+    """What it is multiplied by: `.nan` poisons a loss, `1e6` makes its gradient spike, `300` a learning rate."""
+    once: bool = False
+    """Only the first time the step is trained (a step trained again after a rollback is then healthy)."""
+
+
+class DroppedVersion(_Section):
+    version: int = Field(ge=1)
+    """The weight version (the learner's step that made it) the engines load and then drop."""
+    once: bool = False
+    """Only the first time the version arrives (a sync that sends it again is then taken)."""
+
+
+class SlowStep(_Section):
+    step: int = Field(ge=1)
+    """The training step."""
+    seconds: float = Field(gt=0)
+    """How long each of its micro-batches is held after its backward pass."""
+
+
+class InjectConfig(_Section):
+    """Faults injected on purpose, to rehearse what a run does about them on this cluster: its guard, its checks,
+    its bounds and its recovery (`grpo_dist.faults.inject`). Nothing is injected unless listed here, and a run that
+    injects anything says so when it starts."""
+
+    scale_loss: list[StepFactor] = []
+    """Training steps whose loss the learner ranks multiply by `factor`."""
+    scale_lr: list[StepFactor] = []
+    """Training steps whose learning rate the learner ranks multiply by `factor` (for that step's updates only)."""
+    drop_weights: list[DroppedVersion] = []
+    """Weight versions the generators load and then replace with the initial model's weights, still labelled with
+    the new version: an engine that silently serves other weights than it was sent (serving adapters: one that
+    dropped its adapter)."""
+    slow_training: SlowStep | None = None
+    """A training step whose every micro-batch the learner ranks hold back, as a machine shared with other work
+    would slow them."""
+    fail_allocation_at_step: int | None = Field(None, ge=1)
+    """A training step in which the learner ranks ask for more memory than any machine has, every time it is
+    trained: a real allocation failure inside a real step."""
+    slow_generation_file: str | None = None
+    """A file holding a number of seconds: each generator holds each sampled group back that long, one group at a
+    time, as a slower engine would. Read at every group, so changing the file changes the generators' speed while
+    the run goes; none, 0 or no file: no delay."""
+
+
 class FaultsConfig(_Section):
     start_timeout_s: float = Field(600.0, gt=0)
     """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
@@ -682,6 +730,8 @@ class FaultsConfig(_Section):
     rescore_attempts: int = Field(1, ge=0)
     """Times completions whose reward worker died or hung are scored again (on a new worker) before they are left
     unscored."""
+    inject: InjectConfig = Field(default_factory=InjectConfig)
+    """Faults injected on purpose (none by default)."""
 
 
 def _off_as_written(value: Any) -> Any:

@@ -8,20 +8,19 @@ its device failed or ran out of memory); any other error is a bug, which the cal
 what a fault means for its role (a learner rank lost, a generator replaced, a weight sync failed). The pools
 (`grpo_dist.cluster.generator_pool`, `grpo_dist.cluster.reward_pool`) keep their actors in an `ActorPool`: a faulty
 actor is killed and a new one started in its place (same placement bundle), printed once and counted in `FaultLog`,
-whose totals go to the metrics as `faults/*`.
+whose totals go to the metrics as `faults/*`. Faults injected on purpose to rehearse all this (`faults.inject`) are
+`grpo_dist.faults.inject`'s.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -70,89 +69,6 @@ class ActorFault(RuntimeError):
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
         self.kind = kind
-
-
-DROP_WEIGHTS = "GRPO_DIST_DROP_WEIGHTS"
-"""For tests: in the environment of a run, the generators put the initial model's weights back right after loading
-each weight version it lists (comma-separated; `N:once` only the first time version N arrives), still labelled with
-the new version: an engine that silently serves other weights than it was sent, as one that dropped an adapter."""
-
-
-def drops_weights(version: int, dropped: set[int]) -> bool:
-    """Whether a generator that has dropped the versions in `dropped` drops `version` (`DROP_WEIGHTS`); if so, it
-    is added to `dropped`."""
-    for listed in filter(None, os.environ.get(DROP_WEIGHTS, "").split(",")):
-        number, _, once = listed.partition(":")
-        if int(number) == version and not (once == "once" and version in dropped):
-            dropped.add(version)
-            return True
-    return False
-
-
-FAIL_ALLOCATION_AT_STEP = "GRPO_DIST_FAIL_ALLOCATION_AT_STEP"
-"""For tests: in the environment of a run, the learner ranks ask for more memory than any machine has in the
-training step it names, every time that step is trained (a real allocation failure inside a real step)."""
-
-SCALE_LOSS = "GRPO_DIST_SCALE_LOSS"
-"""For tests: in the environment of a run, `STEP:FACTOR[:once]`, comma-separated: the learner ranks multiply the
-loss of training step STEP by FACTOR (`nan` poisons it; `1e6` makes its gradient spike), every time that step is
-trained or, with `once`, the first time only (a step trained again after a rollback is then healthy)."""
-SCALE_LR = "GRPO_DIST_SCALE_LR"
-"""For tests: the same for the learning rate of training step STEP (its updates only; the rate is put back after)."""
-
-
-@dataclass
-class StepFactors:
-    """A `SCALE_LOSS` or `SCALE_LR` test hook: step -> (factor, once), and the steps already scaled once."""
-
-    steps: dict[int, tuple[float, bool]]
-    done: set[int] = field(default_factory=set)
-
-    @classmethod
-    def from_environment(cls, name: str) -> StepFactors:
-        steps = {}
-        for listed in filter(None, os.environ.get(name, "").split(",")):
-            step, factor, *once = listed.split(":")
-            steps[int(step)] = (float(factor), once == ["once"])
-        return cls(steps)
-
-    def factor(self, step: int) -> float:
-        """The factor for training step `step` (1: none)."""
-        factor, _ = self.steps.get(step, (1.0, False))
-        return 1.0 if step in self.done else factor
-
-    def trained(self, step: int) -> None:
-        """Training step `step` has ended: a step scaled `once` is not scaled again."""
-        if self.steps.get(step, (1.0, False))[1]:
-            self.done.add(step)
-
-
-SLOW_TRAINING = "GRPO_DIST_SLOW_TRAINING"
-"""For tests: in the environment of a run, `STEP:SECONDS`: the learner ranks hold each micro-batch of training step
-STEP back that long after its backward pass, as a machine shared with other work would slow them; the step still
-makes progress at every micro-batch."""
-
-
-def slow_training_s(step: int) -> float:
-    """The delay `SLOW_TRAINING` puts after each micro-batch of training step `step` (0 without one)."""
-    listed, _, seconds = os.environ.get(SLOW_TRAINING, "").partition(":")
-    return float(seconds) if listed and int(listed) == step else 0.0
-
-
-SLOW_GENERATION = "GRPO_DIST_SLOW_GENERATION"
-"""For tests: in the environment of a run, a file holding a number of seconds (none, or 0: no delay): each
-generator holds each prompt's group back that long once sampled, one group at a time, as a slower engine would
-(its samples are tagged with the weights they were sampled with, so weights that land meanwhile make them older).
-Read at every group, so a test changes the generators' speed while the run goes."""
-
-
-def slow_generation_s() -> float:
-    """The delay `SLOW_GENERATION` names now (0 without one)."""
-    path = os.environ.get(SLOW_GENERATION)
-    try:
-        return float(Path(path).read_text().strip() or 0) if path else 0.0
-    except (OSError, ValueError):
-        return 0.0
 
 
 DEVICE_ERRORS = (

@@ -22,6 +22,7 @@ from grpo_dist.cluster.learner_group import LearnerLost
 from grpo_dist.config import Config
 from grpo_dist.data import PromptSampler
 from grpo_dist.faults import first_line
+from grpo_dist.faults.inject import describe as describe_injected
 from grpo_dist.run import checkpoints
 from grpo_dist.run.autoscale import Autoscaler, Change
 from grpo_dist.run.evaluation import evaluate
@@ -78,6 +79,8 @@ def run_training(cfg: Config, run: RunStore, cluster: Cluster | None, checkpoint
         raise
     sampler = PromptSampler(inputs.train, cfg.data.prompts_per_step, cfg.run.seed)
     check_same_data(cfg, checkpoint, sampler)
+    if injected := describe_injected(cfg.faults.inject):
+        section(injected)
     running = control.Running(cfg.run_dir)  # `grpo-dist scale` reaches the run while it holds this
     try:
         return run_steps(cfg, run, cluster, checkpoint, console, inputs, sampler, running)

@@ -214,7 +214,8 @@ def _evaluate_checkpoint(cfg: Config, path: str, out: str | None, console) -> di
     import tempfile
 
     from grpo_dist.cluster.cluster import start_cluster
-    from grpo_dist.config import ConfigError, redact
+    from grpo_dist.config import ConfigError
+    from grpo_dist.config.uris import redact
     from grpo_dist.run import checkpoints
     from grpo_dist.run.inputs import prepare
     from grpo_dist.storage.run_dir import open_run

@@ -34,7 +34,8 @@ from pathlib import Path
 import pyarrow
 import pyarrow.fs as pafs
 
-from grpo_dist.config import ConfigError, redact, shown_uri, uri_credentials, uri_join
+from grpo_dist.config import ConfigError
+from grpo_dist.config.uris import redact, shown_uri, uri_credentials, uri_join
 from grpo_dist.storage import manifest
 from grpo_dist.storage.control import LOCK
 

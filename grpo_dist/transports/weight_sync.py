@@ -34,7 +34,7 @@ class WeightReceiver:
         return time.perf_counter() - started
 
     def reload_initial_weights(self) -> None:
-        """Load the initial model's weights from disk again (tests only: `grpo_dist.faults.DROP_WEIGHTS`)."""
+        """Load the initial model's weights from disk again (a fault injected: `faults.inject.drop_weights`)."""
         with reload_warnings_quiet():
             self.model_runner.reload_weights()
 

@@ -16,7 +16,7 @@ def prepare_engine_process() -> None:
     `ENGINE_MARK`): die with its parent."""
     import torch
 
-    from grpo_dist.cluster.actors.generator import ENGINE_MARK
+    from grpo_dist.cluster.actors.engine import ENGINE_MARK
 
     torch.cpu._init_amx()  # False, and nothing done, where the CPU or the kernel has no AMX
     if os.environ.get(ENGINE_MARK) == "1":

@@ -12,95 +12,25 @@ the weight version, so no new request reuses a prompt's cache from older weights
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from grpo_dist.config import EnvironmentConfig, RolloutConfig
-from grpo_dist.faults import drops_weights, slow_generation_s
+from grpo_dist.cluster.actors.engine import (
+    EngineStats,
+    adapter_dir,
+    eager,
+    engine_dtype,
+    engine_environment,
+    fork_engine_core,
+    shm_dir,
+)
+from grpo_dist.config import EnvironmentConfig, InjectConfig, RolloutConfig
+from grpo_dist.faults.inject import Injector
 from grpo_dist.sandbox.privileges import die_with_parent
 from grpo_dist.types import Completion, Sampling
-
-ENGINE_MARK = "GRPO_DIST_ENGINE"
-"""Set in a generator's environment, so the engine processes vLLM starts from it die with it
-(`grpo_dist.cluster.actors.engine_plugin`)."""
-
-
-def eager(rollout: RolloutConfig, on_gpu: bool) -> bool:
-    """Whether the engine runs eagerly: `rollout.enforce_eager` when set; else on CPU only (CUDA graphs on a GPU)."""
-    return rollout.enforce_eager if rollout.enforce_eager is not None else not on_gpu
-
-
-def engine_dtype(rollout: RolloutConfig, on_gpu: bool) -> str:
-    """`rollout.dtype`, auto meaning float32 on the CPU backend (where vLLM's auto would take a bfloat16 checkpoint
-    as it is) and the model's own dtype on a GPU."""
-    return "float32" if rollout.dtype == "auto" and not on_gpu else rollout.dtype
-
-
-def engine_environment(eager_engine: bool) -> dict[str, str]:
-    """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
-    process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the
-    cores), the engine's processes die with the actor. An engine that runs eagerly (`eager`: the CPU backend's
-    default) also runs without torch.compile: vLLM's sampler would still compile its log-prob gather on the first
-    request that asks for log-probs, 3 of an engine's 9 seconds of start-up on the quick start's model (0.04 s
-    without), and again whenever a batch's shape calls for a recompile."""
-    return {
-        **({"TORCHDYNAMO_DISABLE": "1"} if eager_engine else {}),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        "TOKENIZERS_PARALLELISM": "false",
-        ENGINE_MARK: "1",
-    }
-
-
-def fork_engine_core() -> None:
-    """Have vLLM start this process's engine core by forking it, not spawning it (a vLLM release without the hook
-    spawns as before). vLLM's CPU backend always spawns, and a spawned engine core imports vLLM and torch again, most
-    of its start-up's CPU time on a small model. Forking is safe here: the generator has touched no CUDA, runs no
-    OpenMP work before the engine exists, and its engine core uses none of the Ray connection it inherits (only for
-    one engine process: the "uni" executor). The child is set up as a spawned one is (`engine_core_child`)."""
-    import multiprocessing
-
-    import vllm.v1.engine.utils as launcher
-
-    if hasattr(launcher, "get_mp_context"):
-        launcher.get_mp_context = lambda: multiprocessing.get_context("fork")
-        os.register_at_fork(after_in_child=engine_core_child)
-
-
-def shm_dir() -> str | None:
-    """Shared memory for files handed to the engine (weights, adapters), where the machine has it."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
-
-
-def adapter_dir() -> str:
-    """A new directory in shared memory for this process's adapters (`Generator.load_adapter`), named by its pid;
-    those of generators that died without closing (their pid gone) are removed first."""
-    import glob
-
-    import psutil
-
-    prefix = os.path.join(shm_dir() or tempfile.gettempdir(), "grpo-dist-adapters-")
-    for stale in glob.glob(f"{prefix}*"):
-        pid = stale.removeprefix(prefix).split("-")[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"grpo-dist-adapters-{os.getpid()}-", dir=shm_dir())
-
-
-def engine_core_child() -> None:
-    """In the forked engine core: die with the generator, and be titled `VLLM::EngineCore` as a spawned one is (by the
-    plugin and by vLLM, neither of which can do it in a fork: the plugin is not loaded again, and vLLM's retitling
-    fails in a copy of a process Ray has retitled, so it is done with Ray's)."""
-    die_with_parent()
-    with contextlib.suppress(ImportError, AttributeError):
-        from ray._raylet import setproctitle
-
-        setproctitle("VLLM::EngineCore")
 
 
 class Generator:
@@ -116,11 +46,13 @@ class Generator:
         environment: EnvironmentConfig | None = None,
         isolation: tuple[str, list[str]] = ("best_effort", []),
         adapters: tuple[int, int] | None = None,
+        inject: InjectConfig | None = None,
     ) -> None:
         """`weight_transfer`: the vLLM weight-transfer backend the broadcast transport uses ("gloo" or "nccl"),
         None when weights come through the object store. `environment`: each completion is a multi-turn trajectory
         in it (`grpo_dist.agents`). `isolation`: `reward.isolation` and `reward.sandbox_env`, for its tools.
-        `adapters`: (largest rank, versions held) when the engine serves LoRA adapters (`load_adapter`)."""
+        `adapters`: (largest rank, versions held) when the engine serves LoRA adapters (`load_adapter`). `inject`:
+        the faults the run injects (`faults.inject`; none by default)."""
         import torch
 
         die_with_parent()
@@ -143,13 +75,13 @@ class Generator:
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.agent = AgentLoop(environment, tokenizer, rollout.max_new_tokens, *isolation)
         self.weight_version = 0
-        self.dropped: set[int] = set()  # weight versions dropped for a test (`grpo_dist.faults.DROP_WEIGHTS`)
+        self.injected = Injector(inject or InjectConfig())
         self.adapters = adapters
         self.lora = None  # the adapter new requests are served with (a `LoRARequest`), when serving adapters
         self.held: dict[int, list[Path]] = {}  # weight version -> the directories of its loaded adapter, oldest first
         self.loads = 0  # adapters loaded so far
         self.adapter_lock = asyncio.Lock()
-        self.held_back = asyncio.Lock()  # one group at a time under `faults.SLOW_GENERATION`
+        self.held_back = asyncio.Lock()  # one group at a time under `faults.inject.slow_generation_file`
         self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
         self.adapter_dir = adapter_dir() if adapters else None
         self.request_ids = itertools.count()
@@ -192,9 +124,10 @@ class Generator:
         if self.agent is not None:
             await self.agent.start()
 
-    async def configure(self, rollout: RolloutConfig) -> None:
-        """A new run's rollout settings; the engine's own (`ENGINE_SETTINGS`) are the ones it was started with."""
-        self.rollout = rollout
+    async def configure(self, rollout: RolloutConfig, inject: InjectConfig) -> None:
+        """A new run's rollout settings and the faults it injects; the engine's own (`ENGINE_SETTINGS`) are the ones
+        it was started with."""
+        self.rollout, self.injected = rollout, Injector(inject)
 
     async def close(self) -> None:
         """End the engine's process and the tools' sandboxes, and wait until they are gone (the pool calls it before
@@ -234,7 +167,7 @@ class Generator:
             )
             output = await self._sample(prompt_token_ids, params)
             group = [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
-        if delay_s := slow_generation_s():  # tests only (see faults.py)
+        if delay_s := self.injected.generation_delay_s():
             async with self.held_back:
                 await asyncio.sleep(delay_s)
         return group
@@ -365,7 +298,7 @@ class Generator:
             self.held.setdefault(weight_version, []).append(path)
             self.held[weight_version] = self.held.pop(weight_version)  # now the newest
             # The new version first, then the old ones out: no request is sent with an adapter being removed.
-            self.lora = None if drops_weights(weight_version, self.dropped) else served  # a test's dropped adapter
+            self.lora = None if self.injected.drops(weight_version) else served  # an adapter dropped (`faults.inject`)
             self.weight_version, self.salt = weight_version, f"{weight_version}.{self.loads}"
             for version in list(self.held)[: max(0, len(self.held) - (self.adapters[1] - 1))]:
                 await self.engine.remove_lora(version + 1)
@@ -384,7 +317,7 @@ class Generator:
     async def _resume(self, weight_version: int) -> None:
         """After new weights are in: tokens sampled from now on are labelled `weight_version`, new requests use
         its prefix cache, and scheduling goes on (the older prefix cache is freed where no request holds it)."""
-        if drops_weights(weight_version, self.dropped):  # a test's engine that serves other weights than it was sent
+        if self.injected.drops(weight_version):  # an engine serving other weights than it was sent (`faults.inject`)
             await self.engine.collective_rpc("reload_initial_weights")
         await asyncio.gather(self.engine.reset_prefix_cache(), self.engine.update_weight_version(str(weight_version)))
         self.weight_version, self.salt = weight_version, str(weight_version)
@@ -489,54 +422,3 @@ def _logprobs(sample) -> list[float]:
     """[T] the sampling logprob of each token of a vLLM sample: its logprobs hold one {token_id: Logprob} dict per
     sampled token, with logprobs=0 just the sampled token's."""
     return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
-
-
-class EngineStats:
-    """What vLLM's scheduler reports at every engine step, kept as highest values (KV-cache use, running and
-    waiting requests) and a count (preemptions) until taken; fed by a stat logger vLLM calls (`logger_factory`)."""
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self.kv_cache_usage = self.running = self.waiting = 0.0
-        self.preemptions = 0.0
-        self.steps = 0
-
-    def take(self) -> dict[str, float]:
-        found = {
-            "kv_cache_usage_max": self.kv_cache_usage,
-            "running_max": self.running,
-            "waiting_max": self.waiting,
-            "preemptions": self.preemptions,
-            "engine_steps": float(self.steps),
-        }
-        self._reset()
-        return found
-
-    def record(self, scheduler, iteration) -> None:
-        if scheduler is not None:
-            self.kv_cache_usage = max(self.kv_cache_usage, float(scheduler.kv_cache_usage))
-            self.running = max(self.running, float(scheduler.num_running_reqs))
-            self.waiting = max(self.waiting, float(scheduler.num_waiting_reqs))
-            self.steps += 1
-        if iteration is not None:
-            self.preemptions += iteration.num_preempted_reqs
-
-    def logger_factory(self):
-        """A factory of vLLM stat loggers (one per engine) that feed this."""
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        stats = self
-
-        class Feed(StatLoggerBase):
-            def __init__(self, vllm_config, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                stats.record(scheduler_stats, iteration_stats)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return Feed

@@ -30,8 +30,9 @@ from grpo_dist.algo import policy_loss
 from grpo_dist.algo.batch import TrainBatch, TrainShard
 from grpo_dist.algo.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.algo.throughput import flop_params, peak_flops, step_flops
-from grpo_dist.config import AlgorithmConfig, LearnerConfig, RolloutConfig
-from grpo_dist.faults import FAIL_ALLOCATION_AT_STEP, SCALE_LOSS, SCALE_LR, StepFactors, slow_training_s
+from grpo_dist.cluster.actors.learner_weights import LearnerWeights
+from grpo_dist.config import AlgorithmConfig, InjectConfig, LearnerConfig, RolloutConfig
+from grpo_dist.faults.inject import Injector
 from grpo_dist.models import lora
 from grpo_dist.sandbox.privileges import die_with_parent
 from grpo_dist.storage import safe_load
@@ -71,13 +72,20 @@ class FiniteAdamW(torch.optim.AdamW):
         return None if self.overflow else super().step(closure)
 
 
-class Learner:
+class Learner(LearnerWeights):
     """One learner rank: the policy (DeepSpeed engine) and, when kl_coef > 0, the reference. Made a Ray actor by
     `grpo_dist.cluster.learner_group`; `setup` joins the ranks' process group and builds the engines."""
 
     def __init__(
-        self, model_path: str, learner: LearnerConfig, algorithm: AlgorithmConfig, rollout: RolloutConfig, seed: int
+        self,
+        model_path: str,
+        learner: LearnerConfig,
+        algorithm: AlgorithmConfig,
+        rollout: RolloutConfig,
+        seed: int,
+        inject: InjectConfig | None = None,
     ) -> None:
+        """`inject`: the faults the run injects (`faults.inject`; none by default)."""
         die_with_parent()
         self.model_path, self.seed = model_path, seed
         self.cfg, self.algo = learner, algorithm
@@ -86,11 +94,11 @@ class Learner:
         self.weight_version = 0
         self.rank = 0
         self.done = 0  # forward passes and optimizer steps finished: the heartbeat of a training step
-        self.fail_allocation_at = int(os.environ.get(FAIL_ALLOCATION_AT_STEP, 0))  # tests only (see faults.py)
-        self.scaled_loss, self.scaled_lr = (
-            StepFactors.from_environment(SCALE_LOSS),
-            StepFactors.from_environment(SCALE_LR),
-        )
+        self.injected = Injector(inject or InjectConfig())
+
+    def inject_faults(self, inject: InjectConfig) -> None:
+        """The faults a new run handed to this rank injects (`faults.inject`), none met yet."""
+        self.injected = Injector(inject)
 
     @ray.method(concurrency_group="heartbeat")
     def progress(self) -> int:
@@ -285,7 +293,7 @@ class Learner:
             old_logprobs = self._logprobs(self.engine.module, batch, shard) if reuse else None  # [b, T]
         ref_logprobs = self._logprobs(self.reference, batch, shard) if self.reference is not None else None  # [b, T]
         history: list[dict[str, float]] = []
-        lr_factor = self.scaled_lr.factor(self.weight_version + 1)  # tests only (see faults.py)
+        lr_factor = self.injected.lr_factor(self.weight_version + 1)
         if lr_factor != 1:
             self.scale_lr(lr_factor)
         for _ in range(self.algo.ppo_epochs):
@@ -294,8 +302,7 @@ class Learner:
         if lr_factor != 1:
             self.scale_lr(1 / lr_factor)
         self.weight_version += 1
-        self.scaled_loss.trained(self.weight_version)
-        self.scaled_lr.trained(self.weight_version)
+        self.injected.trained(self.weight_version)
         metrics = {key: sum(step[key] for step in history) / len(history) for key in history[0]}
         metrics["logprob_gap"] = history[0]["logprob_gap"]  # before any update of this step: the engines' policy's
         metrics["learner/skipped"] = sum(step["learner/skipped"] for step in history)
@@ -339,11 +346,11 @@ class Learner:
         for position, (select, share) in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(position == len(micro_batches) - 1)
             loss, metrics = self._micro_loss(batch.select(select), select, old_logprobs, ref_logprobs)
-            if self.fail_allocation_at == self.weight_version + 1:
+            if self.injected.fails_allocation(self.weight_version + 1):
                 torch.empty(1 << 60, dtype=torch.uint8, device=self.device)  # the allocator refuses it
-            loss = loss * self.scaled_loss.factor(self.weight_version + 1)
+            loss = loss * self.injected.loss_factor(self.weight_version + 1)
             self.engine.backward(loss * (share * shard.world_size), scale_wrt_gas=False)
-            time.sleep(slow_training_s(self.weight_version + 1))  # tests only (see faults.py)
+            time.sleep(self.injected.training_delay_s(self.weight_version + 1))
             self.done += 1
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * share
@@ -425,106 +432,3 @@ class Learner:
         finally:
             module.train(training)
         return token_logprobs(logits, input_ids, 1.0)[0, 1:].tolist()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full, unsharded weights on the CPU in Hugging Face names (with LoRA the policy merged:
-        `grpo_dist.models.lora`), on rank 0 (empty on the others). Collective: under ZeRO-3 every rank takes part in
-        gathering them."""
-        return self._on_rank0(self._weights) or {}
-
-    def adapter(self) -> tuple[dict[str, torch.Tensor], dict] | None:
-        """The LoRA adapter's weights in PEFT's names (CPU copies) and its config's fields (as
-        `adapter_config.json` holds them), on rank 0 (None on the others): what engines serving adapters load.
-        Collective under ZeRO-3."""
-        return self._on_rank0(
-            lambda module: (lora.adapter_state_dict(module), lora.adapter_config(module)), trained_only=True
-        )
-
-    def _weights(self, module) -> dict[str, torch.Tensor]:
-        if lora.is_adapted(module):
-            return lora.merged_state_dict(module)
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in module.state_dict().items()}
-
-    def _final(self, module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-        """The policy's weights to save, and with LoRA the adapter's own."""
-        return self._weights(module), lora.adapter_state_dict(module) if lora.is_adapted(module) else None
-
-    def _on_rank0(self, read, trained_only: bool = False):
-        """`read(policy module)` on rank 0 with every parameter whole (or, `trained_only`, those that take gradients:
-        the adapter's), gathered under ZeRO-3 (collective); None on the other ranks."""
-        import deepspeed
-
-        module = self.engine.module
-        params = [param for param in module.parameters() if param.requires_grad or not trained_only]
-        with deepspeed.zero.GatheredParameters(params, enabled=self.cfg.zero_stage == 3):
-            return read(module) if self.rank == 0 else None
-
-    def save_checkpoint(self, path: str) -> None:
-        """Write this rank's DeepSpeed state (model, optimizer, scheduler) under `path` (collective); with LoRA the
-        adapter's weights alone (the base is the initial model's)."""
-        self.engine.save_checkpoint(
-            path,
-            tag="state",
-            client_state={"weight_version": self.weight_version},
-            exclude_frozen_parameters=self.cfg.lora is not None,
-        )
-
-    def load_checkpoint(self, path: str) -> None:
-        """Restore what `save_checkpoint` wrote, on the same number of ranks (collective)."""
-        _, client_state = self.engine.load_checkpoint(path, tag="state", load_module_strict=self.cfg.lora is None)
-        if client_state is None:
-            raise RuntimeError(f"learner rank {self.rank}: no DeepSpeed checkpoint in {path}")
-        self.weight_version = client_state["weight_version"]
-
-    def make_staging_dir(self, root: str, run_name: str) -> None:
-        """This node's staging directory `root/run_name`, before DeepSpeed writes shards there: never through a
-        symbolic link, this user's, mode 0o700 (`grpo_dist.storage.private_dir`; the first rank of each node)."""
-        from grpo_dist.storage import private_dir
-
-        private_dir(root, run_name)
-
-    def publish(self, local: str, store, key: str) -> dict[str, dict]:
-        """What this node wrote at `local` (a checkpoint's shards, the final policy) made the store's at `key`
-        (`grpo_dist.storage.Store.publish`); returns each file, by its path under `key`, with its size and checksum
-        (nothing where this node staged nothing). The first rank of each node does this for its node."""
-        return store.publish(Path(local), key)
-
-    def fetch(self, store, key: str, local: str, expected: dict[str, dict]) -> str:
-        """A checkpoint's shards at `key` readable on this node, each checked against what its writer recorded
-        (`expected`, by path under `key`; `grpo_dist.storage.Store.fetch`); returns where they are."""
-        return str(store.fetch(key, Path(local), expected))
-
-    def discard(self, local: str) -> None:
-        """Remove a staged copy from this node's disk (`grpo_dist.storage.discard`)."""
-        from grpo_dist.storage import discard
-
-        discard(Path(local))
-
-    def connect_weights(self, spec, generators: list) -> None:
-        """Open this rank's side of the broadcast weight transport (collective; rank 0 meets the generators)."""
-        from grpo_dist.transports.broadcast import WeightSender
-
-        self.weight_sender = WeightSender(spec, self.rank, self.engine.module, self.cfg.zero_stage == 3, generators)
-
-    def send_weights(self, weight_version: int, full: bool = False):
-        """Stream the current weights to the generators (collective: every rank gathers, rank 0 sends); returns
-        rank 0's `SyncReport` (None elsewhere)."""
-        return self.weight_sender.send(weight_version, full)
-
-    def save(self, out_dir: str) -> str:
-        """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and
-        vLLM); with LoRA the policy merged, and the adapter alone in PEFT's format under `adapter/` (loadable by
-        `PeftModel.from_pretrained` and as a vLLM LoRA adapter). Collective, rank 0 writes."""
-        from transformers import AutoTokenizer
-
-        written = self._on_rank0(self._final)
-        if written is not None:
-            state_dict, adapter = written
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            module = self.engine.module
-            model = module.get_base_model() if adapter is not None else module
-            model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-            if adapter is not None:
-                lora.save_adapter(module, adapter, Path(out_dir) / "adapter")
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
-        return out_dir
