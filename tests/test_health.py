@@ -259,7 +259,7 @@ def test_skip_is_an_action_of_the_nonfinite_check_only(tmp_path):
 
 
 def test_an_injected_loss_factor_scales_its_steps_and_once_only_the_first_time():
-    inject = InjectConfig(scale_loss=[{"step": 2, "factor": ".nan"}, {"step": 4, "factor": 1e6, "once": True}])
+    inject = InjectConfig(scale_loss=[{"step": 2, "factor": math.nan}, {"step": 4, "factor": 1e6, "once": True}])
     hook = Injector(inject)
     assert hook.loss_factor(1) == 1.0 and math.isnan(hook.loss_factor(2)) and hook.loss_factor(4) == 1e6
     assert hook.lr_factor(4) == 1.0  # the loss's factors only
@@ -308,7 +308,7 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     from grpo_dist.storage import safe_load
 
     raw = health_run(tmp_path, 8, grad_norm={"factor": 1000.0, "action": "rollback"})
-    raw = injected(raw, scale_loss=[{"step": 3, "factor": ".nan"}, {"step": 6, "factor": 1e6, "once": True}])
+    raw = injected(raw, scale_loss=[{"step": 3, "factor": math.nan}, {"step": 6, "factor": 1e6, "once": True}])
     run_dir = tmp_path / "outputs" / "test"
     with training(tmp_path, raw) as run:
         assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]

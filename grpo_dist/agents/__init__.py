@@ -10,6 +10,8 @@
   the model generated.
 - `episode`: one trajectory, run on a generator's engine: sample a turn from the exact token prefix, parse and run
   its tool calls, step the environment, append the observation's tokens; the loss mask covers only sampled tokens.
+
+May import: `rewards`, `sandbox`, `config`, `types` and below (never `cluster` or `run`).
 """
 
 from grpo_dist.agents.protocol import Environment, Observation, ToolCall, Turn, tool_message

@@ -1,5 +1,8 @@
 """Algorithm math, torch only: group advantages (GRPO arXiv 2402.03300 and kin), reward shaping, on-policy
-distillation's per-token advantages, the policy loss."""
+distillation's per-token advantages, the policy loss.
+
+Also the learner's batches (`batch`), its log-prob scoring (`scoring`), the compiled CPU ops it loads
+(`native_ops`) and the FLOPs of a step (`throughput`). May import: `config` and `types` only."""
 
 from grpo_dist.algo.advantages import ESTIMATORS, STD_MODES, group_advantages
 from grpo_dist.algo.distill import distill_advantages, group_baseline, reverse_kl

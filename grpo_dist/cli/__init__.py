@@ -5,6 +5,8 @@ Each subcommand is one entry of `COMMANDS`: its help, its arguments and the func
 group: `runs` (train, sft, eval, up, down), `checks` (check, plan, status, plot, reference), `jobs` (submit, job,
 scale), `files` (export, prepare, tiny-model); `common` holds what they share. Only the config module is imported up
 front, so `--help` and config errors are instant.
+
+May import: everything below it (`ops`, `run`, `cluster`, ...); nothing imports it but `__main__`.
 """
 
 from __future__ import annotations

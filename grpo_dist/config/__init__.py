@@ -2,6 +2,9 @@
 
 Loaded from YAML with dotted command-line overrides (``learner.lr=5e-6``), validated in full before any actor
 starts. This module imports neither torch nor ray, so ``grpo-dist --help`` and config errors are instant.
+
+The sections are `grpo_dist.config.sections`, URIs and their credentials `grpo_dist.config.uris`, the memory plan
+`grpo_dist.config.plan`. May import: `types` only.
 """
 
 from __future__ import annotations

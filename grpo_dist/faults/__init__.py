@@ -10,6 +10,8 @@ what a fault means for its role (a learner rank lost, a generator replaced, a we
 actor is killed and a new one started in its place (same placement bundle), printed once and counted in `FaultLog`,
 whose totals go to the metrics as `faults/*`. Faults injected on purpose to rehearse all this (`faults.inject`) are
 `grpo_dist.faults.inject`'s.
+
+May import: `config` and `types` only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Reward functions: built-ins, lookup by name or dotted path, and fault-tolerant scoring of one completion."""
+"""Reward functions: built-ins, lookup by name or dotted path, and fault-tolerant scoring of one completion.
+
+Also the code and math verdicts (`code`, `verdicts`) and the judge's prompt (`judge_prompt`). May import:
+`transports`, `data`, `models`, `sandbox`, `storage` and below (never `agents` or `cluster`)."""
 
 from grpo_dist.rewards.builtin import boxed_format, exact_answer, math_answer, number_format, regex_format
 from grpo_dist.rewards.registry import (

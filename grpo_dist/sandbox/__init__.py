@@ -44,6 +44,9 @@ finite number within ±1e30; anything else leaves that call unscored and the san
 
 User code here is the user's: the sandbox keeps it, and the model's text it evaluates, from the run's secrets and
 from the machine, but the model's own code never runs here (`grpo_dist.sandbox.jail` runs it).
+
+May import: `algo`, `faults`, `config`, `types` (the jail and the privileges it drops are here: `jail`,
+`privileges`).
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ mode 0o700, and refused when another user owns it (the default is under /tmp, wh
 
 Keys are relative to the store's root, so a query in a URI is kept: `Store(uri).upload(path, "grpo/final")`. Every
 failure to read or write is a `StoreError` naming where; storage a run cannot start with is a `StorageError`.
+
+Also the run's directory (`run_dir`), checkpoint manifests (`manifest`), JSON Lines (`jsonl`), loading a
+checkpoint without running code from it (`safe_load`), the console and its log (`console`), the status file
+(`status`) and the mailbox a running run reads (`control`). May import: `algo`, `faults`, `config`, `types`.
 """
 
 from __future__ import annotations

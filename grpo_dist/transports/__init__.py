@@ -11,6 +11,9 @@
 
 With `learner.lora.serve: adapter` the adapter alone goes through Ray's object store, whatever `sync.transport` says
 (`grpo_dist.transports.adapter`): a few megabytes, which every engine serves as a LoRA adapter.
+
+Also the check of what the engines serve after a sync (`weight_check`) and the extension vLLM's workers load to
+receive weights (`weight_sync`). May import: `models`, `sandbox`, `storage`, `faults`, `config`, `types`.
 """
 
 from __future__ import annotations

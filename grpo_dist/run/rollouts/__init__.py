@@ -12,6 +12,8 @@
 With `rollout.max_staleness` k = 0 a step's batch is generated and scored when the step begins, by the weights the
 learner has: on-policy. With k >= 1 the next step's batch is generated and scored while the learner trains, by
 weights up to k updates older than the learner's when it trains on them.
+
+Part of `grpo_dist.run`: may import `cluster` and below.
 """
 
 from grpo_dist.run.rollouts.advantages import add_distillation, compute_advantages
