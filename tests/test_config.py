@@ -11,7 +11,8 @@ import pytest
 import yaml
 from conftest import REPO, cli_here, small_config
 
-from grpo_dist.config import ConfigError, apply_override, field_docs, load_config, validate_config
+from grpo_dist.config import ConfigError, apply_override, load_config, validate_config
+from grpo_dist.config.reference import field_docs
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 

@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 
 from grpo_dist.cli.common import Command, bad_data_exits_2, config_and_overrides
-from grpo_dist.config import Config, ConfigError, field_docs, load_config
+from grpo_dist.config import Config, ConfigError, load_config
+from grpo_dist.config.reference import field_docs
 
 
 def _check_arguments(parser: argparse.ArgumentParser) -> None:

@@ -4,13 +4,12 @@ Loaded from YAML with dotted command-line overrides (``learner.lr=5e-6``), valid
 starts. This module imports neither torch nor ray, so ``grpo-dist --help`` and config errors are instant.
 
 The sections are `grpo_dist.config.sections`, URIs and their credentials `grpo_dist.config.uris`, the memory plan
-`grpo_dist.config.plan`. May import: `types` only.
+`grpo_dist.config.plan`, the reference of every key `grpo_dist.config.reference`. May import: `types` only.
 """
 
 from __future__ import annotations
 
 import difflib
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -462,20 +461,3 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
         if isinstance(candidate, type) and issubclass(candidate, BaseModel):
             return candidate
     return None
-
-
-def field_docs(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, description) for every field: the site's configuration page and `grpo-dist reference`."""
-    rows = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        section = _section_type(field.annotation)
-        if section is not None and typing.get_origin(field.annotation) is not list:
-            rows.append((key, "", field.description or ""))
-            rows.extend(field_docs(section, prefix=f"{key}."))
-            continue
-        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        rows.append((key, default, field.description or ""))
-        if section is not None:  # a list of sections: document the fields of one item
-            rows.extend(field_docs(section, prefix=f"{key}[]."))
-    return rows
