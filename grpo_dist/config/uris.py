@@ -6,35 +6,6 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
-from grpo_dist.config.sections import (  # noqa: F401 (re-exported: the sections are part of the config's API)
-    AlgorithmConfig,
-    AutoscaleConfig,
-    CheckpointConfig,
-    ClusterConfig,
-    DataConfig,
-    DistillConfig,
-    EnvironmentConfig,
-    EvalConfig,
-    EvalSetConfig,
-    FaultsConfig,
-    HealthConfig,
-    JudgeConfig,
-    LearnerConfig,
-    ModelConfig,
-    RayConfig,
-    RewardConfig,
-    RewardFunctionConfig,
-    RolloutConfig,
-    RunConfig,
-    SftConfig,
-    SyncConfig,
-    TaskConfig,
-    TinyModelConfig,
-    WandbConfig,
-    _Section,
-    engine_rollout,
-)
-
 
 def uri_join(uri: str, *parts: str) -> str:
     """`uri` with `parts` appended to its path, its query kept (`s3://b/r?endpoint_override=h:9`, ...)."""
@@ -44,18 +15,12 @@ def uri_join(uri: str, *parts: str) -> str:
 
 URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
 """A URI (`s3://...`, `https://...`) on its own or inside a message, up to the next blank or quote."""
-
-
 SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 """How a URI begins: a value that begins so is read as a URI, whole, even past a blank or a quote."""
-
-
 CREDENTIAL_PARAMETER = re.compile(r"key|secret|token|password|passwd|credential|signature|^sig$", re.IGNORECASE)
 """A query parameter whose value is a credential: pyarrow's `access_key`, `secret_key`, `session_token`,
 `access_token`, `account_key`, `sas_token`, `client_secret`; a presigned URL's `X-Amz-Credential`, `X-Amz-Signature`,
 `X-Amz-Security-Token`, Azure's `sig`."""
-
-
 CREDENTIALS_GO = (
     "credentials come from each node's environment or the provider's own files, never from a URI (it would be "
     "printed and written to config.yaml, every checkpoint and the W&B config): AWS_ACCESS_KEY_ID and "
