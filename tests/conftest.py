@@ -141,7 +141,8 @@ def cli_batch(argvs: list[list[str]], cwd: Path = REPO, env: dict[str, str] | No
 class SharedActors:
     """One set of actors at a time, kept between the runs of a module that can use it (`use`): its runs, one after
     another, start actors only when a run asks for others (another model, placement or engine:
-    `cluster.differences`) or the last run on them failed. `model_path` is a tiny model they all share."""
+    `grpo_dist.cluster.cluster.differences`) or the last run on them failed. `model_path` is a tiny model they all
+    share."""
 
     def __init__(self, model_path: Path) -> None:
         self.model_path, self.cluster = model_path, None

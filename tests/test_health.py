@@ -1,4 +1,4 @@
-"""The divergence guard: its checks on hand-made step metrics (no Ray), and real runs whose loss a test hook poisons
+"""The divergence guard: its checks on hand-made step metrics (no Ray), and real runs whose loss is poisoned on purpose
 (`faults.inject.scale_loss`): a non-finite step is dropped and the run goes on, a gradient spike is rolled back to the
 latest checkpoint with its batch skipped, and the same spike twice stops the run."""
 
@@ -375,6 +375,23 @@ def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and
     assert (run_dir / "interrupted").is_dir()
     print(stop)
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+
+
+@pytest.mark.slow
+def test_a_spike_injected_once_is_met_once_across_a_rollback_to_the_initial_model(tmp_path):
+    """The same run with step 2's spike injected `once`: the rollback to the initial model rebuilds the learner's
+    engine in its process, and step 2, trained again, is healthy; the run trains all its steps."""
+    run_dir = tmp_path / "outputs" / "test"
+    raw = health_run(tmp_path, 4, every_steps=0, grad_norm={"factor": 1000.0, "action": "rollback"})
+    raw = injected(raw, scale_loss=[{"step": 2, "factor": 1e6, "once": True}])
+    with training(tmp_path, raw) as run:
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    output = (tmp_path / "run.log").read_text()
+    assert "health: rolled back to the initial model (step 0: no checkpoint yet)" in output
+    assert len(re.findall(r"^step +2/4 ", output, re.M)) == 1  # the spiking step 2 never logged, the healthy one once
+    logged = rows(run_dir)
+    assert [row["step"] for row in logged] == [1, 2, 3, 4]
+    assert logged[-1]["faults/rollbacks"] == 1.0
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ with SIGKILL and resumed with `--resume` produces the same rewards and losses at
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, small_config, train_here, written_checkpoint
+from conftest import REPO, TESTS_DIR, injected, small_config, train_here, written_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -160,6 +161,28 @@ def test_resume_refuses_a_changed_group_size(tmp_path):
     assert checkpoints.check_config(changed, checkpoints.find(open_run(changed)[1], str(checkpoint))) == [
         "learner.lr: 0.01 -> 0.005"
     ]
+
+
+def test_resume_reports_no_change_for_the_same_nan_or_a_setting_added_since_left_empty(tmp_path):
+    """A rehearsal's NaN loss factor (`faults.inject`) is the same NaN when resumed, and a config saved before a
+    setting existed does not have it: neither is a change. Injecting where the saved config did not is one."""
+    from grpo_dist.config import validate_config
+    from grpo_dist.run import checkpoints
+    from grpo_dist.storage import manifest
+    from grpo_dist.storage.run_dir import open_run
+
+    nan_loss = injected(small_config(tmp_path), scale_loss=[{"step": 3, "factor": math.nan}])
+    checkpoint = written_checkpoint(tmp_path / "step-000003", nan_loss)
+    cfg = validate_config(nan_loss)
+    assert checkpoints.check_config(cfg, checkpoints.find(open_run(cfg)[1], str(checkpoint))) == []
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    del saved["faults"]["inject"]  # as written before `faults.inject` existed
+    (checkpoint / "config.yaml").write_text(yaml.safe_dump(saved))
+    manifest.write(checkpoint)
+    plain = validate_config(small_config(tmp_path))
+    assert checkpoints.check_config(plain, checkpoints.find(open_run(plain)[1], str(checkpoint))) == []
+    changes = checkpoints.check_config(cfg, checkpoints.find(open_run(cfg)[1], str(checkpoint)))
+    assert changes == ["faults.inject.scale_loss: None -> [{'step': 3, 'factor': nan, 'once': False}]"]
 
 
 def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_path):

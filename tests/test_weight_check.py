@@ -1,5 +1,6 @@
 """The check after a weight sync, without Ray: its probe sequence, its default bound by the run's dtypes, and the
-test hook that makes an engine drop what it was sent (`test_lora.py` runs the check with the real stack)."""
+injected fault that makes an engine drop what it was sent (`faults.inject.drop_weights`; `test_lora.py` runs the
+check with the real stack)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Algorithm math, torch only: group advantages (GRPO arXiv 2402.03300 and kin), reward shaping, on-policy
+"""Algorithm math on tensors: group advantages (GRPO arXiv 2402.03300 and kin), reward shaping, on-policy
 distillation's per-token advantages, the policy loss.
 
 Also the learner's batches (`batch`), its log-prob scoring (`scoring`), the compiled CPU ops it loads

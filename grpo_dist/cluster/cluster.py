@@ -30,7 +30,7 @@ from grpo_dist.cluster.ray_cluster import (
 )
 from grpo_dist.cluster.reward_pool import RewardPool
 from grpo_dist.cluster.teacher_pool import TeacherPool
-from grpo_dist.config import Config
+from grpo_dist.config import Config, FaultsConfig, InjectConfig
 from grpo_dist.faults import RETRY_PAUSE_S, START_ATTEMPTS, Bounds, FaultLog
 from grpo_dist.storage import RunStore
 from grpo_dist.storage.console import Console, bar, section
@@ -146,7 +146,11 @@ class Cluster:
             self.rewards.shutdown()
             self.rewards = RewardPool(cfg, self.placement, self.faults)
             self.rewards.pool.wait_ready()
-        if earlier or cfg.algorithm.distill != old.algorithm.distill or cfg.faults != old.faults:
+        if (
+            earlier
+            or cfg.algorithm.distill != old.algorithm.distill
+            or uninjected_faults(cfg) != uninjected_faults(old)
+        ):
             if self.teacher is not None:
                 self.teacher.shutdown()
             self.teacher = start_teacher(cfg, self.placement, self.faults)
@@ -159,11 +163,13 @@ class Cluster:
         if rebuilt:
             self.learner.shutdown()
             self.learner = LearnerGroup.start(cfg, model_path, self.placement.learner_strategies())
-        elif from_start or learner_settings(cfg) != learner_settings(old):
-            self.learner.reset(cfg)
-            rebuilt = True
         else:
-            self.learner.begin_run(cfg)
+            if from_start or learner_settings(cfg) != learner_settings(old):
+                self.learner.reset(cfg)
+                rebuilt = True
+            else:
+                self.learner.begin_run(cfg)
+            self.learner.inject_faults(cfg)
         if earlier or rebuilt or cfg.sync != old.sync:
             self.transport.close()
             self.transport = make_transport(cfg, self.learner, self.generators.actors)
@@ -377,9 +383,15 @@ def learner_settings(cfg: Config) -> tuple:
     return cfg.learner, cfg.algorithm, budgeted(cfg), cfg.run.seed
 
 
+def uninjected_faults(cfg: Config) -> FaultsConfig:
+    """The fault settings reward workers and teacher engines are built with: the run's, less the faults it injects
+    (which only the learner ranks and the generators meet)."""
+    return cfg.faults.model_copy(update={"inject": InjectConfig()})
+
+
 def reward_settings(cfg: Config) -> tuple:
     """What the reward pool is built from."""
-    return cfg.reward, cfg.judges, cfg.faults
+    return cfg.reward, cfg.judges, uninjected_faults(cfg)
 
 
 def differences(cfg: Config, model_path: str, other: Config, other_path: str) -> list[str]:

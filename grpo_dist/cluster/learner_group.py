@@ -103,12 +103,16 @@ class LearnerGroup:
         self.threads = self._wait(calls, "setup", bound=start)
 
     def begin_run(self, cfg: Config) -> None:
-        """A new run's config on these ranks, built as it would build them (its bounds; the faults it injects; its
-        staging directory on each node for an object-store run)."""
+        """A new run's config on these ranks, built as it would build them (its bounds; its staging directory on each
+        node for an object-store run)."""
         self.cfg, self.bounds = cfg, Bounds.of(cfg)
-        self._call("inject_faults", cfg.faults.inject, bound=self.bounds.probe)
         if cfg.object_store:
             self.on_each_node("make_staging_dir", cfg.run.staging_dir, cfg.run.name)
+
+    def inject_faults(self, cfg: Config) -> None:
+        """The faults a new run handed to these ranks injects (`faults.inject`), none met yet. Not on a `reset`
+        within a run (a rollback to the initial model): a fault injected `once` stays met."""
+        self._call("inject_faults", cfg.faults.inject, bound=self.bounds.probe)
 
     def reset(self, cfg: Config) -> None:
         """Begin a new run on these ranks (the same number and process settings): `cfg`'s settings, the initial

@@ -661,7 +661,8 @@ class StepFactor(_Section):
     factor: float = Field(allow_inf_nan=True)
     """What it is multiplied by: `.nan` poisons a loss, `1e6` makes its gradient spike, `300` a learning rate."""
     once: bool = False
-    """Only the first time the step is trained (a step trained again after a rollback is then healthy)."""
+    """Only the first time the step is trained (a step trained again after a rollback is then healthy; a restarted
+    learner group starts afresh)."""
 
 
 class DroppedVersion(_Section):

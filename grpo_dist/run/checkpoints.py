@@ -296,11 +296,19 @@ def _first_whole(latest: str, names: list[str], problem, where) -> str:
     raise ConfigError(f"--resume: no complete checkpoint in {where} ({listed})")
 
 
+def _differs(key: str, saved: dict, current: dict) -> bool:
+    """Whether `key` changed: NaN equals NaN (a config may inject one, `faults.inject`), and a key the saved config
+    does not have (a setting added since it was written) left empty is no change."""
+    if key not in saved and current.get(key) in (None, [], {}):
+        return False
+    return json.dumps(saved.get(key), sort_keys=True) != json.dumps(current.get(key), sort_keys=True)
+
+
 def check_config(cfg: Config, checkpoint: Checkpoint) -> list[str]:
     """Refuse a resume whose config changes what the checkpoint means; return the other changes, to report."""
     saved = _flat(yaml.safe_load((checkpoint.path / "config.yaml").read_text()))
     current = _flat(cfg.model_dump(mode="json"))
-    changed = sorted(key for key in saved.keys() | current.keys() if saved.get(key) != current.get(key))
+    changed = sorted(key for key in saved.keys() | current.keys() if _differs(key, saved, current))
     fixed = [key for key in changed if any(key == f or key.startswith(f + ".") for f in FIXED_KEYS)]
     if fixed:
         listed = "; ".join(f"{key}: {saved.get(key)!r} -> {current.get(key)!r}" for key in fixed)

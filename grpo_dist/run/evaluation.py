@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from grpo_dist.cluster.cluster import Cluster
-from grpo_dist.config import Config
+from grpo_dist.config import Config, InjectConfig
 from grpo_dist.data.prepare import last_boxed
 from grpo_dist.rewards.runner import RewardRunner
 from grpo_dist.run.inputs import EvalSet
@@ -176,13 +176,14 @@ def show_accuracy(cfg: Config, scores: list[float], when: str) -> float:
 
 def eval_config(cfg: Config, scratch: str, model_path: str | None) -> Config:
     """The config `grpo-dist eval` runs with, built from the user's, which is left as it was: its run directory in
-    `scratch`, no checkpoint directory, no W&B, no distillation teacher, and with `model_path` (a saved policy) that
-    as the model."""
+    `scratch`, no checkpoint directory, no W&B, no distillation teacher, no injected faults (`faults.inject`: a
+    rehearsal of training's faults), and with `model_path` (a saved policy) that as the model."""
     sections = {
         "run": cfg.run.model_copy(update={"output_dir": scratch}),
         "algorithm": cfg.algorithm.model_copy(update={"distill": None}),
         "checkpoint": cfg.checkpoint.model_copy(update={"dir": None}),
         "wandb": cfg.wandb.model_copy(update={"enabled": False}),
+        "faults": cfg.faults.model_copy(update={"inject": InjectConfig()}),
     }
     if model_path is not None:
         sections["model"] = cfg.model.model_copy(update={"path": model_path, "tiny": None})
