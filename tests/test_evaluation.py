@@ -195,3 +195,20 @@ def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, tmp_pa
     assert f"--checkpoint: {target} is not a complete checkpoint" in result.stderr, result.stderr
     assert "--resume" not in result.stderr and "Traceback" not in result.stderr
     assert not result.started_ray
+
+
+def test_eval_runs_with_no_injected_fault_and_injections_alone_rebuild_no_reward_worker(tmp_path):
+    """`grpo-dist eval` of a rehearsal config (`faults.inject`) injects nothing, the rest of its fault settings kept;
+    and two configs that differ only in what they inject build the reward pool (and teachers) alike."""
+    from grpo_dist.cluster.cluster import reward_settings
+    from grpo_dist.config import InjectConfig
+    from grpo_dist.run.evaluation import eval_config
+
+    raw = small_config(tmp_path, faults={"score_timeout_s": 9.0, "inject": {"drop_weights": [{"version": 2}]}})
+    rehearsal = validate_config(raw)
+    evaluated = eval_config(rehearsal, str(tmp_path / "scratch"), None)
+    assert evaluated.faults.inject == InjectConfig() and evaluated.faults.score_timeout_s == 9.0
+    assert rehearsal.faults.inject.drop_weights[0].version == 2  # the user's config left as it was
+    plain = validate_config({**raw, "faults": {"score_timeout_s": 9.0}})
+    assert reward_settings(plain) == reward_settings(rehearsal)
+    assert reward_settings(plain) != reward_settings(validate_config({**raw, "faults": {"score_timeout_s": 8.0}}))
