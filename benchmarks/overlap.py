@@ -1,6 +1,6 @@
 """What drawing batches ahead (`rollout.max_staleness`) and in-flight updates hide, how the reward pool scales, and
-whether k = 1 learns as well as k = 0. Four parts, each measured side by side in one run; one JSON line per
-measurement, with a `ratio`:
+whether k = 1 learns as well as k = 0, and how each off-policy correction learns with stale samples. Five parts,
+each measured side by side in one run; one JSON line per measurement, with a `ratio`:
 
     .venv/bin/python benchmarks/overlap.py [--steps 10] [--parity-seeds 3] [--parts step_time ...] [key=value ...]
 
@@ -26,6 +26,13 @@ measurement, with a `ratio`:
    seeds 0 .. N-1 (`--parity-seeds`, 3); `difference` is k = 1's last-10-step mean reward minus k = 0's (target
    within 0.05), `ratio` the one over the other; then per correction the mean difference and how many seeds are
    within 0.05.
+
+5. `corrections`: the quick start (200 steps) at k = 2 with `sync.mode: in_flight` under each off-policy correction
+   (`algorithm.off_policy`: `tis`, `mis`, `icepop`, `seq_tis`, `seq_mis`, `cispo`; and `sampler`, the default, the
+   ratio taken against the sampling policy) at seeds 0 .. N-1 (`--correction-seeds`, 2); per run its reward gain
+   (last-10-step mean reward minus the first 10's), held-out accuracy after training and the mean fraction of
+   tokens its weight truncated or masked; `ratio` is its gain over `tis`'s at the same seed. docs/algorithms.md
+   gives the table.
 
 Overrides after the options apply to the runs of parts 1 and 2; `--parts` picks parts. Run by hand; CI never runs it.
 """
@@ -63,10 +70,15 @@ IN_FLIGHT_SETTINGS = [  # the quick start's model size with letters too (a rando
     "model.tiny.characters='abcdefghijklmnopqrstuvwxyz0123456789 :'", "data.prompts_per_step=8",
     "rollout.group_size=8", "rollout.max_new_tokens=96", "rollout.max_model_len=128",
 ]  # fmt: skip
-PARTS = ["step_time", "in_flight", "reward_pool", "parity"]
+PARTS = ["step_time", "in_flight", "reward_pool", "parity", "corrections"]
 CORRECTIONS = {  # parity: k = 1's off-policy corrections, each against the same k = 0 run
     "sampler": [],  # the default: the ratio taken against the sampling policy
     "tis": ["algorithm.old_logprobs=learner"],  # truncated importance sampling (is_cap 2)
+}
+OFF_POLICY = {  # corrections: each at k = 2 with in-flight updates
+    "tis": ["algorithm.old_logprobs=learner"],
+    **{name: [f"algorithm.off_policy={name}"] for name in ("mis", "icepop", "seq_tis", "seq_mis", "cispo")},
+    "sampler": [],
 }
 WARM_UP_STEPS = 2  # first steps pay one-time costs (allocations, first collectives); the last has nothing to overlap
 
@@ -219,10 +231,38 @@ def parity(out_dir: Path, seeds: int) -> None:
         print(json.dumps({"benchmark": "parity", "correction": name, "seeds": seeds, **summary}), flush=True)
 
 
+def corrections(out_dir: Path, seeds: int) -> None:
+    from learning import run_seed
+
+    config, stale = "configs/quickstart.yaml", ["rollout.max_staleness=2", "sync.mode=in_flight"]
+    for seed in range(seeds):
+        gains = {}
+        for name, overrides in OFF_POLICY.items():
+            result = run_seed(config, seed, out_dir / name, [*stale, *overrides])
+            rows = [json.loads(line) for line in (out_dir / name / f"seed-{seed}" / "metrics.jsonl").open()]
+            gains[name] = result["gain"]
+            line = {
+                "benchmark": "corrections",
+                "correction": name,
+                "seed": seed,
+                "gain": result["gain"],
+                "last10": result["last10"],
+                "held_out": result["held_out_after"],
+                **{
+                    key: round(statistics.mean(row.get(key, 0.0) for row in rows), 4)
+                    for key in ("is_weight/capped", "is_weight/masked", "staleness/mean")
+                },  # fmt: skip
+                "ratio": round(result["gain"] / gains["tis"], 3) if gains["tis"] else None,
+                "wall_s": result["wall_s"],
+            }
+            print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run of part 1")
     parser.add_argument("--parity-seeds", type=int, default=3, help="seeds of part 4 (three 200-step runs each)")
+    parser.add_argument("--correction-seeds", type=int, default=2, help="seeds of part 5 (seven 200-step runs each)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="the parts to run, in this order")
     parser.add_argument("--out-dir", default="outputs/overlap")
     parser.add_argument("overrides", nargs="*", help="key=value settings for the runs of parts 1 and 2")
@@ -233,6 +273,7 @@ def main() -> None:
         "in_flight": lambda: in_flight(args.steps, out_dir / "in_flight", args.overrides),
         "reward_pool": reward_pool_scaling,
         "parity": lambda: parity(out_dir / "parity", args.parity_seeds),
+        "corrections": lambda: corrections(out_dir / "corrections", args.correction_seeds),
     }
     for name in args.parts:
         parts[name]()

@@ -11,9 +11,13 @@ scalar loss to minimize, plus metrics as Python floats. Options:
   (DAPO), ``seq-mean-token-sum-norm`` (sum / (B * max_length); Dr. GRPO, arXiv 2503.20783).
 - KL penalty to a reference policy with Schulman's k1 / k2 / k3 estimators ("Approximating KL Divergence", 2020;
   k3 as in DeepSeekMath), added to the loss as ``kl_coef * kl``.
-- truncated importance sampling (TIS) between the rollout engine and the learner: each token's loss is weighted by
-  ``min(pi_old / pi_sampler, is_cap)`` (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-  Off-Policy RL Training").
+- off-policy corrections between the rollout engine and the learner (``off_policy``, ``grpo_dist.algo.off_policy``):
+  each token's loss weighted by its ratio ``pi_old / pi_sampler`` truncated (TIS, the default: ``min(k, is_cap)``,
+  Yao et al. 2025) or masked outside ``[is_floor, is_cap]`` (MIS, IcePop), per token or per sequence.
+- CISPO (``off_policy="cispo"``, MiniMax-M1, arXiv 2506.13585) in place of the clipped surrogate: each token's loss
+  is ``-sg(min(r, 1 + clip_high)) * A * log pi``, so every token keeps its gradient and only the weight is clipped
+  (no lower bound, as in its source); ``r`` is the ratio to ``old_logprobs``, the sampling policy's in an
+  off-policy run.
 - entropy bonus: ``loss -= entropy_coef * entropy``.
 - per-token advantages (``token_advantages``, [B, T]; on-policy distillation's, ``grpo_dist.algo.distill``) added to
   each sequence's advantage at each of its tokens.
@@ -27,11 +31,13 @@ Conventions and departures:
 - GSPO's ratio carries gradient to every token of its sequence (the plain sequence-level variant), except with
   ``token_advantages``: then it is GSPO-token's, the sequence's ratio in value with each token's own gradient, so
   a token's own advantage moves that token (with one advantage per sequence the two give the same gradient).
-- Dual clip is applied before the TIS weight; the TIS weight multiplies the policy term only, not KL or entropy.
+- Dual clip is applied before the off-policy weight; the weight multiplies the policy term only, not KL or entropy.
+- CISPO's ``is_weight/mean`` and ``is_weight/capped`` are those of its clipped ratio; ``clip_fraction`` counts its
+  capped tokens whatever the advantage's sign (each is down-weighted, none loses its gradient).
 - ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``sampling_logprobs`` are constants (detached).
-- Clip fractions, ratio statistics, ``is_weight/mean`` and ``is_weight/capped`` (the fraction of tokens whose
-  weight hit ``is_cap``) are token means over masked tokens whatever the
-  aggregation; ``kl`` and ``entropy`` use ``aggregation``, the same number that enters the loss.
+- Clip fractions, ratio statistics, ``is_weight/mean`` and ``is_weight/capped`` / ``is_weight/masked`` (the
+  fraction of tokens whose weight was truncated at ``is_cap`` / set to 0) are token means over masked tokens
+  whatever the aggregation; ``kl`` and ``entropy`` use ``aggregation``, the same number that enters the loss.
 - Math runs in at least float32.
 """
 
@@ -41,6 +47,8 @@ from functools import partial
 
 import torch
 from torch import Tensor
+
+from grpo_dist.algo.off_policy import OFF_POLICY, importance_weight
 
 AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 """Valid values of ``policy_loss(aggregation=...)``."""
@@ -68,7 +76,9 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     sampling_logprobs: Tensor | None = None,
+    off_policy: str = "tis",
     is_cap: float = 2.0,
+    is_floor: float | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     token_advantages: Tensor | None = None,
@@ -78,10 +88,11 @@ def policy_loss(
     logprobs, old_logprobs, mask, ref_logprobs, sampling_logprobs, entropy, token_advantages: [B, T]; advantages:
     [B].
     Metrics: loss/policy, clip_fraction/low, clip_fraction/high, clip_fraction, ratio/mean, ratio/max,
-    ratio/sequence_spread, and when their inputs are given dual_clip_fraction, is_weight/mean, is_weight/capped, kl,
-    entropy.
+    ratio/sequence_spread, and when their inputs are given dual_clip_fraction, is_weight/mean, is_weight/capped or
+    is_weight/masked, kl, entropy.
     """
     _check_options(clip_low, clip_high, dual_clip, ratio_level, aggregation, max_length, kl_estimator, is_cap)
+    _check_off_policy(off_policy, sampling_logprobs, dual_clip, ratio_level)
     _check_coefficients(kl_coef, ref_logprobs, entropy_coef, entropy)
     _check_shapes(
         logprobs,
@@ -103,15 +114,18 @@ def policy_loss(
     aggregate = partial(_aggregate, mask=mask, aggregation=aggregation, max_length=max_length or logprobs.shape[1])
 
     ratio = _ratio(logprobs, old_logprobs, mask, ratio_level, per_token=token_advantages is not None)  # [B, T]
-    per_token = _clipped_surrogate(ratio, advantages, clip_low, clip_high)  # [B, T]
-    stats = _ratio_stats(ratio, advantages, mask, clip_low, clip_high)
+    if off_policy == "cispo":
+        per_token, stats = _cispo(ratio, logprobs, advantages, mask, 1 + clip_high)  # [B, T]
+    else:
+        per_token = _clipped_surrogate(ratio, advantages, clip_low, clip_high)  # [B, T]
+        stats = _ratio_stats(ratio, advantages, mask, clip_low, clip_high)
     if dual_clip is not None:
         per_token, stats["dual_clip_fraction"] = _dual_clip(per_token, advantages, mask, dual_clip)
     if sampling_logprobs is not None:
-        weight = _tis_weight(old_logprobs, sampling_logprobs.detach().to(dtype), mask)  # [B, T]
-        per_token = per_token * weight.clamp(max=is_cap)
-        stats["is_weight/mean"] = _token_mean(weight.clamp(max=is_cap), mask)
-        stats["is_weight/capped"] = _token_mean(weight > is_cap, mask)
+        sampling = sampling_logprobs.to(dtype)
+        weight, weight_stats = importance_weight(old_logprobs, sampling, mask, off_policy, is_cap, is_floor)
+        per_token = per_token * weight  # [B, T]
+        stats.update(weight_stats)
     loss = aggregate(per_token)
     stats["loss/policy"] = loss.detach()
     if ref_logprobs is not None:
@@ -153,6 +167,21 @@ def _check_options(
         raise ValueError(f"policy_loss: max_length must be >= 1 (the max completion length), got {max_length}")
     if not is_cap > 0:
         raise ValueError(f"policy_loss: is_cap must be > 0, got {is_cap}; to disable TIS pass no sampling_logprobs")
+
+
+def _check_off_policy(
+    off_policy: str, sampling_logprobs: Tensor | None, dual_clip: float | None, ratio_level: str
+) -> None:
+    _check_choice("off_policy", off_policy, OFF_POLICY)
+    if off_policy != "cispo":
+        return
+    if sampling_logprobs is not None:
+        raise ValueError(
+            "policy_loss: cispo weights each token by its ratio to old_logprobs itself; pass the sampling policy's "
+            "log-probs as old_logprobs, not sampling_logprobs"
+        )
+    if dual_clip is not None or ratio_level != "token":
+        raise ValueError("policy_loss: cispo clips a per-token weight: it takes no dual_clip and ratio_level token")
 
 
 def _check_coefficients(
@@ -201,17 +230,30 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_
     return torch.maximum(unclipped, clipped)
 
 
+def _cispo(
+    ratio: Tensor, logprobs: Tensor, advantages: Tensor, mask: Tensor, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO's -sg(min(r, cap)) * A * log pi per token, and its statistics: the ratio's, with the capped tokens as
+    its clip fraction. [B, T]"""
+    weight = ratio.detach().clamp(max=cap)  # [B, T]
+    capped = ratio.detach() > cap  # [B, T]
+    per_token = -weight * advantages * torch.where(mask, logprobs, 0.0)  # [B, T]
+    stats = _ratio_stats(ratio, advantages, mask, cap - 1, cap - 1)
+    stats.update({
+        "clip_fraction/low": torch.zeros((), device=ratio.device),
+        "clip_fraction/high": _token_mean(capped, mask),
+        "clip_fraction": _token_mean(capped, mask),
+        "is_weight/mean": _token_mean(weight, mask),
+        "is_weight/capped": _token_mean(capped, mask),
+    })  # fmt: skip
+    return per_token, stats
+
+
 def _dual_clip(per_token: Tensor, advantages: Tensor, mask: Tensor, dual_clip: float) -> tuple[Tensor, Tensor]:
     """Cap negative-advantage losses at -A * c (no gradient where capped); also the capped fraction."""
     cap = -advantages * dual_clip  # [B, 1] or [B, T]
     capped = (advantages < 0) & (per_token > cap)  # [B, T]
     return torch.where(capped, cap, per_token), _token_mean(capped, mask)
-
-
-def _tis_weight(old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """pi_old / pi_sampler before the cap, detached; 1 at masked-out positions. [B, T]"""
-    log_weight = torch.where(mask, old_logprobs - sampling_logprobs, 0.0)  # [B, T]
-    return log_weight.exp().detach()
 
 
 def _kl_per_token(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str) -> Tensor:

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from grpo_dist.config.sections import (  # noqa: F401 (re-exported: the sections are part of the config's API)
+    OFF_POLICY_BOUNDS,
     AlgorithmConfig,
     AutoscaleConfig,
     CheckpointConfig,
@@ -117,17 +118,39 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _off_policy_resolved(self) -> Config:
+        """`old_logprobs`, `is_cap` and `is_floor` for the correction `off_policy` names (their `auto`)."""
         algorithm, off_policy = self.algorithm, self.rollout.max_staleness >= 1
-        if algorithm.old_logprobs == "auto":  # top_p < 1 samples a truncated distribution: every ratio falls below 1
-            sampler = off_policy and self.rollout.top_p == 1 and not isinstance(algorithm.is_cap, float)
+        method, exact = algorithm.off_policy, self.rollout.top_p == 1  # top_p < 1: every sampler ratio below 1
+        if algorithm.old_logprobs == "auto":
+            sampler = exact and not isinstance(algorithm.is_cap, float) and (
+                method == "cispo" or (method == "tis" and off_policy)
+            )  # fmt: skip
             algorithm.old_logprobs = "sampler" if sampler else "learner"
+        floor, cap = OFF_POLICY_BOUNDS.get(method, (None, None))
         if algorithm.is_cap == "auto":
-            algorithm.is_cap = 2.0 if off_policy and algorithm.old_logprobs == "learner" else None
+            learner = algorithm.old_logprobs == "learner" and method != "cispo"
+            algorithm.is_cap = cap if learner and (method != "tis" or off_policy) else None
+        if algorithm.is_floor == "auto":
+            algorithm.is_floor = floor if algorithm.is_cap is not None else None
         if algorithm.is_cap is not None and algorithm.old_logprobs == "sampler":
             raise ValueError(
                 f"algorithm.is_cap={algorithm.is_cap} does nothing with algorithm.old_logprobs=sampler: the ratio is "
                 "already taken against the sampling policy (its importance weight) and the clip bounds it; set "
-                "is_cap=null, or old_logprobs=learner for truncated importance sampling"
+                "is_cap=null, or old_logprobs=learner for a correction between the two"
+            )
+        if method == "cispo" and algorithm.is_cap is not None:
+            raise ValueError(
+                f"algorithm.is_cap={algorithm.is_cap} does nothing with off_policy=cispo: CISPO's weight is its ratio "
+                "clipped at 1 + algorithm.clip_high; set is_cap=null"
+            )
+        if method not in ("tis", "cispo") and algorithm.old_logprobs == "sampler":
+            raise ValueError(
+                f"algorithm.off_policy={method} weights the gap between the learner's log-probs and the sampler's: "
+                "it needs algorithm.old_logprobs=learner (or auto)"
+            )
+        if algorithm.is_floor is not None and (algorithm.is_cap is None or algorithm.is_floor >= algorithm.is_cap):
+            raise ValueError(
+                f"algorithm.is_floor={algorithm.is_floor} needs an is_cap above it (is_cap={algorithm.is_cap})"
             )
         return self
 

@@ -454,6 +454,17 @@ def engine_rollout(
     )
 
 
+OFF_POLICY_BOUNDS: dict[str, tuple[float | None, float]] = {
+    "tis": (None, 2.0),
+    "mis": (None, 2.0),
+    "icepop": (0.5, 5.0),
+    "seq_tis": (None, 2.0),
+    "seq_mis": (None, 2.0),
+}
+"""(is_floor, is_cap) of each weighting correction of `AlgorithmConfig.off_policy` when left `auto`: TIS's cap 2 as
+in its source, IcePop's band [0.5, 5] as in its."""
+
+
 class AlgorithmConfig(_Section):
     estimator: Literal["grpo", "dr_grpo", "rloo", "batch_std", "reinforce_pp"] = "grpo"
     """Advantage estimator (see `grpo_dist.algo.group_advantages`)."""
@@ -480,10 +491,21 @@ class AlgorithmConfig(_Section):
     learner's weights before the step; `sampler`, the weights that sampled each token (the generators' sampling
     logprobs), so the ratio is itself the importance weight of an older sample. auto: `sampler` with
     `rollout.max_staleness` >= 1, `rollout.top_p` 1 and no number for `is_cap`, `learner` otherwise."""
+    off_policy: Literal["tis", "mis", "icepop", "seq_tis", "seq_mis", "cispo"] = "tis"
+    """The correction between the policy that sampled a token and the learner's (`grpo_dist.algo.off_policy`;
+    docs/algorithms.md): with `old_logprobs: learner`, each token's loss weighted by k = pi_old / pi_sampler
+    truncated at `is_cap` (`tis`), or set to 0 outside [`is_floor`, `is_cap`] (`mis`; `icepop`, the band [0.5,
+    5] by default), or by the sequence's geometric-mean k truncated or masked (`seq_tis`, `seq_mis`); `cispo`
+    replaces the clipped surrogate by CISPO's, each token's gradient weighted by its ratio to the sampling policy
+    clipped at 1 + `clip_high`."""
     is_cap: float | Literal["auto"] | None = "auto"
-    """With `old_logprobs: learner`, truncated importance sampling between sampling and learner logprobs, capped
-    here; null disables it; auto is 2 with `rollout.max_staleness` >= 1 and `old_logprobs: learner`, off
-    otherwise (`sampler` needs none)."""
+    """The upper bound of the correction's weight: truncated there (`tis`, `seq_tis`) or masked above it (`mis`,
+    `icepop`, `seq_mis`); null disables the correction. auto: 2 (`icepop` 5) with `old_logprobs: learner`, for `tis`
+    only with `rollout.max_staleness` >= 1; off with `old_logprobs: sampler` (the ratio is then the importance
+    weight, bounded by the clip) and for `cispo` (whose bound is `clip_high`)."""
+    is_floor: float | Literal["auto"] | None = "auto"
+    """The lower bound of a masking correction (`mis`, `icepop`, `seq_mis`): tokens (sequences) whose weight falls
+    below it are masked too; null: none. auto: 0.5 for `icepop`, none otherwise."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (the token entropy is logged every step either way)."""
     dynamic_sampling: bool = False
@@ -511,6 +533,18 @@ class AlgorithmConfig(_Section):
     def _is_cap_positive(self) -> AlgorithmConfig:
         if isinstance(self.is_cap, float) and not self.is_cap > 0:
             raise ValueError(f"is_cap must be > 0, auto or null (got {self.is_cap})")
+        if isinstance(self.is_floor, float) and not self.is_floor >= 0:
+            raise ValueError(f"is_floor must be >= 0, auto or null (got {self.is_floor})")
+        if isinstance(self.is_floor, float) and self.off_policy not in ("mis", "icepop", "seq_mis"):
+            raise ValueError(
+                f"is_floor={self.is_floor} does nothing with off_policy={self.off_policy}: only the masking "
+                "corrections (mis, icepop, seq_mis) have a lower bound"
+            )
+        if self.off_policy == "cispo" and (self.dual_clip is not None or self.ratio_level != "token"):
+            raise ValueError(
+                "off_policy=cispo clips a per-token weight in place of the clipped surrogate: it takes no dual_clip "
+                "and ratio_level token"
+            )
         return self
 
 
