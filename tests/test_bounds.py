@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -112,3 +113,42 @@ def test_a_role_out_of_restarts_stops_the_run_naming_the_actor_and_the_setting(w
     with pytest.raises(RunFailed, match=r"worker 0 died .*; the run is out of worker restarts \(1\)"):
         pool.replace(0, outcome.fault)
     assert pool.faults.counts["worker_restarts"] == 1
+
+
+@pytest.mark.slow
+def test_actors_a_wait_gives_up_on_leave_their_stacks_named_in_the_fault(workers, tmp_path):
+    """One actor stuck in its call (asleep in `work`), one stopped from outside (SIGSTOP) mid-call: the pool's
+    wait gives both up at the bound, and their Python stacks, read by py-spy on their node, are in the one file each
+    fault names, with the call each was stuck in."""
+    from grpo_dist.faults import ActorPool, FaultLog
+
+    made = iter(workers)
+    pool = ActorPool("worker", "worker_restarts", lambda slot: next(made), 2, FaultLog(), 1, Bound(60.0, "start"))
+    pool.wait_ready()
+    stopped = ray.get(pool.actors[1].pid.remote())
+    calls = {0: (1, 0.0, "stall"), 1: (600, 0.05)}
+    stalls = tmp_path / "run" / "stalls"
+    outcomes = {}
+    waiter = threading.Thread(
+        target=lambda: outcomes.update(pool.call("work", calls, Bound(3.0, "faults.score_timeout_s"), True, stalls))
+    )
+    waiter.start()
+    try:
+        time.sleep(1.0)  # both calls under way
+        os.kill(stopped, signal.SIGSTOP)
+        waiter.join(timeout=120)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert not waiter.is_alive(), "the wait did not end within 120 s"
+    (dump,) = stalls.glob("*.txt")
+    for slot in (0, 1):
+        assert outcomes[slot].pending
+        assert outcomes[slot].fault.endswith(f" [stacks: {dump}]"), outcomes[slot].fault
+    text = dump.read_text()
+    print(text)
+    assert text.startswith("# worker work made no progress for 3 s (faults.score_timeout_s)")
+    sections = dict(part.split("\n", 1) for part in text.split("## ")[1:])
+    assert set(sections) == {"worker 0", "worker 1"}
+    for name, stack in sections.items():
+        assert "work (test_bounds.py:" in stack, f"{name}:\n{stack}"  # the call it was stuck in, read from outside
+    assert "(not read" not in text

@@ -21,6 +21,8 @@ import yaml
 from conftest import TESTS_DIR, injected, small_config
 from test_resume import training
 
+from grpo_dist.storage import status
+
 pytestmark = pytest.mark.slow
 
 FAULTS = [  # (what is done, to which actor class, in which of its calls, by which signal, the counter counting it)
@@ -143,15 +145,26 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert len(fault_lines) == 8, fault_lines  # one line per fault, naming the actor and what was done
     assert any(line.startswith("fault: generator ") and "failed (engine died" in line for line in fault_lines)
-    hung = "no answer within 10 s (faults.generate_timeout_s) while generating"
-    assert any(line.startswith("fault: generator ") and hung in line
+    hung = re.compile(r"no answer within 10 s \(faults.generate_timeout_s\) \[stacks: \S+\] while generating")
+    assert any(line.startswith("fault: generator ") and hung.search(line)
                for line in fault_lines)  # fmt: skip
     assert any(line.startswith("fault: reward worker ") and "died" in line for line in fault_lines)
     assert any(
         line.startswith("fault: learner rank ") and "restarted the learner group" in line for line in fault_lines
     )
-    stalled = "train made no progress for 10 s (faults.train_timeout_s); restarted the learner group"
-    assert any(line.startswith("fault: learner rank(s) [0]: ") and stalled in line for line in fault_lines)
+    stalled = re.compile(r"train made no progress for 10 s \(faults.train_timeout_s\) \[stacks: \S+\]; restarted the")
+    assert any(line.startswith("fault: learner rank(s) [0]: ") and stalled.search(line) for line in fault_lines)
+    # Each of the three hung actors left its stack where its fault line says, read from outside its stopped process.
+    named = [Path(path) for path in re.findall(r"\[stacks: (\S+)\]", "\n".join(fault_lines))]
+    assert sorted(named) == sorted((run_dir / "stalls").glob("*.txt")) and len(named) == 3, fault_lines
+    for path in named:
+        text = path.read_text()
+        assert "(not read" not in text and "Thread " in text, text
+    learner = next(path for path in named if path.read_text().startswith("# learner train"))
+    assert "Learner.train (" in learner.read_text()  # the call its step stopped in
+    newest = max(named, key=lambda path: path.stat().st_mtime)
+    shown = f"stalls: 3 stack dump(s) of actors a wait gave up on, the latest {newest}"
+    assert any(line.strip() == shown for line in status.summary(run_dir)), status.summary(run_dir)
     # No process of the run outlives it: the replaced actors, the frozen ones and Ray's own.
     _, alive = psutil.wait_procs(everything, timeout=60)
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []

@@ -51,6 +51,7 @@ REFUSALS = [  # (recipe, overrides, what the refusal says)
     ("dapo", ["rollout.tensor_parallel_size=1", "rollout.dtype=float32"], "an engine needs 142.9 GB"),  # 4 B each
     ("gspo", ["cluster.gpu_memory_gb=24"], "more than the 24 GB of cluster.gpu_memory_gb"),
 ]
+PINNED = (40, 60, 1)  # GB of KV cache per GPU: fits DAPO's engines (16.4 GB of weights in 72), does not, too small
 CHECKED = ["check", str(REPO / "configs" / "grpo.yaml"), "learner.num_ranks=1"]
 
 
@@ -65,6 +66,7 @@ def said(hf_home) -> dict[tuple[str, ...], Ran]:
     their own (the hub's settings are read at import), not one each."""
     argvs = [plan_argv(recipe) for recipe in RECIPES] + [plan_argv(recipe, *more) for recipe, more, _ in REFUSALS]
     argvs += [plan_argv("dapo", "rollout.tensor_parallel_size=1", "rollout.dtype=auto"), tuple(CHECKED)]
+    argvs += [plan_argv("dapo", f"rollout.kv_cache_gb={gb}") for gb in PINNED]
     env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
     return dict(zip(argvs, cli_batch([list(argv) for argv in argvs], env=env), strict=True))
 
@@ -234,3 +236,26 @@ def test_lora_plans_the_frozen_base_and_no_reference(tmp_path, capsys):
     assert stale.engine["LoRA slots"] == pytest.approx(3 * 40.4e6 * 2 / 1e9, rel=1e-3)
     merged = check_plan(load_config(REPO / "configs" / "grpo.yaml", [*overrides, "learner.lora.serve=merged"]), model)
     assert "LoRA slots" not in merged.engine and merged.kv_room_tokens > result.kv_room_tokens
+
+
+def test_a_pinned_kv_cache_is_planned_whole_and_refused_where_it_cannot_fit(said):
+    """`rollout.kv_cache_gb` fixes the engines' cache in bytes: the plan counts all of it beside the weights, gives
+    the tokens it holds (DAPO's 32B model: 2 x 64 layers x 8 KV heads x 128 x 2 B = 262,144 B a token, spread over
+    the engine's four GPUs: 40 GB x 4 / 262,144 B) and refuses a cache that leaves no room for the weights or holds less than one whole
+    sequence; without it the plan says vLLM sizes the cache."""
+    from grpo_dist.cluster.actors.engine import kv_cache_bytes
+    from grpo_dist.config.sections import RolloutConfig
+
+    fits, too_big, too_small = (said[plan_argv("dapo", f"rollout.kv_cache_gb={gb}")] for gb in PINNED)
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    assert "(weights 16.4, KV cache (pinned) 40.0); KV room 610,351 tokens" in fits.stdout, fits.stdout
+    assert "KV cache: pinned at 40 GB per GPU (rollout.kv_cache_gb)" in fits.stdout
+    assert "engine at bfloat16: 56.4 of 72.0 GB" in fits.stdout  # weights 16.4 + the cache, not one sequence's
+    assert too_big.returncode == 2 and "an engine needs 76.4 GB per GPU (weights and its pinned KV cache)" in (
+        too_big.stderr
+    ), too_big.stderr
+    assert "lower rollout.kv_cache_gb" in too_big.stderr
+    assert too_small.returncode == 2 and "holds less than one whole sequence (1.48 GB" in too_small.stderr
+    assert "KV cache: sized by vLLM at start" in said[plan_argv("dapo")].stdout
+    assert kv_cache_bytes(RolloutConfig(), on_gpu=True) is None  # left to vLLM
+    assert kv_cache_bytes(RolloutConfig(cpu_kv_cache_gib=0.5), on_gpu=False) == 2**29  # the CPU backend's, as before

@@ -26,7 +26,7 @@ from grpo_dist.cluster.actors.generator import Generator
 from grpo_dist.cluster.placement import Placement, generator_resources
 from grpo_dist.config import Config
 from grpo_dist.data import PromptRecord
-from grpo_dist.faults import POLL, ActorPool, Bound, Bounds, FaultLog, first_line, gather
+from grpo_dist.faults import POLL, ActorPool, Bound, Bounds, FaultLog, first_line, gather, stacks
 from grpo_dist.transports import adapter_slots, wire_backend
 from grpo_dist.types import Completion, Sampling
 
@@ -403,8 +403,12 @@ class Generation:
             groups.append(outcome.value)
         bound, now = self.pool.bounds.generate, time.monotonic()
         hung = {slot for slot, since in self.pool._progress(self.running).items() if now - since > bound.seconds}
+        where = ""
+        if hung:
+            named = {f"generator {slot}": self.pool.actors[slot] for slot in sorted(hung)}
+            where = stacks.dump(self.pool.bounds.stacks_dir, f"generate: no answer within {bound}", named)
         for call in [call for call, request in self.running.items() if request.slot in hung]:
-            lost.append(Lost(self.running.pop(call), f"gave no answer within {bound}"))
+            lost.append(Lost(self.running.pop(call), f"gave no answer within {bound}{where}"))
         return groups, lost
 
     def _account_busy(self) -> None:

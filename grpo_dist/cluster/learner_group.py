@@ -20,7 +20,7 @@ import ray
 from grpo_dist.algo.batch import TrainBatch, shard_batch
 from grpo_dist.cluster.actors.learner import Learner
 from grpo_dist.config import Config, RolloutConfig
-from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing
+from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing, stacks
 from grpo_dist.storage import Store
 
 # Global values every rank knows, and rank 0's own training time; the other metrics are summed over the ranks.
@@ -246,7 +246,12 @@ class LearnerGroup:
         hung = [rank for rank, outcome in zip(ranks, outcomes, strict=True) if outcome.pending]
         if hung:
             why = outcomes[ranks.index(hung[0])].fault
-            raise LearnerHung(f"learner rank(s) {hung}: {method} {why}", None, self.version)
+            where = stacks.dump(
+                self.bounds.stacks_dir,
+                f"learner {method} {why}",
+                {f"learner rank {rank}": self.ranks[rank] for rank in hung},
+            )
+            raise LearnerHung(f"learner rank(s) {hung}: {method} {why}{where}", None, self.version)
         return [outcome.value for outcome in outcomes]
 
 

@@ -100,7 +100,7 @@ class RewardPool:
         for attempt in range(1, attempts + 1):
             again = "scoring them again" if attempt < attempts else ""
             args = {slot: (requests[start:end], judge) for slot, (start, end) in shards.items()}
-            outcomes = self.pool.call("score", args, self.bounds.score, progressing=True)
+            outcomes = self.pool.call("score", args, self.bounds.score, True, self.bounds.stacks_dir)
             for slot, outcome in outcomes.items():
                 if outcome.fault is None:
                     scored[slot], exhausted, counts = outcome.value

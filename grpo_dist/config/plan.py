@@ -96,6 +96,8 @@ class Plan:
     trained: int  # the parameters the optimizer holds: all of them, or a LoRA adapter's
     teacher: dict[str, float] | None = None  # a teacher engine's parts (`algorithm.distill` on GPUs), else None
     teacher_budget_gb: float = 0.0
+    kv_pinned: bool = False  # the engines' KV cache fixed in bytes (`rollout.kv_cache_gb`), not sized by vLLM
+    kv_sequence_gb: float = 0.0  # the KV cache of one whole sequence, per GPU
 
     @property
     def learner_gb(self) -> float:
@@ -116,11 +118,19 @@ class Plan:
                 "learner.max_tokens_per_micro_batch)"
             )
         if self.engine and self.engine_gb > self.engine_budget_gb:
+            held = "its pinned KV cache" if self.kv_pinned else "one whole sequence's KV cache"
             found.append(
-                f"an engine needs {self.engine_gb:.1f} GB per GPU (weights and one whole sequence's KV cache), more "
+                f"an engine needs {self.engine_gb:.1f} GB per GPU (weights and {held}), more "
                 f"than its {self.engine_budget_gb:.1f} GB (rollout.gpu_memory_utilization x cluster.gpu_memory_gb): "
-                "raise rollout.tensor_parallel_size or lower rollout.max_model_len"
+                "raise rollout.tensor_parallel_size or "
+                + ("lower rollout.kv_cache_gb" if self.kv_pinned else "lower rollout.max_model_len")
                 + (" (or serve in bfloat16: rollout.dtype auto)" if self.engine_dtype == "float32" else "")
+            )
+        if self.engine and self.kv_pinned and self.engine.get("KV cache (pinned)", 0.0) < self.kv_sequence_gb:
+            found.append(
+                f"the engines' KV cache pinned at {self.engine['KV cache (pinned)']:g} GB (rollout.kv_cache_gb) holds "
+                f"less than one whole sequence ({self.kv_sequence_gb:.2f} GB at rollout.max_model_len): raise it or "
+                "lower rollout.max_model_len"
             )
         if self.teacher and sum(self.teacher.values()) > self.teacher_budget_gb:
             found.append(
@@ -145,6 +155,16 @@ class Plan:
                 f"  engine at {self.engine_dtype}: {self.engine_gb:.1f} of {self.engine_budget_gb:.1f} GB ({parts}); "
                 f"KV room {self.kv_room_tokens:,} tokens"
             )
+            if self.kv_pinned:
+                out.append(
+                    f"  KV cache: pinned at {self.engine['KV cache (pinned)']:g} GB per GPU (rollout.kv_cache_gb), "
+                    "whatever vLLM's version"
+                )
+            else:
+                out.append(
+                    "  KV cache: sized by vLLM at start from the budget less its activations (moves between vLLM "
+                    "versions); pin it with rollout.kv_cache_gb"
+                )
         else:
             out.append("  engines on CPUs (rollout.num_gpus 0): not planned")
         if self.teacher:
@@ -230,7 +250,12 @@ def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
         slot = LoraConfig(rank=learner.lora.slot_rank, target_modules=[n for n in shape.linear if n != "lm_head"])
         engine["LoRA slots"] = (rollout.max_staleness + 2) * shape.adapter_params(slot) * width / tp / GB
     held = engine["weights"] + engine.get("LoRA slots", 0.0)
-    room = max(0, int((budget - held) * GB * tp / kv_bytes_per_token))
+    kv_gb = rollout.kv_cache_gb if rollout.kv_cache_gb is not None else budget - held  # pinned, or what is left
+    room = max(0, int(kv_gb * GB * tp / kv_bytes_per_token))
+    sequence_gb = engine["KV of one sequence"]
+    if rollout.kv_cache_gb is not None:  # the whole cache is held, in place of the one sequence it must hold
+        del engine["KV of one sequence"]
+        engine["KV cache (pinned)"] = rollout.kv_cache_gb
     return Plan(
         learner={name: value / GB for name, value in parts.items()} if learner.num_gpus > 0 else {},
         engine=engine if rollout.num_gpus > 0 else {},
@@ -239,6 +264,8 @@ def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
         gpu_gb=gpu_gb,
         engine_budget_gb=budget,
         kv_room_tokens=room,
+        kv_pinned=rollout.kv_cache_gb is not None,
+        kv_sequence_gb=sequence_gb,
         params=p,
         trained=trained,
         **teacher_engine(cfg, teacher),

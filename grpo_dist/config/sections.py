@@ -226,6 +226,11 @@ class RolloutConfig(_Section):
     dtype on a GPU (bfloat16 for a float32 checkpoint); float32 on a GPU takes twice the memory."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of each GPU vLLM may take (ignored on CPU)."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """On GPUs, each engine's KV cache pinned at this many GB per GPU (vLLM's `kv_cache_memory_bytes`), so that
+    what fits does not move with vLLM's own estimate of its activations, which changes between vLLM versions;
+    `grpo-dist plan` checks it against the budget and gives the tokens it holds. null: vLLM sizes it at start from
+    `gpu_memory_utilization` (the plan says so)."""
     enforce_eager: bool | None = None
     """Run the engine eagerly (no CUDA graphs). null: eager on CPU, CUDA graphs on a GPU; true trades speed for
     start-up time and memory."""

@@ -9,7 +9,8 @@ what a fault means for its role (a learner rank lost, a generator replaced, a we
 (`grpo_dist.cluster.generator_pool`, `grpo_dist.cluster.reward_pool`) keep their actors in an `ActorPool`: a faulty
 actor is killed and a new one started in its place (same placement bundle), printed once and counted in `FaultLog`,
 whose totals go to the metrics as `faults/*`. Faults injected on purpose to rehearse all this (`faults.inject`) are
-`grpo_dist.faults.inject`'s.
+`grpo_dist.faults.inject`'s. Where a wait gives up on actors that live, their stacks go into the run directory
+(`grpo_dist.faults.stacks`).
 
 May import: `config` and `types` only.
 """
@@ -23,10 +24,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 from tqdm import tqdm
+
+from grpo_dist.faults import stacks
 
 log = logging.getLogger("grpo_dist")
 
@@ -132,11 +136,13 @@ class Bounds:
     sync: Bound  # a weight sync's calls, on the learner ranks and on the generators
     placement: Bound  # the run's placement groups
     probe: Bound = Bound(PROBE_TIMEOUT_S)  # an idle actor asked whether it is alive
+    stacks_dir: Path | None = None  # where the stacks of actors a wait gave up on go (`grpo_dist.faults.stacks`)
 
     @classmethod
     def of(cls, cfg) -> Bounds:
         faults = cfg.faults
         return cls(
+            stacks_dir=cfg.run_dir / stacks.STALLS_DIR,
             start=Bound(faults.start_timeout_s, "faults.start_timeout_s"),
             generate=Bound(faults.generate_timeout_s, "faults.generate_timeout_s"),
             score=Bound(faults.score_timeout_s, "faults.score_timeout_s"),
@@ -396,10 +402,18 @@ class ActorPool:
         ray.kill(self.actors.pop(), no_restart=True)
         self.health.pop()
 
-    def call(self, method: str, args: dict[int, tuple], bound: Bound, progressing: bool = False) -> dict[int, Outcome]:
+    def call(
+        self,
+        method: str,
+        args: dict[int, tuple],
+        bound: Bound,
+        progressing: bool = False,
+        stacks_dir: Path | None = None,
+    ) -> dict[int, Outcome]:
         """`method(*args[slot])` on each given slot at once, bounded by `bound` (`progressing`: on the actor's
         progress, `gather_progressing`); the outcome of each (an error of the actor's own code is raised: it is a
-        bug, not a fault)."""
+        bug, not a fault). The stacks of the actors that gave no answer go into `stacks_dir`, named in their
+        outcome's fault."""
         slots = list(args)
         refs = [getattr(self.actors[slot], method).remote(*args[slot]) for slot in slots]
         if progressing:
@@ -409,6 +423,12 @@ class ActorPool:
         for outcome in outcomes:
             if outcome.raised:
                 raise outcome.error
+        hung = [slot for slot, outcome in zip(slots, outcomes, strict=True) if outcome.pending]
+        if hung:
+            why = outcomes[slots.index(hung[0])].fault
+            where = stacks.dump(stacks_dir, f"{self.role} {method} {why}", {self.name(s): self.actors[s] for s in hung})
+            for outcome in outcomes:
+                outcome.fault = f"{outcome.fault}{where}" if outcome.pending else outcome.fault
         return dict(zip(slots, outcomes, strict=True))
 
     def call_split(self, method: str, items: list, extra: tuple, bound: Bound, doing: str) -> list:

@@ -22,6 +22,10 @@ PACE_STEPS = 10  # the steps the pace and ETA are measured over
 HEALTH_COUNTS = {"warnings": "warnings", "skipped": "updates skipped", "rollbacks": "rollbacks"}
 
 
+STALLS = "stalls"
+"""The run directory's folder of stalled actors' stacks (`grpo_dist.faults.stacks.STALLS_DIR`)."""
+
+
 def summary(run_dir: Path, ended: bool = False, shown: str | None = None) -> list[str]:
     """The lines `grpo-dist status` prints for the run in `run_dir` (`ended`: printed by the run itself as it ends,
     its state read from its last event rather than from its lock; `shown`: where the run is, for its first line,
@@ -48,6 +52,10 @@ def summary(run_dir: Path, ended: bool = False, shown: str | None = None) -> lis
         faults = [f"{key.removeprefix('faults/')} {value:g}" for key, value in last.items()
                   if key.startswith("faults/") and _number(last, key) and value]  # fmt: skip
         lines.append(f"  faults: {', '.join(faults) or 'none'}")
+    dumps = sorted((run_dir / STALLS).glob("*.txt")) if (run_dir / STALLS).is_dir() else []
+    if dumps:
+        latest = max(dumps, key=lambda path: path.stat().st_mtime)
+        lines.append(f"  stalls: {len(dumps)} stack dump(s) of actors a wait gave up on, the latest {latest}")
     happened = [event for event in events if event["kind"] in SHOWN_KINDS]
     if happened:
         lines.append(f"  last events ({min(len(happened), SHOWN_EVENTS)} of {len(happened)}):")

@@ -28,6 +28,24 @@ def engine_dtype(rollout: RolloutConfig, on_gpu: bool) -> str:
     return "float32" if rollout.dtype == "auto" and not on_gpu else rollout.dtype
 
 
+def kv_cache_bytes(rollout: RolloutConfig, on_gpu: bool) -> int | None:
+    """The engine's KV cache in bytes (vLLM's `kv_cache_memory_bytes`): `rollout.cpu_kv_cache_gib` on the CPU
+    backend, `rollout.kv_cache_gb` on a GPU when pinned; None leaves it to vLLM (`gpu_memory_utilization`). A vLLM
+    without the setting is refused by name rather than left to size the cache its own way."""
+    if not on_gpu:
+        return int(rollout.cpu_kv_cache_gib * 2**30)
+    if rollout.kv_cache_gb is None:
+        return None
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if "kv_cache_memory_bytes" not in AsyncEngineArgs.__dataclass_fields__:
+        raise ValueError(
+            "rollout.kv_cache_gb: the installed vLLM cannot pin the KV cache in bytes (no kv_cache_memory_bytes); "
+            "set rollout.kv_cache_gb null to size it by rollout.gpu_memory_utilization"
+        )
+    return int(rollout.kv_cache_gb * 1e9)
+
+
 def engine_environment(eager_engine: bool) -> dict[str, str]:
     """Environment for a generator process, set before vLLM is imported: the engine core runs its model in its own
     process (no separate worker process: start-up in seconds), threads are not pinned (several engines may share the

@@ -25,6 +25,7 @@ from grpo_dist.cluster.actors.engine import (
     engine_dtype,
     engine_environment,
     fork_engine_core,
+    kv_cache_bytes,
     shm_dir,
 )
 from grpo_dist.config import EnvironmentConfig, InjectConfig, RolloutConfig
@@ -94,7 +95,7 @@ class Generator:
                 dtype=engine_dtype(rollout, on_gpu),
                 max_model_len=rollout.max_model_len,
                 gpu_memory_utilization=rollout.gpu_memory_utilization,
-                kv_cache_memory_bytes=None if on_gpu else int(rollout.cpu_kv_cache_gib * 2**30),
+                kv_cache_memory_bytes=kv_cache_bytes(rollout, on_gpu),
                 # On the CPU backend a seeded request whose prompt is cut between engine steps stops the engine
                 # (its random generator cannot step back), so a prompt is always prefilled whole there.
                 enable_chunked_prefill=None if on_gpu else False,
