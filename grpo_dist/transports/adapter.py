@@ -12,7 +12,7 @@ import ray
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bounds
-from grpo_dist.transports.base import SyncReport, generator_names, wait_all
+from grpo_dist.transports.base import SyncReport, wait_all
 
 
 class AdapterTransport:
@@ -20,7 +20,8 @@ class AdapterTransport:
 
     def __init__(self, cfg: Config, learner, generators: list[ray.actor.ActorHandle]) -> None:
         self.learner, self.generators = learner, generators
-        self.bound = Bounds.of(cfg).sync
+        bounds = Bounds.of(cfg)
+        self.bound, self.stacks_dir = bounds.sync, bounds.stacks_dir
 
     def connect(self) -> None:
         pass
@@ -28,7 +29,7 @@ class AdapterTransport:
     def sync(self, weight_version: int, full: bool = False) -> SyncReport:
         adapter = self.learner.adapter()  # a reference: (weights by PEFT name, adapter_config.json's fields)
         calls = [generator.load_adapter.remote(adapter, weight_version) for generator in self.generators]
-        sizes = wait_all(calls, generator_names(self.generators), "load_adapter", self.bound, self.name)
+        sizes = wait_all(calls, self.generators, "load_adapter", self.bound, self.name, self.stacks_dir)
         elements, sent = sizes[0] if sizes else (0, 0)
         return SyncReport("full", elements, elements, sent * len(sizes))
 

@@ -11,7 +11,7 @@ from typing import Protocol
 import ray
 
 from grpo_dist.config import Config
-from grpo_dist.faults import Bound, gather
+from grpo_dist.faults import Bound, gather, stacks
 
 
 class WeightTransport(Protocol):
@@ -94,14 +94,27 @@ def generator_names(generators: list) -> list[str]:
     return [f"generator {index}" for index in range(len(generators))]
 
 
-def wait_all(refs: list[ray.ObjectRef], actors: list[str], call: str, bound: Bound, transport: str) -> list:
-    """Results of one call per actor; fails naming the first actor that failed or did not answer within `bound`."""
+def wait_all(
+    refs: list[ray.ObjectRef],
+    generators: list[ray.actor.ActorHandle],
+    call: str,
+    bound: Bound,
+    transport: str,
+    stacks_dir: Path | None = None,
+) -> list:
+    """Results of one call per generator; fails naming the first that failed or did not answer within `bound` (the
+    stacks of those that did not go into `stacks_dir`, named in the error)."""
+    actors = generator_names(generators)
     outcomes = gather(refs, bound)
     for outcome, actor in zip(outcomes, actors, strict=True):
         if not outcome.ok and not outcome.pending:
             failed = f"{transport} weight sync: {actor}: {call} failed: {outcome.error}"
             raise WeightSyncError(failed) from outcome.error
-    hung = [actor for outcome, actor in zip(outcomes, actors, strict=True) if outcome.pending]
+    hung = [index for index, outcome in enumerate(outcomes) if outcome.pending]
     if hung:
-        raise WeightSyncError(f"{transport} weight sync: {', '.join(hung)}: {call} did not return within {bound}")
+        names = ", ".join(actors[index] for index in hung)
+        where = stacks.dump(
+            stacks_dir, f"{transport} weight sync: {call} past {bound}", {actors[i]: generators[i] for i in hung}
+        )
+        raise WeightSyncError(f"{transport} weight sync: {names}: {call} did not return within {bound}{where}")
     return [outcome.value for outcome in outcomes]

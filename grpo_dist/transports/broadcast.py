@@ -21,7 +21,7 @@ import torch
 from grpo_dist.config import Config
 from grpo_dist.faults import Bound, Bounds
 from grpo_dist.models import lora
-from grpo_dist.transports.base import generator_names, wait_all, wire_backend
+from grpo_dist.transports.base import wait_all, wire_backend
 
 log = logging.getLogger("grpo_dist")
 
@@ -121,8 +121,9 @@ class GeneratorClient:
         self._wait(calls, method)
 
     def _wait(self, calls: list, method: str) -> list:
-        names = generator_names(self.generators)
-        return wait_all(calls, names, method, self.bound, "broadcast")
+        """In learner rank 0's process: a hung generator leaves this rank hung too, and the driver's wait on the
+        rank (`LearnerGroup`) writes the stacks."""
+        return wait_all(calls, self.generators, method, self.bound, "broadcast")
 
 
 class WeightSender:

@@ -10,7 +10,7 @@ import ray
 
 from grpo_dist.config import Config
 from grpo_dist.faults import Bounds
-from grpo_dist.transports.base import generator_names, wait_all
+from grpo_dist.transports.base import wait_all
 
 
 class ObjectStoreTransport:
@@ -18,7 +18,8 @@ class ObjectStoreTransport:
 
     def __init__(self, cfg: Config, learner, generators: list[ray.actor.ActorHandle]) -> None:
         self.learner, self.generators = learner, generators
-        self.bound = Bounds.of(cfg).sync
+        bounds = Bounds.of(cfg)
+        self.bound, self.stacks_dir = bounds.sync, bounds.stacks_dir
 
     def connect(self) -> None:
         pass
@@ -26,7 +27,7 @@ class ObjectStoreTransport:
     def sync(self, weight_version: int, full: bool = False) -> None:
         weights = self.learner.state_dict()
         calls = [generator.load_weights.remote(weights, weight_version) for generator in self.generators]
-        wait_all(calls, generator_names(self.generators), "load_weights", self.bound, self.name)
+        wait_all(calls, self.generators, "load_weights", self.bound, self.name, self.stacks_dir)
 
     def close(self) -> None:
         pass
