@@ -61,6 +61,16 @@ def test_each_check_fires_past_its_bound_with_its_default_action(changed, check,
     assert figures in event.figures, event.figures
 
 
+def test_the_gap_of_a_batch_drawn_ahead_is_the_policys_own_move_and_no_fault():
+    """At k = 2 with in-flight updates the quick start's learner is 1.9 nats a token from the engines that sampled
+    two updates ago while it learns (`benchmarks/overlap.py --parts corrections`, seed 0 of seq_mis; two more steps
+    at seed 1 of tis): the engines are not apart, the policy moved. The check judges fresh batches only."""
+    guard = guard_with(STEADY)
+    assert guard.check(4, {**HEALTHY, "logprob_gap": 1.897, "staleness/max": 2.0}) == []
+    (event,) = guard.check(4, {**HEALTHY, "logprob_gap": 1.897, "staleness/max": 0.0})
+    assert event.check == "logprob_gap"
+
+
 def test_a_gradient_spike_at_the_moment_of_learning_is_silent_and_three_orders_of_magnitude_warn():
     """The quick start at seed 0 (`benchmarks/guard.py`): the norm hovers about 0.44, then 4.94 at step 44 as
     groups first get signal (11x): silent, and the norm is over the clip. 1000x the median warns only."""

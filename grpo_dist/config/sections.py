@@ -811,8 +811,11 @@ class LogprobGapCheck(_Section):
     """What a gap past `max` calls for: `off`, `warn`, `rollback`, `stop`."""
     max: float = Field(1.0, gt=0)
     """The largest mean absolute gap per token between the learner's and the engines' log-probabilities of the
-    step's sampled tokens (`logprob_gap`, at its first update) a step may show: past it the policy the batch was
-    sampled from has drifted far from the one trained, or a sync went wrong."""
+    step's sampled tokens (`logprob_gap`, at its first update) a step may show: past it the engines serve other
+    weights than the learner's (a sync went wrong). Judged on batches sampled by the learner's current weights
+    only: a batch drawn ahead (`rollout.max_staleness` >= 1) differs by as much as the policy moved in the updates
+    since, which a learning run's first steps make large (1.9 per token at k = 2 on the quick start); there the
+    check after every sync (`sync.probe`) compares engine and learner at one version."""
 
 
 class EntropyCheck(_Section):

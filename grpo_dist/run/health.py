@@ -102,7 +102,8 @@ class Guard:
             yield Event(step, "grad_norm", cfg.grad_norm.action, figures)
         if (kl := metrics.get("kl")) is not None and kl > cfg.kl.max:
             yield Event(step, "kl", cfg.kl.action, f"KL to the reference {kl:.4g} > {cfg.kl.max:g}")
-        if (gap := metrics.get("logprob_gap")) is not None and gap > cfg.logprob_gap.max:
+        fresh = metrics.get("staleness/max", 0.0) == 0  # a stale batch's gap is the policy's own move since then
+        if (gap := metrics.get("logprob_gap")) is not None and fresh and gap > cfg.logprob_gap.max:
             figures = f"learner/engine log-prob gap {gap:.4g} per token > {cfg.logprob_gap.max:g}"
             yield Event(step, "logprob_gap", cfg.logprob_gap.action, figures)
         yield from self._collapses(step, metrics)
