@@ -33,6 +33,11 @@ each measured side by side in one run; one JSON line per measurement, with a `ra
    (last-10-step mean reward minus the first 10's), held-out accuracy after training and the mean fraction of
    tokens its weight truncated or masked; `ratio` is its gain over `tis`'s at the same seed. docs/algorithms.md
    gives the table.
+6. `lengths`: whether staleness picks completions by their length: part 2's long completions at k = 2 with
+   in-flight updates (`--length-steps`, 40), every step's completions kept in its table: how many were
+   generated and trained, how many dropped for staleness (a dropped group would take its lengths with it), the
+   trained ones' mean length and staleness, and how many spanned two versions. docs/async.md ("No length bias
+   from staleness") gives the figures.
 
 Overrides after the options apply to the runs of parts 1 and 2; `--parts` picks parts. Run by hand; CI never runs it.
 """
@@ -70,7 +75,7 @@ IN_FLIGHT_SETTINGS = [  # the quick start's model size with letters too (a rando
     "model.tiny.characters='abcdefghijklmnopqrstuvwxyz0123456789 :'", "data.prompts_per_step=8",
     "rollout.group_size=8", "rollout.max_new_tokens=96", "rollout.max_model_len=128",
 ]  # fmt: skip
-PARTS = ["step_time", "in_flight", "reward_pool", "parity", "corrections"]
+PARTS = ["step_time", "in_flight", "reward_pool", "parity", "corrections", "lengths"]
 CORRECTIONS = {  # parity: k = 1's off-policy corrections, each against the same k = 0 run
     "sampler": [],  # the default: the ratio taken against the sampling policy
     "tis": ["algorithm.old_logprobs=learner"],  # truncated importance sampling (is_cap 2)
@@ -258,11 +263,34 @@ def corrections(out_dir: Path, seeds: int) -> None:
             print(json.dumps(line), flush=True)
 
 
+def lengths(steps: int, out_dir: Path, overrides: list[str]) -> None:
+    rows_per_step = 64  # part 2's batch: 8 prompts x 8 completions, all of it in each step's table
+    settings = [*IN_FLIGHT_SETTINGS, "sync.mode=in_flight", "wandb.table_every=1", f"wandb.table_rows={rows_per_step}"]
+    run("k2-lengths", 2, steps, out_dir, [*settings, *overrides])
+    completions = [json.loads(line) for line in (out_dir / "k2-lengths" / "completions.jsonl").open()]
+    metrics = [json.loads(line) for line in (out_dir / "k2-lengths" / "metrics.jsonl").open()]
+    staleness = [row["staleness"] for row in completions]
+    dropped = sum(row["staleness/dropped"] for row in metrics)
+    line = {
+        "benchmark": "lengths",
+        "k": 2,
+        "generated": len(completions) + dropped,
+        "trained": len(completions),
+        "dropped": dropped,
+        "trained_mean_length": round(statistics.mean(row["length"] for row in completions), 1),
+        "trained_by_staleness": {s: staleness.count(s) for s in sorted(set(staleness))},
+        "spanning": sum(row["staleness/spanning"] for row in metrics),
+        "synced_in_flight": sum(row["sync/in_flight"] for row in metrics),
+    }
+    print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run of part 1")
     parser.add_argument("--parity-seeds", type=int, default=3, help="seeds of part 4 (three 200-step runs each)")
     parser.add_argument("--correction-seeds", type=int, default=2, help="seeds of part 5 (seven 200-step runs each)")
+    parser.add_argument("--length-steps", type=int, default=40, help="steps of part 6's run")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="the parts to run, in this order")
     parser.add_argument("--out-dir", default="outputs/overlap")
     parser.add_argument("overrides", nargs="*", help="key=value settings for the runs of parts 1 and 2")
@@ -274,6 +302,7 @@ def main() -> None:
         "reward_pool": reward_pool_scaling,
         "parity": lambda: parity(out_dir / "parity", args.parity_seeds),
         "corrections": lambda: corrections(out_dir / "corrections", args.correction_seeds),
+        "lengths": lambda: lengths(args.length_steps, out_dir / "lengths", args.overrides),
     }
     for name in args.parts:
         parts[name]()
