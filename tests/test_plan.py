@@ -241,8 +241,8 @@ def test_lora_plans_the_frozen_base_and_no_reference(tmp_path, capsys):
 def test_a_pinned_kv_cache_is_planned_whole_and_refused_where_it_cannot_fit(said):
     """`rollout.kv_cache_gb` fixes the engines' cache in bytes: the plan counts all of it beside the weights, gives
     the tokens it holds (DAPO's 32B model: 2 x 64 layers x 8 KV heads x 128 x 2 B = 262,144 B a token, spread over
-    the engine's four GPUs: 40 GB x 4 / 262,144 B) and refuses a cache that leaves no room for the weights or holds less than one whole
-    sequence; without it the plan says vLLM sizes the cache."""
+    the engine's four GPUs: 40 GB x 4 / 262,144 B) and refuses a cache that leaves no room for the weights or holds
+    less than one whole sequence; without it the plan says vLLM sizes the cache."""
     from grpo_dist.cluster.actors.engine import kv_cache_bytes
     from grpo_dist.config.sections import RolloutConfig
 
