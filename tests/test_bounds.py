@@ -144,6 +144,7 @@ def test_actors_a_wait_gives_up_on_leave_their_stacks_named_in_the_fault(workers
     for slot in (0, 1):
         assert outcomes[slot].pending
         assert outcomes[slot].fault.endswith(f" [stacks: {dump}]"), outcomes[slot].fault
+        assert outcomes[slot].fault.count("[stacks:") == 1, outcomes[slot].fault
     text = dump.read_text()
     print(text)
     assert text.startswith("# worker work made no progress for 3 s (faults.score_timeout_s)")

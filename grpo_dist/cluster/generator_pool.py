@@ -405,7 +405,8 @@ class Generation:
         hung = {slot for slot, since in self.pool._progress(self.running).items() if now - since > bound.seconds}
         where = ""
         if hung:
-            named = {f"generator {slot}": self.pool.actors[slot] for slot in sorted(hung)}
+            named = {f"generator {r.slot}": r.actor for r in sorted(self.running.values(), key=lambda r: r.slot)
+                     if r.slot in hung}  # fmt: skip
             where = stacks.dump(self.pool.bounds.stacks_dir, f"generate: no answer within {bound}", named)
         for call in [call for call, request in self.running.items() if request.slot in hung]:
             lost.append(Lost(self.running.pop(call), f"gave no answer within {bound}{where}"))

@@ -132,16 +132,16 @@ class Config(_Section):
             algorithm.is_cap = cap if learner and (method != "tis" or off_policy) else None
         if algorithm.is_floor == "auto":
             algorithm.is_floor = floor if algorithm.is_cap is not None else None
+        if method == "cispo" and algorithm.is_cap is not None:
+            raise ValueError(
+                f"algorithm.is_cap={algorithm.is_cap} does nothing with off_policy=cispo: CISPO's weight is its ratio "
+                "clipped at 1 + algorithm.clip_high; set is_cap=null"
+            )
         if algorithm.is_cap is not None and algorithm.old_logprobs == "sampler":
             raise ValueError(
                 f"algorithm.is_cap={algorithm.is_cap} does nothing with algorithm.old_logprobs=sampler: the ratio is "
                 "already taken against the sampling policy (its importance weight) and the clip bounds it; set "
                 "is_cap=null, or old_logprobs=learner for a correction between the two"
-            )
-        if method == "cispo" and algorithm.is_cap is not None:
-            raise ValueError(
-                f"algorithm.is_cap={algorithm.is_cap} does nothing with off_policy=cispo: CISPO's weight is its ratio "
-                "clipped at 1 + algorithm.clip_high; set is_cap=null"
             )
         if method not in ("tis", "cispo") and algorithm.old_logprobs == "sampler":
             raise ValueError(

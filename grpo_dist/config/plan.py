@@ -121,7 +121,13 @@ class Plan:
             held = "its pinned KV cache" if self.kv_pinned else "one whole sequence's KV cache"
             found.append(
                 f"an engine needs {self.engine_gb:.1f} GB per GPU (weights and {held}), more "
-                f"than its {self.engine_budget_gb:.1f} GB (rollout.gpu_memory_utilization x cluster.gpu_memory_gb): "
+                f"than its {self.engine_budget_gb:.1f} GB (rollout.gpu_memory_utilization x cluster.gpu_memory_gb"
+                + (
+                    "; with a pinned cache vLLM no longer sizes by it, so leave room in it for its activations"
+                    if self.kv_pinned
+                    else ""
+                )
+                + "): "
                 "raise rollout.tensor_parallel_size or "
                 + ("lower rollout.kv_cache_gb" if self.kv_pinned else "lower rollout.max_model_len")
                 + (" (or serve in bfloat16: rollout.dtype auto)" if self.engine_dtype == "float32" else "")

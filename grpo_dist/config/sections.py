@@ -494,8 +494,9 @@ class AlgorithmConfig(_Section):
     old_logprobs: Literal["auto", "learner", "sampler"] = "auto"
     """The policy the ratio is taken against, whose neighbourhood the clip keeps each step in: `learner`, the
     learner's weights before the step; `sampler`, the weights that sampled each token (the generators' sampling
-    logprobs), so the ratio is itself the importance weight of an older sample. auto: `sampler` with
-    `rollout.max_staleness` >= 1, `rollout.top_p` 1 and no number for `is_cap`, `learner` otherwise."""
+    logprobs), so the ratio is itself the importance weight of an older sample. auto: `sampler` with `rollout.top_p` 1
+    and no number for `is_cap`, for `off_policy: tis` with `rollout.max_staleness` >= 1 and for `cispo` at any;
+    `learner` otherwise."""
     off_policy: Literal["tis", "mis", "icepop", "seq_tis", "seq_mis", "cispo"] = "tis"
     """The correction between the policy that sampled a token and the learner's (`grpo_dist.algo.off_policy`;
     docs/algorithms.md): with `old_logprobs: learner`, each token's loss weighted by k = pi_old / pi_sampler

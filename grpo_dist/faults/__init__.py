@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,8 +243,10 @@ def gather_progressing(
             if beat.ok and beat.value != counts[index]:
                 counts[index], moved[index] = beat.value, now
         hung.update(index for index in unfinished if now - moved[index] > bound.seconds)
-    stalled = Outcome(fault=f"made no progress for {bound}", pending=True)
-    return [finished.get(index, stalled) for index in range(len(refs))]
+    return [
+        finished.get(index) or Outcome(fault=f"made no progress for {bound}", pending=True)
+        for index in range(len(refs))
+    ]
 
 
 def _outcome(ref: ray.ObjectRef, fetch: bool) -> Outcome:
@@ -427,8 +429,7 @@ class ActorPool:
         if hung:
             why = outcomes[slots.index(hung[0])].fault
             where = stacks.dump(stacks_dir, f"{self.role} {method} {why}", {self.name(s): self.actors[s] for s in hung})
-            for outcome in outcomes:
-                outcome.fault = f"{outcome.fault}{where}" if outcome.pending else outcome.fault
+            outcomes = [replace(o, fault=f"{o.fault}{where}") if o.pending else o for o in outcomes]
         return dict(zip(slots, outcomes, strict=True))
 
     def call_split(self, method: str, items: list, extra: tuple, bound: Bound, doing: str) -> list:

@@ -9,6 +9,7 @@ py-spy missing or refused by the node's ptrace settings) is listed with why, and
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ log = logging.getLogger("grpo_dist")
 
 DUMP_TIMEOUT_S = 20.0
 """The longest one actor's stack is read for (py-spy on its node, and the task that runs it)."""
+_NUMBERS = itertools.count(1)  # this process's stalls, in the order written (thread-safe: `next` holds the GIL)
 STALLS_DIR = "stalls"
 """The run directory's folder of stack dumps (`grpo-dist status` counts them: `grpo_dist.storage.status`)."""
 
@@ -31,27 +33,28 @@ STALLS_DIR = "stalls"
 def dump(directory: Path | None, what: str, actors: dict[str, ray.actor.ActorHandle]) -> str:
     """Write the stacks of `actors` (by the name an error gives each) into a new file under `directory` for the
     stall `what` (a phase and the bound it passed), and return the words that name it in the stall's message
-    (" [stacks: PATH]"), or "" with no directory or no file written (the error is logged)."""
+    (" [stacks: PATH]"), or "" with no directory or no file written. Never raises: whatever goes wrong is logged,
+    and the stall is handled as it would have been."""
     if directory is None or not actors:
         return ""
+    try:
+        return _dump(directory, what, actors)
+    except Exception as err:  # reading the stacks is a help to the user, never a new way for the run to fail
+        log.warning("could not write the stalled actors' stacks into %s: %s: %s", directory, type(err).__name__, err)
+        return ""
+
+
+def _dump(directory: Path, what: str, actors: dict[str, ray.actor.ActorHandle]) -> str:
     started = time.monotonic()
     sections = [f"# {what}", f"# at {time.strftime('%Y-%m-%d %H:%M:%S')}, {len(actors)} actor(s)", ""]
-    stacks = _read_all(actors)
-    for name, text in stacks.items():
+    for name, text in _read_all(actors).items():
         sections += [f"## {name}", text.rstrip(), ""]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{_number(directory)}.txt"
-        path.write_text("\n".join(sections))
-    except OSError as err:
-        log.warning("could not write the stalled actors' stacks into %s: %s", directory, err)
-        return ""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_NUMBERS)}.txt"
+    with path.open("x") as out:  # a new file, never another stall's
+        out.write("\n".join(sections))
     log.info("stacks of %d stalled actor(s) in %s (%.1f s)", len(actors), path, time.monotonic() - started)
     return f" [stacks: {path}]"
-
-
-def _number(directory: Path) -> int:
-    return len(list(directory.glob("*.txt"))) + 1
 
 
 def _read_all(actors: dict[str, ray.actor.ActorHandle]) -> dict[str, str]:
@@ -99,17 +102,28 @@ def _py_spy_dump(pid: int) -> str:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         return "(not read: py-spy is not installed on this node; `pip install py-spy`)"
-    done = None
-    for options in ([], ["--nonblocking"]):  # a process stopped (SIGSTOP) cannot be suspended: read it as it is
+    deadline, failures = time.monotonic() + DUMP_TIMEOUT_S, []
+    # With its children first (an engine core, a sandbox's code); a child py-spy cannot read (a process that is not
+    # Python, one in a sandbox's own mount namespace) fails the whole dump, so then the actor alone. A process
+    # stopped (SIGSTOP) cannot be suspended: it is read as it is.
+    for options in (["--subprocesses"], ["--subprocesses", "--nonblocking"], [], ["--nonblocking"]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         try:
             done = subprocess.run(
-                [py_spy, "dump", "--subprocesses", *options, "--pid", str(pid)],
-                capture_output=True,
-                text=True,
-                timeout=DUMP_TIMEOUT_S,
+                [py_spy, "dump", *options, "--pid", str(pid)], capture_output=True, text=True, timeout=left
             )
         except subprocess.TimeoutExpired:
-            return f"(not read: py-spy did not finish within {DUMP_TIMEOUT_S:g} s)"
+            failures.append(f"{' '.join(options) or 'alone'}: no answer")
+            break
         if done.returncode == 0:
-            return done.stdout
-    return f"(not read: py-spy exited {done.returncode}: {done.stderr.strip()[-500:]})"
+            return done.stdout if options[:1] == ["--subprocesses"] else f"(its children not read)\n{done.stdout}"
+        failures.append(f"{' '.join(options) or 'alone'}: {_last_line(done.stderr)}")
+    return f"(not read: py-spy {'; '.join(failures)})"
+
+
+def _last_line(text: str) -> str:
+    """py-spy's error, without the backtrace it prints after it."""
+    lines = [line.strip() for line in text.split("Stack backtrace:")[0].splitlines() if line.strip()]
+    return " ".join(lines)[-300:] or "failed"
