@@ -405,8 +405,7 @@ class Generation:
         hung = {slot for slot, since in self.pool._progress(self.running).items() if now - since > bound.seconds}
         where = ""
         if hung:
-            named = {f"generator {r.slot}": r.actor for r in sorted(self.running.values(), key=lambda r: r.slot)
-                     if r.slot in hung}  # fmt: skip
+            named = {f"generator {r.slot}": r.actor for r in self.running.values() if r.slot in hung}
             where = stacks.dump(self.pool.bounds.stacks_dir, f"generate: no answer within {bound}", named)
         for call in [call for call, request in self.running.items() if request.slot in hung]:
             lost.append(Lost(self.running.pop(call), f"gave no answer within {bound}{where}"))

@@ -19,6 +19,7 @@ from grpo_dist.config.sections import LoraConfig
 GB = 1e9
 LOGITS_BYTES = 10  # per vocabulary entry and token: bf16 logits, their fp32 log-softmax and its gradient
 PACKED_LOGITS_BYTES = 4  # packed (`learner.packing`): bf16 logits and their gradient; the log-softmax is chunked
+PINNED_KV = "KV cache (pinned)"  # an engine's part when `rollout.kv_cache_gb` fixes its cache
 CUDA_RESERVED_GB = 2.0  # CUDA context, NCCL buffers and the allocator's slack on every GPU
 
 
@@ -96,12 +97,16 @@ class Plan:
     trained: int  # the parameters the optimizer holds: all of them, or a LoRA adapter's
     teacher: dict[str, float] | None = None  # a teacher engine's parts (`algorithm.distill` on GPUs), else None
     teacher_budget_gb: float = 0.0
-    kv_pinned: bool = False  # the engines' KV cache fixed in bytes (`rollout.kv_cache_gb`), not sized by vLLM
     kv_sequence_gb: float = 0.0  # the KV cache of one whole sequence, per GPU
 
     @property
     def learner_gb(self) -> float:
         return sum(self.learner.values())
+
+    @property
+    def kv_pinned(self) -> bool:
+        """Whether the engines' KV cache is fixed in bytes (`rollout.kv_cache_gb`), not sized by vLLM."""
+        return PINNED_KV in self.engine
 
     @property
     def engine_gb(self) -> float:
@@ -132,9 +137,9 @@ class Plan:
                 + ("lower rollout.kv_cache_gb" if self.kv_pinned else "lower rollout.max_model_len")
                 + (" (or serve in bfloat16: rollout.dtype auto)" if self.engine_dtype == "float32" else "")
             )
-        if self.engine and self.kv_pinned and self.engine.get("KV cache (pinned)", 0.0) < self.kv_sequence_gb:
+        if self.kv_pinned and self.engine[PINNED_KV] < self.kv_sequence_gb:
             found.append(
-                f"the engines' KV cache pinned at {self.engine['KV cache (pinned)']:g} GB (rollout.kv_cache_gb) holds "
+                f"the engines' KV cache pinned at {self.engine[PINNED_KV]:g} GB (rollout.kv_cache_gb) holds "
                 f"less than one whole sequence ({self.kv_sequence_gb:.2f} GB at rollout.max_model_len): raise it or "
                 "lower rollout.max_model_len"
             )
@@ -163,7 +168,7 @@ class Plan:
             )
             if self.kv_pinned:
                 out.append(
-                    f"  KV cache: pinned at {self.engine['KV cache (pinned)']:g} GB per GPU (rollout.kv_cache_gb), "
+                    f"  KV cache: pinned at {self.engine[PINNED_KV]:g} GB per GPU (rollout.kv_cache_gb), "
                     "whatever vLLM's version"
                 )
             else:
@@ -261,7 +266,7 @@ def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
     sequence_gb = engine["KV of one sequence"]
     if rollout.kv_cache_gb is not None:  # the whole cache is held, in place of the one sequence it must hold
         del engine["KV of one sequence"]
-        engine["KV cache (pinned)"] = rollout.kv_cache_gb
+        engine[PINNED_KV] = rollout.kv_cache_gb
     return Plan(
         learner={name: value / GB for name, value in parts.items()} if learner.num_gpus > 0 else {},
         engine=engine if rollout.num_gpus > 0 else {},
@@ -270,7 +275,6 @@ def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
         gpu_gb=gpu_gb,
         engine_budget_gb=budget,
         kv_room_tokens=room,
-        kv_pinned=rollout.kv_cache_gb is not None,
         kv_sequence_gb=sequence_gb,
         params=p,
         trained=trained,

@@ -244,7 +244,7 @@ def gather_progressing(
                 counts[index], moved[index] = beat.value, now
         hung.update(index for index in unfinished if now - moved[index] > bound.seconds)
     return [
-        finished.get(index) or Outcome(fault=f"made no progress for {bound}", pending=True)
+        finished[index] if index in finished else Outcome(fault=f"made no progress for {bound}", pending=True)
         for index in range(len(refs))
     ]
 
