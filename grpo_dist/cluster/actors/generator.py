@@ -30,6 +30,7 @@ from grpo_dist.cluster.actors.engine import (
 )
 from grpo_dist.config import EnvironmentConfig, InjectConfig, RolloutConfig
 from grpo_dist.faults.inject import Injector
+from grpo_dist.models.vision import opened
 from grpo_dist.sandbox.privileges import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
@@ -147,11 +148,14 @@ class Generator:
         prompt_index: int,
         seed: int | None = None,
         row: dict | None = None,
+        images: list[bytes] | None = None,
     ) -> list[Completion]:
         """One prompt's group: `group_size` samples, tagged `prompt_index`, sampled as `rollout` says or, for an
         evaluation, as `evaluation` says. With `seed` the samples use seed, seed + 1, ... (vLLM's per-request
         seeds), so the same weights give the same completions whichever generator draws them. With an environment
-        each sample is a trajectory from `row` (its turns and fields), all G running at once."""
+        each sample is a trajectory from `row` (its turns and fields), all G running at once. `images`: the prompt's
+        images (PNG bytes, `grpo_dist.models.vision`), given to the engine as its multimodal input; the prompt's
+        token ids then hold each image's tokens already (the processor's expansion)."""
         from vllm import SamplingParams
 
         sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
@@ -166,7 +170,7 @@ class Generator:
                 logprobs=0,
                 seed=seed,
             )
-            output = await self._sample(prompt_token_ids, params)
+            output = await self._sample(prompt_token_ids, params, images)
             group = [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
         if delay_s := self.injected.generation_delay_s():
             async with self.held_back:
@@ -236,14 +240,16 @@ class Generator:
             "newest_weight_version": max(versions) if len(set(versions)) > 1 else None,
         }
 
-    async def _sample(self, prompt_token_ids: list[int], params):
-        """The engine's final output for one request."""
+    async def _sample(self, prompt_token_ids: list[int], params, images: list[bytes] | None = None):
+        """The engine's final output for one request (with its prompt's images, when it has any)."""
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params.output_kind = RequestOutputKind.FINAL_ONLY
         version, lora, salt = self.weight_version, self.lora, self.salt  # a request keeps the adapter it started with
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=salt)
+        if images:
+            prompt["multi_modal_data"] = {"image": opened(images)}
         async for output in self.engine.generate(prompt, params, str(next(self.request_ids)), lora_request=lora):
             final = output
         for sample in final.outputs:
