@@ -135,6 +135,9 @@ class ScoreRequest:
     """The dataset row's other fields (e.g. `answer`), passed to the reward functions as keyword arguments."""
     failure: str | None = None
     """Why it cannot be scored (its trajectory failed: `Episode.failure`): no function is called, it is unscored."""
+    turns: list[dict] | None = None
+    """The prompt's chat turns before any chat template (None: the row's prompt had none), what a reward model reads
+    through its own template (`reward.model`); not passed to the reward functions."""
 
 
 @dataclass

@@ -132,7 +132,7 @@ def test_boxed_format(completion: str, expected: float) -> None:
 
 @pytest.mark.parametrize("name", sorted(set(BUILTIN_REWARDS) - {"code_tests"}))  # in the sandbox: test_sandbox.py
 def test_builtins_ignore_unknown_fields(name: str) -> None:
-    fields = {"answer": "7", "pattern": "[0-9]", "judge_score": 1.0}  # judge_score: the judge pool's verdict
+    fields = {"answer": "7", "pattern": "[0-9]", "judge_score": 1.0, "reward_model_score": 1.0}  # the pools' scores
     score = resolve_reward(name)("q", "7", **fields, difficulty="easy", source="gsm8k")
     assert score in (0.0, 1.0)
 

@@ -150,7 +150,7 @@ def test_the_pool_logs_the_count_every_step_and_says_it_once(capsys):
     from grpo_dist.cluster.reward_pool import RewardFailures, RewardPool
 
     pool = RewardPool.__new__(RewardPool)  # its metrics alone
-    pool.failures, pool.isolation, pool.judge = RewardFailures(["code_tests"], 0.9, 3), {}, None
+    pool.failures, pool.isolation, pool.judge, pool.model = RewardFailures(["code_tests"], 0.9, 3), {}, None, None
     pool.counts, pool.counted, pool.said = Counter(), {IN_PROCESS}, set()
     assert pool.step_metrics()[IN_PROCESS] == 0.0
     for _ in range(2):

@@ -23,10 +23,12 @@ def actor_cpus(cfg: Config) -> float:
         engines.append((judge.num_engines, judge.num_cpus))
     if (distill := cfg.algorithm.distill) is not None:
         engines.append((distill.num_engines, distill.num_cpus))
+    scorer = cfg.reward.model
     return (
         cfg.learner.num_ranks * cfg.learner.num_cpus
         + sum(count * cpus for count, cpus in engines)
         + cfg.reward.num_workers * cfg.reward.num_cpus
+        + (scorer.num_workers * scorer.num_cpus if scorer is not None else 0)
     )
 
 

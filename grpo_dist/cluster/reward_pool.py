@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import ray
 from tqdm import tqdm
@@ -60,11 +61,15 @@ class RewardPool:
             self.bounds.start,
             close_call="close",
         )
-        self.judge = None
+        self.judge = self.model = None
         if cfg.reward.judge is not None:
             from grpo_dist.cluster.judge_pool import JudgePool
 
             self.judge = JudgePool(cfg, faults)
+        if cfg.reward.model is not None:
+            from grpo_dist.cluster.reward_model_pool import RewardModelPool
+
+            self.model = RewardModelPool(cfg, faults)
 
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         reward = self.cfg.reward
@@ -91,8 +96,13 @@ class RewardPool:
         """`score` of requests that can be scored."""
         if self.judge is not None and (judge or "judge") == "judge":
             requests = [
-                ScoreRequest(request.prompt, request.completion, {**request.fields, **_verdict(*found)})
+                replace(request, fields={**request.fields, **_verdict(*found)})
                 for request, found in zip(requests, self.judge.score(requests), strict=True)
+            ]
+        if self.model is not None and (judge or "reward_model") == "reward_model":
+            requests = [
+                replace(request, fields={**request.fields, **_model_score(*found)})
+                for request, found in zip(requests, self.model.score(requests), strict=True)
             ]
         shards = split(len(requests), len(self.pool.actors))
         scored: dict[int, list[Score]] = {}
@@ -132,6 +142,7 @@ class RewardPool:
         the model's code runs, `sandbox/namespaces` (1: it runs in namespaces of its own; 0: best effort), and what
         the built-ins counted (`code_tests/in_process`), each said once on the console the first time it is not 0."""
         judge = self.judge.step_metrics() if self.judge is not None else {}
+        judge |= self.model.step_metrics() if self.model is not None else {}
         counted = {key: float(self.counts[key]) for key in self.counted | set(self.counts)}
         for key in sorted(key for key, value in counted.items() if value and key not in self.said):
             self.said.add(key)
@@ -143,6 +154,8 @@ class RewardPool:
         self.pool.shutdown()
         if self.judge is not None:
             self.judge.shutdown()
+        if self.model is not None:
+            self.model.shutdown()
 
 
 def _unscored(width: int) -> Score:
@@ -153,6 +166,11 @@ def _unscored(width: int) -> Score:
 def _verdict(score: float, why: str | None) -> dict:
     """The fields that carry a judge's verdict to the reward function `judge`."""
     return {"judge_score": None if why else score, "judge_failure": why}
+
+
+def _model_score(score: float, why: str | None) -> dict:
+    """The fields that carry the reward model's score to the reward function `reward_model`."""
+    return {"reward_model_score": None if why else score, "reward_model_failure": why}
 
 
 class RewardFailures:

@@ -36,6 +36,7 @@ from grpo_dist.config.sections import (  # noqa: F401 (re-exported: the sections
     RayConfig,
     RewardConfig,
     RewardFunctionConfig,
+    RewardModelConfig,
     RolloutConfig,
     RunConfig,
     SftConfig,
@@ -187,6 +188,17 @@ class Config(_Section):
             )
         if self.reward.judge is None and named:
             raise ValueError("reward.functions names `judge`, and reward.judge (its model, prompt, verdict) is not set")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_is_a_reward(self) -> Config:
+        named = [spec.name for spec in self.reward.functions].count("reward_model")
+        if self.reward.model is not None and named != 1:
+            raise ValueError(
+                "reward.model is set: list its score once in reward.functions, as {name: reward_model, weight: ...}"
+            )
+        if self.reward.model is None and named:
+            raise ValueError("reward.functions names `reward_model`, and reward.model (its path) is not set")
         return self
 
     @model_validator(mode="after")

@@ -272,8 +272,8 @@ class RolloutConfig(_Section):
 class RewardFunctionConfig(_Section):
     name: str
     """A built-in reward (`math_answer`, `exact_answer`, `number_format`, `boxed_format`, `regex_format`,
-    `code_tests`, `environment`, `tool_use`), `judge` (the verdict of `reward.judge`), or the dotted path of a user
-    function `(prompt, completion, **fields) -> float`."""
+    `code_tests`, `environment`, `tool_use`), `judge` (the verdict of `reward.judge`), `reward_model` (the score of
+    `reward.model`), or the dotted path of a user function `(prompt, completion, **fields) -> float`."""
     weight: float = 1.0
     """Weight of this function in the combined reward."""
     floor: float = 0.0
@@ -346,11 +346,46 @@ class JudgeConfig(_Section):
         return self
 
 
+class RewardModelConfig(_Section):
+    path: str
+    """The reward model: a Hugging Face sequence-classification model (`AutoModelForSequenceClassification`: a
+    local directory or a hub id), frozen, run by actors of its own. Its score is the reward function
+    `reward_model` (list it in `reward.functions`, with its weight)."""
+    revision: str | None = None
+    """The hub revision (a branch, tag or commit) of a hub id; null: main."""
+    label: int = Field(0, ge=0)
+    """Which of the model's output logits is the score (a one-label reward model has only 0)."""
+    normalize: Literal["none", "sigmoid"] = "none"
+    """What the logit becomes: itself (`none`), or its sigmoid, in (0, 1) (`sigmoid`: a preference model's
+    probability that the completion is the good one)."""
+    scale: float = 1.0
+    """The score is multiplied by this after `normalize`."""
+    max_length: int = Field(2048, ge=8)
+    """Longest input the model reads, in its own tokens: a longer one keeps its start and its last tokens (the end
+    of the completion), its middle left out, and is counted in `reward_model/truncated`."""
+    batch_size: int = Field(16, ge=1)
+    """Completions per forward pass."""
+    num_workers: int = Field(1, ge=1)
+    """Reward-model actors; a step's completions are split between them."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs per reward-model actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per reward-model actor (0 on a CPU machine: the model runs on the CPU, in float32)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The model's dtype on a GPU (auto: its own); on a CPU always float32."""
+    max_restarts: int = Field(3, ge=0)
+    """Reward-model actors that die may be replaced this many times in a run (each is counted in
+    `faults/reward_model_restarts`); a share a lost actor held is scored again once, then left unscored."""
+
+
 class RewardConfig(_Section):
     functions: list[RewardFunctionConfig] = Field(min_length=1)
     """Reward functions, combined by weighted sum."""
     judge: JudgeConfig | None = None
     """An LLM judge: the reward function `judge` is its verdict on each completion. null: none."""
+    model: RewardModelConfig | None = None
+    """A reward model (a sequence classifier): the reward function `reward_model` is its score of each completion,
+    read through its own tokenizer and chat template. null: none."""
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """Weighted-sum the rewards then compute advantages, or compute each function's advantages then weighted-sum
     them (one reward's scale cannot drown another's)."""

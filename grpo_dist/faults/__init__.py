@@ -43,6 +43,7 @@ COUNTERS = (
     "reward_worker_restarts",
     "learner_restarts",
     "judge_restarts",
+    "reward_model_restarts",
     "teacher_restarts",
     "regenerated",
     "rescored",

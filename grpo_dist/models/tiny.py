@@ -122,11 +122,16 @@ def _tiny_config(tokenizer: Qwen2Tokenizer, **sizes: int) -> Qwen2Config:
     return config
 
 
-def _random_init_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
-    """Initialise the weights from ``seed`` alone, leaving the caller's global RNG state as it was."""
+def _random_init_model(config: Qwen2Config, seed: int, num_labels: int | None = None) -> Qwen2ForCausalLM:
+    """Initialise the weights from ``seed`` alone, leaving the caller's global RNG state as it was: a causal LM, or
+    with ``num_labels`` a sequence classifier."""
+    from transformers import Qwen2ForSequenceClassification
+
+    if num_labels is not None:
+        config.num_labels = num_labels
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(config) if num_labels is None else Qwen2ForSequenceClassification(config)
     return model.to(torch.float32).eval()
 
 
@@ -141,8 +146,10 @@ def build_tiny_model(
     seed: int = 0,
     chat_template: str | None = None,
     characters: str = CHARACTERS,
+    num_labels: int | None = None,
 ) -> Path:
-    """Write a random-init Qwen2 model and its character tokenizer to ``out_dir``; return the directory.
+    """Write a random-init Qwen2 model and its character tokenizer to ``out_dir``; return the directory. With
+    ``num_labels`` the model is a sequence classifier of that many labels (`build_tiny_reward_model`).
 
     The defaults give about 0.34M parameters. The same arguments always produce the same weights.
     ``chat_template`` (a Jinja string) is stored on the tokenizer so ``apply_chat_template`` works.
@@ -155,13 +162,20 @@ def build_tiny_model(
     tokenizer = build_tiny_tokenizer(chat_template, model_max_length=max_position_embeddings, characters=characters)
     sizes = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
     sizes.update(intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
-    model = _random_init_model(_tiny_config(tokenizer, **sizes), seed)
+    model = _random_init_model(_tiny_config(tokenizer, **sizes), seed, num_labels)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def build_tiny_reward_model(out_dir: str | Path, **settings) -> Path:
+    """Write a random-init Qwen2 sequence classifier with one label (a reward model: its logit is the score) and
+    its character tokenizer to `out_dir` (`build_tiny_model`'s `settings`); return the directory. Its pad token is
+    set in its config, so that it scores batches."""
+    return build_tiny_model(out_dir, num_labels=1, **settings)
 
 
 def main(argv: list[str] | None = None) -> None:

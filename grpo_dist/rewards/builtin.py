@@ -84,6 +84,19 @@ def judge(
     return float(judge_score)
 
 
+def reward_model(
+    prompt: str,
+    completion: str,
+    reward_model_score: float | None = None,
+    reward_model_failure: str | None = None,
+    **_: Any,
+) -> float:
+    """The score of the reward model (`reward.model`), asked by its pool before the reward functions run."""
+    if reward_model_score is None:  # the reward model's failure, not the completion's: unscored
+        raise Unscorable(reward_model_failure or "no score: reward.model is not set")
+    return float(reward_model_score)
+
+
 def tool_use(prompt: str, completion: str, messages: list | None = None, **_: Any) -> float:
     """1.0 when a trajectory called tools and every call was answered without an error (`error: ...`), else 0.0."""
     answers = [m.get("content", "") for m in messages or [] if m.get("role") == "tool"]

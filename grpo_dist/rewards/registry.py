@@ -30,6 +30,7 @@ from grpo_dist.rewards.builtin import (
     math_answer,
     number_format,
     regex_format,
+    reward_model,
     tool_use,
 )
 from grpo_dist.rewards.code import code_tests
@@ -48,6 +49,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "environment": environment,
     "tool_use": tool_use,
     "judge": judge,
+    "reward_model": reward_model,
 }
 
 

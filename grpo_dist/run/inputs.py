@@ -73,6 +73,8 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
             check_environment(cfg, tokenizer, train[0])
         if cfg.reward.judge is not None:
             check_judge(cfg)
+        if cfg.reward.model is not None:
+            check_reward_model(cfg)
         if teacher is not None:
             check_teacher(cfg, tokenizer, model_path, teacher)
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
@@ -219,6 +221,34 @@ def check_judge(cfg: Config) -> None:
         raise ConfigError(str(error)) from None
     if not (found / "config.json").is_file():
         raise ConfigError(f"reward.judge.model: {found} is not a Hugging Face model directory (no config.json)")
+
+
+def check_reward_model(cfg: Config) -> None:
+    """`reward.model.path` is a sequence classifier's directory (or a hub id, fetched now) with the label
+    `reward.model.label`, before any actor starts."""
+    import json
+
+    from grpo_dist.cluster.reward_model_pool import reward_model_path
+
+    settings = cfg.reward.model
+    try:
+        found = Path(reward_model_path(settings))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not (found / "config.json").is_file():
+        raise ConfigError(f"reward.model.path: {found} is not a Hugging Face model directory (no config.json)")
+    config = json.loads((found / "config.json").read_text())
+    kinds = config.get("architectures") or []
+    if not any(kind.endswith("ForSequenceClassification") for kind in kinds):
+        raise ConfigError(
+            f"reward.model.path: {found} is a {', '.join(kinds) or 'model of no named architecture'}, not a sequence "
+            "classifier (…ForSequenceClassification): a reward model scores a completion with one logit a label"
+        )
+    labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
+    if settings.label >= labels:
+        raise ConfigError(
+            f"reward.model.label: {settings.label}, and {found} has {labels} label(s) (0 to {labels - 1})"
+        )
 
 
 def teacher_directory(cfg: Config, files: list[str] | None = None) -> str | None:

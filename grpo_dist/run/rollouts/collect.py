@@ -180,6 +180,7 @@ def score_requests(prompts: list[PromptRecord], completions: list[Completion]) -
             c.text,
             {**prompts[c.prompt_index].fields, **_episode(c)},
             c.episode.failure if c.episode is not None else None,
+            prompts[c.prompt_index].messages,
         )
         for c in completions
     ]

@@ -1,0 +1,149 @@
+"""`reward.model`: a sequence classifier scoring each completion on actors of its own, read through its own tokenizer
+and chat template (not the policy's), its logit normalized and scaled as configured and weighted with the other
+rewards; refused before anything starts where it is not a classifier or lacks the label; a lost actor replaced
+and its share scored again."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from conftest import small_config
+
+from grpo_dist.config import ConfigError, RewardModelConfig, validate_config
+from grpo_dist.models.tiny import build_tiny_model, build_tiny_reward_model
+from grpo_dist.types import ScoreRequest
+
+RM_TEMPLATE = "{%- for message in messages -%}[{{ message['role'] }}] {{ message['content'] }}{{ '\\n' }}{%- endfor -%}"
+"""The reward model's own chat template, unlike the policy's (`<|role|>content<eos>`)."""
+TURNS = [{"role": "user", "content": "7 3 9 5:"}]
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    return build_tiny_reward_model(tmp_path_factory.mktemp("rm") / "model", chat_template=RM_TEMPLATE, seed=3)
+
+
+def forward(path, text: str) -> float:
+    """The classifier's logit for `text` alone, by transformers."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**tokenizer(text, return_tensors="pt")).logits[0, 0].item()
+
+
+def test_the_classifier_reads_the_conversation_through_its_own_template_batched_as_alone(reward_model):
+    from grpo_dist.cluster.actors.classifier import Classifier
+
+    settings = RewardModelConfig(path=str(reward_model), batch_size=3)
+    classifier = Classifier(str(reward_model), settings)
+    completions = ["5", "five is the answer", "55555555555555", "x"]
+    items = [(TURNS, "<|user|>7 3 9 5:<eos>\n<|assistant|>", text) for text in completions]
+    scored = classifier.score(items)  # a batch of 3 (padded to its longest), then one
+    expected = [forward(reward_model, f"[user] 7 3 9 5:\n[assistant] {text}\n") for text in completions]
+    assert [score for score, _ in scored] == pytest.approx(expected, abs=1e-5)
+    assert len({round(value, 4) for value in expected}) == 4 and not any(cut for _, cut in scored)
+    # without turns (a row without a chat template) the policy's prompt is the user's turn
+    ((alone, _),) = classifier.score([(None, "7 3 9 5:", "5")])
+    assert alone == pytest.approx(expected[0], abs=1e-5)
+
+    squashed = Classifier(str(reward_model), RewardModelConfig(path=str(reward_model), normalize="sigmoid", scale=2))
+    ((score, _),) = squashed.score(items[:1])
+    assert score == pytest.approx(2 / (1 + math.exp(-expected[0])), abs=1e-5)
+
+    short = Classifier(str(reward_model), RewardModelConfig(path=str(reward_model), max_length=16))
+    ids, cut = short.tokens(TURNS, "", "9" * 40)
+    whole = short.tokenizer(f"[user] 7 3 9 5:\n[assistant] {'9' * 40}\n")["input_ids"]
+    assert cut and len(ids) == 16 and ids == whole[:8] + whole[-8:]  # its start and the completion's end
+
+
+def test_a_reward_model_must_be_listed_a_classifier_and_have_its_label(tmp_path, reward_model):
+    from grpo_dist.run.inputs import check_reward_model
+
+    functions = [{"name": "reward_model", "weight": 1.0}]
+    with pytest.raises(ValueError, match="reward.model is set: list its score once in reward.functions"):
+        validate_config(small_config(tmp_path, reward={"model": {"path": str(reward_model)}}))
+    with pytest.raises(ValueError, match="reward.functions names `reward_model`, and reward.model"):
+        validate_config(small_config(tmp_path, reward={"functions": functions}))
+
+    def checked(**model) -> None:
+        check_reward_model(validate_config(small_config(tmp_path, reward={"model": model, "functions": functions})))
+
+    checked(path=str(reward_model))
+    causal = build_tiny_model(tmp_path / "causal")
+    with pytest.raises(ConfigError, match="is a Qwen2ForCausalLM, not a sequence classifier"):
+        checked(path=str(causal))
+    with pytest.raises(ConfigError, match=r"reward.model.label: 1, and .* has 1 label\(s\) \(0 to 0\)"):
+        checked(path=str(reward_model), label=1)
+    with pytest.raises(ConfigError, match="reward.model.path: .*nowhere is neither a model directory nor a hub id"):
+        checked(path=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.slow
+def test_a_runs_completions_are_scored_by_the_reward_model_on_its_own_actors_weighted_with_the_others(
+    ray_cluster, tmp_path, reward_model
+):
+    """The reward pool asks the reward model's actor first; its score is the function `reward_model`, weighted
+    into the total with `math_answer`. The actor killed (its process, SIGKILL) is replaced, counted, and the next
+    batch scored the same."""
+    from grpo_dist.cluster.placement import place
+    from grpo_dist.cluster.reward_pool import RewardPool
+    from grpo_dist.faults import FaultLog
+
+    model = {"path": str(reward_model), "normalize": "sigmoid"}
+    raw = small_config(tmp_path, reward={"model": model, "functions": [
+        {"name": "reward_model", "weight": 0.5}, {"name": "math_answer", "weight": 1.0}]})  # fmt: skip
+    config = validate_config(raw)
+    prompt = "<|user|>7 3 9 5:<eos>\n<|assistant|>"
+    requests = [ScoreRequest(prompt, text, {"answer": "5"}, turns=TURNS) for text in ("5", "4", "the answer: 5")]
+    placement, faults = place(config), FaultLog()
+    rewards = RewardPool(config, placement, faults)
+    try:
+        rewards.pool.wait_ready()
+        rewards.model.pool.wait_ready()
+        first = rewards.score(requests)
+        metrics = rewards.step_metrics()
+        (actor,) = rewards.model.pool.actors
+        os.kill(ray_cluster.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+        again = rewards.score(requests)
+        restarts = faults.counts["reward_model_restarts"]
+    finally:
+        rewards.shutdown()
+        placement.remove()
+    for request, score, other in zip(requests, first, again, strict=True):
+        logit = forward(reward_model, f"[user] 7 3 9 5:\n[assistant] {request.completion}\n")
+        expected = 1 / (1 + math.exp(-logit))
+        correct = 1.0 if request.completion.endswith("5") else 0.0
+        assert score.per_function == [pytest.approx(expected, abs=1e-5), correct] and not score.failures
+        assert score.total == pytest.approx(0.5 * expected + correct, abs=1e-5)
+        assert other.per_function == pytest.approx(score.per_function, abs=1e-6)
+    assert metrics["reward_model/seconds"] > 0 and metrics["reward_model/truncated"] == 0
+    assert restarts == 1
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_the_reward_models_scores(ray_cluster, capfd, tmp_path, reward_model):
+    """`grpo-dist train` with the reward model as its only reward: its actor starts beside the others, and every
+    step's completions are scored by it (the sigmoid of a logit: strictly between 0 and 1), none unscored."""
+    import json
+
+    from conftest import train_here
+
+    raw = small_config(tmp_path, run={"steps": 2}, reward={
+        "model": {"path": str(reward_model), "normalize": "sigmoid"},
+        "functions": [{"name": "reward_model", "weight": 1.0}]})  # fmt: skip
+    config = tmp_path / "rm.yaml"
+    config.write_text(json.dumps(raw))
+    code, output = train_here(capfd, config)
+    assert code == 0, output[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "outputs" / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert 0 < row["reward/min"] < row["reward/max"] < 1, row
+        assert row["reward_model/seconds"] > 0 and row["reward_failures/reward_model"] == 0
+        assert row["faults/unscored"] == 0 and row["faults/reward_model_restarts"] == 0
