@@ -63,7 +63,7 @@ def test_the_classifier_reads_the_conversation_through_its_own_template_batched_
 
 
 def test_a_reward_model_must_be_listed_a_classifier_and_have_its_label(tmp_path, reward_model):
-    from grpo_dist.run.inputs import check_reward_model
+    from grpo_dist.run.inputs import reward_model_directory
 
     functions = [{"name": "reward_model", "weight": 1.0}]
     with pytest.raises(ValueError, match="reward.model is set: list its score once in reward.functions"):
@@ -72,7 +72,7 @@ def test_a_reward_model_must_be_listed_a_classifier_and_have_its_label(tmp_path,
         validate_config(small_config(tmp_path, reward={"functions": functions}))
 
     def checked(**model) -> None:
-        check_reward_model(validate_config(small_config(tmp_path, reward={"model": model, "functions": functions})))
+        reward_model_directory(validate_config(small_config(tmp_path, reward={"model": model, "functions": functions})))
 
     checked(path=str(reward_model))
     causal = build_tiny_model(tmp_path / "causal")
@@ -147,3 +147,27 @@ def test_a_run_trains_on_the_reward_models_scores(ray_cluster, capfd, tmp_path, 
         assert 0 < row["reward/min"] < row["reward/max"] < 1, row
         assert row["reward_model/seconds"] > 0 and row["reward_failures/reward_model"] == 0
         assert row["faults/unscored"] == 0 and row["faults/reward_model_restarts"] == 0
+
+
+def test_the_plan_counts_a_reward_model_on_its_gpus_and_refuses_one_that_does_not_fit(tmp_path):
+    """A 7B classifier (Qwen2.5-7B's shape) on one 80 GB GPU: 15.2 GB of bf16 weights and, at 16 x 2048 tokens a
+    forward, 6.8 GB of activations; at 256 x 2048 it needs 125 GB and is refused naming what to lower."""
+    from grpo_dist.config.plan import Shape, plan
+
+    shape = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+             "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}  # fmt: skip
+    (tmp_path / "config.json").write_text(__import__("json").dumps(shape))
+    scorer = Shape.of(tmp_path)
+
+    def planned(batch_size: int):
+        model = {"path": str(tmp_path), "num_gpus": 1, "batch_size": batch_size}
+        raw = small_config(tmp_path, reward={"model": model, "functions": [{"name": "reward_model"}]})
+        raw["cluster"] = {"gpu_memory_gb": 80}
+        return plan(validate_config(raw), scorer, scorer=scorer)
+
+    fits = planned(16)
+    assert fits.scorer == pytest.approx({"weights": 15.23, "activations": 6.84}, abs=0.01) and not fits.problems()
+    assert "  reward model: 22.1 of 80 GB (weights 15.2, activations 6.8)" in fits.lines()
+    (problem,) = planned(256).problems()
+    assert problem.startswith("a reward-model actor needs 124.8 GB") and "lower reward.model.batch_size" in problem

@@ -34,11 +34,13 @@ def _check(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from grpo_dist.config.plan import check_plan
     from grpo_dist.models.hub import CONFIG_FILES
-    from grpo_dist.run.inputs import prepare_model, teacher_directory
+    from grpo_dist.run.inputs import prepare_model, reward_model_directory, teacher_directory
 
     cfg = load_config(args.config, args.overrides)
     with tempfile.TemporaryDirectory(prefix="grpo-dist-plan-") as scratch:  # a tiny model is built here
-        check_plan(cfg, prepare_model(cfg, Path(scratch), CONFIG_FILES), teacher_directory(cfg, CONFIG_FILES))
+        model = prepare_model(cfg, Path(scratch), CONFIG_FILES)
+        teacher, scorer = teacher_directory(cfg, CONFIG_FILES), reward_model_directory(cfg, CONFIG_FILES)
+        check_plan(cfg, model, teacher, scorer)
     return 0
 
 

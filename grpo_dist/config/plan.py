@@ -3,7 +3,8 @@ GPU, what a learner rank holds (its model states by ZeRO stage and offload, as D
 with `learner.lora` those of the adapter and the frozen base's weights; the reference, which LoRA does without; the
 activations of one micro-batch), what an engine holds (its share of the weights and the KV cache of one whole
 sequence, at the engine's dtype), and with `algorithm.distill` what a teacher engine holds (the same of the teacher,
-and the log-probs of one whole sequence read as a prompt), against `cluster.gpu_memory_gb`. The models' shapes come
+and the log-probs of one whole sequence read as a prompt), and with `reward.model` on GPUs what a reward-model actor
+holds (its weights and one batch's activations), against `cluster.gpu_memory_gb`. The models' shapes come
 from their config.json alone, so a plan needs no weights.
 """
 
@@ -97,6 +98,8 @@ class Plan:
     trained: int  # the parameters the optimizer holds: all of them, or a LoRA adapter's
     teacher: dict[str, float] | None = None  # a teacher engine's parts (`algorithm.distill` on GPUs), else None
     teacher_budget_gb: float = 0.0
+    scorer: dict[str, float] | None = None  # a reward-model actor's parts (`reward.model` on GPUs), else None
+    scorer_budget_gb: float = 0.0
     kv_sequence_gb: float = 0.0  # the KV cache of one whole sequence, per GPU
 
     @property
@@ -150,6 +153,13 @@ class Plan:
                 "(algorithm.distill.gpu_memory_utilization x cluster.gpu_memory_gb): raise "
                 "algorithm.distill.tensor_parallel_size or lower rollout.max_model_len"
             )
+        if self.scorer and sum(self.scorer.values()) > self.scorer_budget_gb - CUDA_RESERVED_GB:
+            found.append(
+                f"a reward-model actor needs {sum(self.scorer.values()):.1f} GB (weights and one batch's "
+                f"activations), more than its {self.scorer_budget_gb:g} GB (reward.model.num_gpus x "
+                f"cluster.gpu_memory_gb) less {CUDA_RESERVED_GB:g} GB for CUDA: lower reward.model.batch_size or "
+                "reward.model.max_length, or raise reward.model.num_gpus"
+            )
         return found
 
     def lines(self) -> list[str]:
@@ -183,6 +193,9 @@ class Plan:
             out.append(
                 f"  teacher engine: {sum(self.teacher.values()):.1f} of {self.teacher_budget_gb:.1f} GB ({parts})"
             )
+        if self.scorer:
+            parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.scorer.items())
+            out.append(f"  reward model: {sum(self.scorer.values()):.1f} of {self.scorer_budget_gb:g} GB ({parts})")
         for name, gb in self.host.items():
             out.append(f"  host memory of the learner's nodes together: {name} {gb:.1f} GB (DeepSpeed's estimate)")
         out.extend(f"  does not fit: {problem}" for problem in self.problems())
@@ -230,9 +243,9 @@ def _deepspeed_estimators():
     return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
 
 
-def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
+def plan(cfg: Config, shape: Shape, teacher: Shape | None = None, scorer: Shape | None = None) -> Plan:
     """The per-GPU memory of `cfg`'s learner ranks and engines for a model of `shape` (and of its teacher engines,
-    for a teacher of shape `teacher`)."""
+    for a teacher of shape `teacher`, and of its reward-model actors, for a reward model of shape `scorer`)."""
     learner, rollout, p = cfg.learner, cfg.rollout, shape.params
     ranks, stage = learner.num_ranks, learner.zero_stage
     trained = shape.adapter_params(learner.lora) if learner.lora else p
@@ -279,6 +292,7 @@ def plan(cfg: Config, shape: Shape, teacher: Shape | None = None) -> Plan:
         params=p,
         trained=trained,
         **teacher_engine(cfg, teacher),
+        **reward_model_actor(cfg, scorer),
     )
 
 
@@ -298,22 +312,47 @@ def teacher_engine(cfg: Config, shape: Shape | None) -> dict:
     return {"teacher": parts, "teacher_budget_gb": distill.gpu_memory_utilization * cfg.cluster.gpu_memory_gb}
 
 
-def check_plan(cfg: Config, model_dir: str, teacher_dir: str | None = None) -> Plan | None:
-    """Print the plan of `cfg` for the model in `model_dir` (and the teacher in `teacher_dir`); raise `ConfigError`
-    with its numbers if it does not fit. A model whose config.json is not a dense decoder's (a mixture of experts,
-    ...) is not planned, and said so."""
+def reward_model_actor(cfg: Config, shape: Shape | None) -> dict:
+    """A reward-model actor's parts (`Plan.scorer`, `Plan.scorer_budget_gb`): the model's weights at its dtype and
+    one batch's activations in a forward without gradients (one layer's intermediates at a time, and the hidden
+    states it passes on), against its GPUs' memory."""
+    model = cfg.reward.model
+    if model is None or shape is None or model.num_gpus == 0:
+        return {}
+    tokens = model.batch_size * model.max_length
+    width = ENGINE_BYTES[model.dtype]
+    parts = {
+        "weights": width * shape.params / GB,
+        "activations": tokens * ((6 * shape.hidden + 4 * shape.intermediate) + 2 * shape.hidden) * width / GB,
+    }
+    return {"scorer": parts, "scorer_budget_gb": model.num_gpus * cfg.cluster.gpu_memory_gb}
+
+
+def _side_shape(model_dir: str | None, what: str) -> Shape | None:
+    """The shape of a model beside the policy (a teacher, a reward model), or None, said so where it cannot be
+    planned."""
+    if model_dir is None:
+        return None
+    try:
+        return Shape.of(model_dir)
+    except (NotPlanned, AttributeError, TypeError, ZeroDivisionError) as err:
+        print(f"memory plan: {what} not planned ({err}); only dense decoders are planned")
+        return None
+
+
+def check_plan(
+    cfg: Config, model_dir: str, teacher_dir: str | None = None, scorer_dir: str | None = None
+) -> Plan | None:
+    """Print the plan of `cfg` for the model in `model_dir` (and the teacher in `teacher_dir`, the reward model in
+    `scorer_dir`); raise `ConfigError` with its numbers if it does not fit. A model whose config.json is not a dense
+    decoder's (a mixture of experts, ...) is not planned, and said so."""
     try:
         shape = Shape.of(model_dir)
     except (NotPlanned, AttributeError, TypeError, ZeroDivisionError) as err:
         print(f"memory plan: not made for this model ({err}); only dense decoders are planned")
         return None
-    teacher = None
-    if teacher_dir is not None:
-        try:
-            teacher = Shape.of(teacher_dir)
-        except (NotPlanned, AttributeError, TypeError, ZeroDivisionError) as err:
-            print(f"memory plan: the teacher's engines not planned ({err}); only dense decoders are planned")
-    result = plan(cfg, shape, teacher)
+    teacher, scorer = _side_shape(teacher_dir, "the teacher's engines"), _side_shape(scorer_dir, "the reward model")
+    result = plan(cfg, shape, teacher, scorer)
     for line in result.lines():
         print(line)
     if result.problems():

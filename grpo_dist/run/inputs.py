@@ -51,9 +51,9 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
     rewards = check_rewards(cfg)
     try:
         model_path = prepare_model(cfg, scratch, model_files)
-        teacher = teacher_directory(cfg)
+        teacher, scorer = teacher_directory(cfg), reward_model_directory(cfg)
         if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
-            check_plan(cfg, model_path, teacher)
+            check_plan(cfg, model_path, teacher, scorer)
         tokenizer = load_tokenizer(model_path)
         check_lengths(cfg, model_path)
         if cfg.learner.lora is not None:
@@ -73,8 +73,6 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
             check_environment(cfg, tokenizer, train[0])
         if cfg.reward.judge is not None:
             check_judge(cfg)
-        if cfg.reward.model is not None:
-            check_reward_model(cfg)
         if teacher is not None:
             check_teacher(cfg, tokenizer, model_path, teacher)
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
@@ -223,16 +221,19 @@ def check_judge(cfg: Config) -> None:
         raise ConfigError(f"reward.judge.model: {found} is not a Hugging Face model directory (no config.json)")
 
 
-def check_reward_model(cfg: Config) -> None:
-    """`reward.model.path` is a sequence classifier's directory (or a hub id, fetched now) with the label
-    `reward.model.label`, before any actor starts."""
+def reward_model_directory(cfg: Config, files: list[str] | None = None) -> str | None:
+    """`reward.model.path`'s directory (a hub id's snapshot fetched now, only `files` when given), checked to hold a
+    sequence classifier with the label `reward.model.label`, before any actor starts; None without a reward
+    model."""
     import json
 
     from grpo_dist.cluster.reward_model_pool import reward_model_path
 
     settings = cfg.reward.model
+    if settings is None:
+        return None
     try:
-        found = Path(reward_model_path(settings))
+        found = Path(reward_model_path(settings, files))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if not (found / "config.json").is_file():
@@ -249,6 +250,7 @@ def check_reward_model(cfg: Config) -> None:
         raise ConfigError(
             f"reward.model.label: {settings.label}, and {found} has {labels} label(s) (0 to {labels - 1})"
         )
+    return str(found)
 
 
 def teacher_directory(cfg: Config, files: list[str] | None = None) -> str | None:
