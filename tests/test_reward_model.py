@@ -39,6 +39,7 @@ def forward(path, text: str) -> float:
 
 def test_the_classifier_reads_the_conversation_through_its_own_template_batched_as_alone(reward_model):
     from grpo_dist.cluster.actors.classifier import Classifier
+    from grpo_dist.cluster.reward_model_pool import _checked
 
     settings = RewardModelConfig(path=str(reward_model), batch_size=3)
     classifier = Classifier(str(reward_model), settings)
@@ -55,6 +56,11 @@ def test_the_classifier_reads_the_conversation_through_its_own_template_batched_
     squashed = Classifier(str(reward_model), RewardModelConfig(path=str(reward_model), normalize="sigmoid", scale=2))
     ((score, _),) = squashed.score(items[:1])
     assert score == pytest.approx(2 / (1 + math.exp(-expected[0])), abs=1e-5)
+    # a logit that overflowed stays non-finite through the sigmoid, and the pool leaves its completion unscored
+    assert math.isnan(squashed._normalized(math.nan)) and squashed._normalized(-math.inf) == -math.inf
+    assert [why for _, why in map(_checked, (math.nan, math.inf, 0.5, None))] == [
+        "the reward model gave a non-finite score (nan)", "the reward model gave a non-finite score (inf)", None,
+        "the reward model's actor was lost"]  # fmt: skip
 
     short = Classifier(str(reward_model), RewardModelConfig(path=str(reward_model), max_length=16))
     ids, cut = short.tokens(TURNS, "", "9" * 40)
@@ -70,6 +76,11 @@ def test_a_reward_model_must_be_listed_a_classifier_and_have_its_label(tmp_path,
         validate_config(small_config(tmp_path, reward={"model": {"path": str(reward_model)}}))
     with pytest.raises(ValueError, match="reward.functions names `reward_model`, and reward.model"):
         validate_config(small_config(tmp_path, reward={"functions": functions}))
+    judged = small_config(tmp_path, reward={"model": {"path": str(reward_model)}, "functions": functions})
+    with pytest.raises(ValueError, match="eval.reward .* is `reward_model`: an evaluation counts the answers"):
+        validate_config({**judged, "eval": {"reward": "reward_model"}})
+    with pytest.raises(ValueError, match="less than or equal to 1"):  # the model runs whole on one GPU
+        validate_config(small_config(tmp_path, reward={"model": {"path": "m", "num_gpus": 2}, "functions": functions}))
 
     def checked(**model) -> None:
         reward_model_directory(validate_config(small_config(tmp_path, reward={"model": model, "functions": functions})))
@@ -95,7 +106,7 @@ def test_a_runs_completions_are_scored_by_the_reward_model_on_its_own_actors_wei
     from grpo_dist.cluster.reward_pool import RewardPool
     from grpo_dist.faults import FaultLog
 
-    model = {"path": str(reward_model), "normalize": "sigmoid"}
+    model = {"path": str(reward_model), "normalize": "sigmoid", "batch_size": 2}  # 3 completions: in 2 rounds
     raw = small_config(tmp_path, reward={"model": model, "functions": [
         {"name": "reward_model", "weight": 0.5}, {"name": "math_answer", "weight": 1.0}]})  # fmt: skip
     config = validate_config(raw)
@@ -104,8 +115,7 @@ def test_a_runs_completions_are_scored_by_the_reward_model_on_its_own_actors_wei
     placement, faults = place(config), FaultLog()
     rewards = RewardPool(config, placement, faults)
     try:
-        rewards.pool.wait_ready()
-        rewards.model.pool.wait_ready()
+        rewards.wait_ready()
         first = rewards.score(requests)
         metrics = rewards.step_metrics()
         (actor,) = rewards.model.pool.actors

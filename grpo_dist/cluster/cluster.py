@@ -91,7 +91,7 @@ class Cluster:
             if teacher is not None:
                 teacher.pool.wait_ready()
             shown.update()
-            rewards.pool.wait_ready()
+            rewards.wait_ready()
             shown.update()
             transport = make_transport(cfg, learner, generators.actors)
             transport.connect()
@@ -145,7 +145,7 @@ class Cluster:
         if earlier or reward_settings(cfg) != reward_settings(old):
             self.rewards.shutdown()
             self.rewards = RewardPool(cfg, self.placement, self.faults)
-            self.rewards.pool.wait_ready()
+            self.rewards.wait_ready()
         if (
             earlier
             or cfg.algorithm.distill != old.algorithm.distill

@@ -44,10 +44,16 @@ class RewardModelPool:
         return ray.remote(Classifier).options(**options).remote(self.model, self.settings)
 
     def score(self, requests: list[ScoreRequest]) -> list[tuple[float, str | None]]:
-        """Each completion's score (score, None), or (NaN, why unscored), in order."""
+        """Each completion's score (score, None), or (NaN, why unscored), in order. The completions go out in rounds
+        of one batch per actor (`reward.model.batch_size`), so that `faults.score_timeout_s` bounds one forward pass
+        of an actor, never a share however large."""
         started = time.monotonic()
         items = [(request.turns, request.prompt, request.completion) for request in requests]
-        found = self.pool.call_split("score", items, (), self.bounds.score, "scoring with the reward model")
+        size = self.settings.batch_size * len(self.pool.actors)
+        found = []
+        for start in range(0, len(items), size):
+            chunk = items[start : start + size]
+            found += self.pool.call_split("score", chunk, (), self.bounds.score, "scoring with the reward model")
         self.seconds += time.monotonic() - started
         self.truncated += sum(1 for answer in found if answer is not None and answer[1])
         return [_checked(answer[0] if answer is not None else None) for answer in found]

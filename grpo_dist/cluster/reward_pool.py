@@ -71,6 +71,14 @@ class RewardPool:
 
             self.model = RewardModelPool(cfg, faults)
 
+    def wait_ready(self) -> None:
+        """Until every reward worker, judge engine and reward-model actor is up (each start bounded by
+        `faults.start_timeout_s`): a model that cannot load fails here, before the first step."""
+        self.pool.wait_ready()
+        for pool in (self.judge, self.model):
+            if pool is not None:
+                pool.pool.wait_ready()
+
     def _start(self, slot: int) -> ray.actor.ActorHandle:
         reward = self.cfg.reward
         return (

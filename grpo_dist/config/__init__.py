@@ -199,6 +199,12 @@ class Config(_Section):
             )
         if self.reward.model is None and named:
             raise ValueError("reward.functions names `reward_model`, and reward.model (its path) is not set")
+        if "reward_model" in self.judges:
+            raise ValueError(
+                "eval.reward (or an eval set's reward) is `reward_model`: an evaluation counts the answers a reward "
+                "judges correct (1.0), and a reward model's score is no verdict; judge with a reward that reads the "
+                "row's answer (math_answer, exact_answer, ...)"
+            )
         return self
 
     @model_validator(mode="after")

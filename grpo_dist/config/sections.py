@@ -369,10 +369,11 @@ class RewardModelConfig(_Section):
     """Reward-model actors; a step's completions are split between them."""
     num_cpus: float = Field(1.0, gt=0)
     """CPUs per reward-model actor."""
-    num_gpus: float = Field(0.0, ge=0)
-    """GPUs per reward-model actor (0 on a CPU machine: the model runs on the CPU, in float32)."""
+    num_gpus: float = Field(0.0, ge=0, le=1)
+    """GPUs per reward-model actor, at most one (the model is not sharded: it runs whole on its GPU); 0 on a CPU
+    machine: the model runs on the CPU, in float32."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """The model's dtype on a GPU (auto: its own); on a CPU always float32."""
+    """The model's dtype on a GPU (auto: bfloat16); on a CPU always float32."""
     max_restarts: int = Field(3, ge=0)
     """Reward-model actors that die may be replaced this many times in a run (each is counted in
     `faults/reward_model_restarts`); a share a lost actor held is scored again once, then left unscored."""

@@ -1,8 +1,9 @@
 """A prompt's images, as they travel and as each role reads them: encoded once as PNG bytes (what crosses actor
 boundaries: a few kilobytes an image, the same bytes to every reader), opened as RGB images where a model needs
 them, and turned into the model's inputs by its processor (the prompt's token ids with each image's tokens in
-place, and the tensors its vision tower reads: pixel values and their mask), the same function for the engine's
-prompt and the learner's forward, so that both see the same pixels."""
+place, and the tensors its vision tower reads: pixel values and their mask). The engine takes the prompt with one
+placeholder per image and expands it itself, as the processor does; what the learner reads of the same images is
+`model_inputs`, the processor's pixels, which are the engine's too."""
 
 from __future__ import annotations
 

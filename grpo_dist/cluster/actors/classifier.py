@@ -18,29 +18,33 @@ class Classifier:
         die_with_parent()
         self.settings = settings
         self.device = torch.device("cuda" if torch.cuda.is_available() and settings.num_gpus > 0 else "cpu")
-        dtype = torch.float32 if self.device.type == "cpu" or settings.dtype == "float32" else settings.dtype
+        on_cpu = self.device.type == "cpu"
+        dtype = torch.float32 if on_cpu else getattr(torch, "bfloat16" if settings.dtype == "auto" else settings.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype).to(self.device)
         self.model.eval().requires_grad_(False)
         labels = self.model.config.num_labels
         if settings.label >= labels:
             raise ValueError(f"reward.model.label: {settings.label}, and {model_path} has {labels} label(s)")
-        if self.model.config.pad_token_id is None:  # the model finds each row's last token by it
+        text = self.model.config.get_text_config()
+        if text.pad_token_id is None:  # the model finds each row's last token by it
             if self.tokenizer.pad_token_id is None:
                 raise ValueError(f"reward.model.path: {model_path} has no pad token to batch its inputs with")
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+            self.model.config.pad_token_id = text.pad_token_id = self.tokenizer.pad_token_id
 
     def tokens(self, turns: list[dict] | None, prompt: str, completion: str) -> tuple[list[int], bool]:
         """What the model reads of one completion: through its chat template, the prompt's turns (the policy's
         prompt as one user turn where the row had none) and the completion as the assistant's; without a template,
         the policy's prompt text and the completion. Cut to `max_length` keeping both ends; and whether it was."""
-        if getattr(self.tokenizer, "chat_template", None):
+        templated = bool(getattr(self.tokenizer, "chat_template", None))
+        if templated:
             answer = {"role": "assistant", "content": completion}
             conversation = [*(turns or [{"role": "user", "content": prompt}]), answer]
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
         else:
             text = prompt + completion
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        # a chat template writes the special tokens it wants (a BOS of its own); raw text gets the tokenizer's
+        ids = list(self.tokenizer(text, add_special_tokens=not templated)["input_ids"])
         limit = self.settings.max_length
         if len(ids) <= limit:
             return ids, False
@@ -52,7 +56,7 @@ class Classifier:
         import torch
 
         inputs, cut = zip(*(self.tokens(*item) for item in items), strict=True) if items else ((), ())
-        pad = self.model.config.pad_token_id
+        pad = self.model.config.get_text_config().pad_token_id
         scores: list[float] = []
         for start in range(0, len(inputs), self.settings.batch_size):
             batch = inputs[start : start + self.settings.batch_size]
@@ -68,6 +72,8 @@ class Classifier:
         return list(zip(scores, cut, strict=True))
 
     def _normalized(self, logit: float) -> float:
+        if not math.isfinite(logit):  # the model's failure (an overflow): left for the pool to leave unscored
+            return logit
         if self.settings.normalize == "sigmoid":
             logit = 1.0 / (1.0 + math.exp(-logit)) if logit >= -700 else 0.0
         return logit * self.settings.scale

@@ -155,10 +155,13 @@ class Generator:
         seeds), so the same weights give the same completions whichever generator draws them. With an environment
         each sample is a trajectory from `row` (its turns and fields), all G running at once. `images`: the prompt's
         images (PNG bytes, `grpo_dist.models.vision`), given to the engine as its multimodal input; the prompt's
-        token ids then hold each image's tokens already (the processor's expansion)."""
+        token ids hold one placeholder per image, which the engine expands to the image's tokens as the model's
+        processor does (the completions' `prompt_token_ids` are the expanded prompt). Not with an environment."""
         from vllm import SamplingParams
 
         sampling = evaluation or Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.max_new_tokens)
+        if images and self.agent is not None:
+            raise ValueError("a prompt's images with an environment: an episode's turns take no images")
         if self.agent is not None:
             group = await self._trajectories(row, prompt_token_ids, group_size, sampling, prompt_index, seed)
         else:
