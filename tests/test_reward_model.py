@@ -95,6 +95,33 @@ def test_a_reward_model_must_be_listed_a_classifier_and_have_its_label(tmp_path,
         checked(path=str(tmp_path / "nowhere"))
 
 
+def test_a_reward_model_that_cannot_read_the_first_prompt_is_refused_before_the_run(tmp_path, reward_model):
+    """Its template refusing a system turn (`data.system_prompt`), or a `max_length` past its positions."""
+    from grpo_dist.data import PromptRecord
+    from grpo_dist.run.inputs import check_reward_model_reads
+
+    no_system = "{%- if messages[0]['role'] == 'system' -%}{{ raise_exception('no system role') }}{%- endif -%}"
+    strict = build_tiny_reward_model(tmp_path / "strict", chat_template=no_system + RM_TEMPLATE)
+    functions = [{"name": "reward_model", "weight": 1.0}]
+
+    def config(path, **model):
+        return validate_config(small_config(tmp_path, reward={"model": {"path": str(path), **model},
+                                                              "functions": functions}))  # fmt: skip
+
+    plain = PromptRecord("7 3 9 5:", [1], messages=TURNS)
+    system = PromptRecord("7 3 9 5:", [1], messages=[{"role": "system", "content": "be brief"}, *TURNS])
+    check_reward_model_reads(config(strict), str(strict), plain)
+    check_reward_model_reads(config(reward_model), str(reward_model), system)
+    with pytest.raises(
+        ConfigError, match=r"reward.model: its tokenizer cannot read .*\(TemplateError: no system role\)"
+    ):
+        check_reward_model_reads(config(strict), str(strict), system)
+    with pytest.raises(
+        ConfigError, match="reward.model.max_length \\(1024\\) is above the reward model's 256 positions"
+    ):
+        check_reward_model_reads(config(reward_model, max_length=1024), str(reward_model), plain)
+
+
 @pytest.mark.slow
 def test_a_runs_completions_are_scored_by_the_reward_model_on_its_own_actors_weighted_with_the_others(
     ray_cluster, tmp_path, reward_model
@@ -171,7 +198,7 @@ def test_the_plan_counts_a_reward_model_on_its_gpus_and_refuses_one_that_does_no
     scorer = Shape.of(tmp_path)
 
     def planned(batch_size: int):
-        model = {"path": str(tmp_path), "num_gpus": 1, "batch_size": batch_size}
+        model = {"path": str(tmp_path), "num_gpus": 1, "batch_size": batch_size, "max_length": 2048}
         raw = small_config(tmp_path, reward={"model": model, "functions": [{"name": "reward_model"}]})
         raw["cluster"] = {"gpu_memory_gb": 80}
         return plan(validate_config(raw), scorer, scorer=scorer)

@@ -40,6 +40,7 @@ class Shape:
     largest_layer: int  # parameters of the largest module (ZeRO-3 gathers one whole): the embedding, mostly
     kv_values_per_token: int  # keys and values of one token over all layers
     linear: dict[str, tuple[int, int]]  # (in, out) features of each linear layer of a block by name, and lm_head's
+    positions: int | None = None  # `max_position_embeddings`, where the config gives it
 
     def adapter_params(self, lora: LoraConfig) -> int:
         """Parameters of `lora`'s adapter on this model: `rank x (in + out)` for every adapted linear layer. A
@@ -80,6 +81,7 @@ class Shape:
             largest_layer=max(c.vocab_size, c.intermediate_size, (heads + kv_heads) * head_dim) * c.hidden_size,
             kv_values_per_token=2 * c.num_hidden_layers * kv_heads * head_dim,
             linear=linear,
+            positions=getattr(c, "max_position_embeddings", None),
         )
 
 
@@ -319,7 +321,7 @@ def reward_model_actor(cfg: Config, shape: Shape | None) -> dict:
     model = cfg.reward.model
     if model is None or shape is None or model.num_gpus == 0:
         return {}
-    tokens = model.batch_size * model.max_length
+    tokens = model.batch_size * model.length(shape.positions)
     width = ENGINE_BYTES[model.dtype]
     parts = {
         "weights": width * shape.params / GB,

@@ -360,9 +360,10 @@ class RewardModelConfig(_Section):
     probability that the completion is the good one)."""
     scale: float = 1.0
     """The score is multiplied by this after `normalize`."""
-    max_length: int = Field(2048, ge=8)
-    """Longest input the model reads, in its own tokens: a longer one keeps its start and its last tokens (the end
-    of the completion), its middle left out, and is counted in `reward_model/truncated`."""
+    max_length: int | None = Field(None, ge=8)
+    """Longest input the model reads, in its own tokens (null: the model's positions, `max_position_embeddings`;
+    2048 where its config gives none): a longer one keeps its start and its last tokens (the end of the
+    completion), its middle left out, and is counted in `reward_model/truncated`."""
     batch_size: int = Field(16, ge=1)
     """Completions per forward pass."""
     num_workers: int = Field(1, ge=1)
@@ -377,6 +378,10 @@ class RewardModelConfig(_Section):
     max_restarts: int = Field(3, ge=0)
     """Reward-model actors that die may be replaced this many times in a run (each is counted in
     `faults/reward_model_restarts`); a share a lost actor held is scored again once, then left unscored."""
+
+    def length(self, positions: int | None) -> int:
+        """The longest input read (`max_length`) for a model of `positions` positions (None: not given)."""
+        return self.max_length or positions or 2048
 
 
 class RewardConfig(_Section):

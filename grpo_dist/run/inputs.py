@@ -51,7 +51,7 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
     rewards = check_rewards(cfg)
     try:
         model_path = prepare_model(cfg, scratch, model_files)
-        teacher, scorer = teacher_directory(cfg), reward_model_directory(cfg)
+        teacher, scorer = teacher_directory(cfg), reward_model_directory(cfg, model_files)
         if cfg.learner.num_gpus > 0 or cfg.rollout.num_gpus > 0:
             check_plan(cfg, model_path, teacher, scorer)
         tokenizer = load_tokenizer(model_path)
@@ -75,6 +75,8 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
             check_judge(cfg)
         if teacher is not None:
             check_teacher(cfg, tokenizer, model_path, teacher)
+        if scorer is not None:
+            check_reward_model_reads(cfg, scorer, train[0])
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
         eval_sets = read_eval_sets(cfg, held_out, tokenizer)
         for each, key in eval_sets:
@@ -251,6 +253,32 @@ def reward_model_directory(cfg: Config, files: list[str] | None = None) -> str |
             f"reward.model.label: {settings.label}, and {found} has {labels} label(s) (0 to {labels - 1})"
         )
     return str(found)
+
+
+def check_reward_model_reads(cfg: Config, scorer: str, first: PromptRecord) -> None:
+    """The reward model (in directory `scorer`) holds `reward.model.max_length` positions, and its tokenizer renders
+    the first training prompt's conversation with an answer (its chat template may refuse a system turn, or turns
+    that do not alternate): refused here, not at the first step's scoring."""
+    from jinja2 import TemplateError
+    from transformers import AutoTokenizer
+
+    from grpo_dist.cluster.actors.classifier import reward_model_tokens
+
+    positions = max_positions(scorer)
+    length = cfg.reward.model.length(positions)
+    if positions is not None and length > positions:
+        raise ConfigError(
+            f"reward.model.max_length ({length}) is above the reward model's {positions} positions "
+            f"({Path(scorer) / 'config.json'}): lower it to at most {positions}"
+        )
+    try:
+        reward_model_tokens(AutoTokenizer.from_pretrained(scorer), length, first.messages, first.text, "answer")
+    except (TemplateError, ValueError, TypeError, KeyError) as error:  # a template's refusal (raise_exception)
+        raise ConfigError(
+            f"reward.model: its tokenizer cannot read the first training prompt's conversation with an answer "
+            f"({type(error).__name__}: {error}); its chat template gets the row's turns, then the answer as the "
+            "assistant's"
+        ) from None
 
 
 def teacher_directory(cfg: Config, files: list[str] | None = None) -> str | None:

@@ -23,6 +23,8 @@ class Classifier:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype).to(self.device)
         self.model.eval().requires_grad_(False)
+        positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_length = settings.length(positions)
         labels = self.model.config.num_labels
         if settings.label >= labels:
             raise ValueError(f"reward.model.label: {settings.label}, and {model_path} has {labels} label(s)")
@@ -33,22 +35,8 @@ class Classifier:
             self.model.config.pad_token_id = text.pad_token_id = self.tokenizer.pad_token_id
 
     def tokens(self, turns: list[dict] | None, prompt: str, completion: str) -> tuple[list[int], bool]:
-        """What the model reads of one completion: through its chat template, the prompt's turns (the policy's
-        prompt as one user turn where the row had none) and the completion as the assistant's; without a template,
-        the policy's prompt text and the completion. Cut to `max_length` keeping both ends; and whether it was."""
-        templated = bool(getattr(self.tokenizer, "chat_template", None))
-        if templated:
-            answer = {"role": "assistant", "content": completion}
-            conversation = [*(turns or [{"role": "user", "content": prompt}]), answer]
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False)
-        else:
-            text = prompt + completion
-        # a chat template writes the special tokens it wants (a BOS of its own); raw text gets the tokenizer's
-        ids = list(self.tokenizer(text, add_special_tokens=not templated)["input_ids"])
-        limit = self.settings.max_length
-        if len(ids) <= limit:
-            return ids, False
-        return ids[: limit // 2] + ids[len(ids) - (limit - limit // 2) :], True
+        """What the model reads of one completion, and whether it was cut (`reward_model_tokens`)."""
+        return reward_model_tokens(self.tokenizer, self.max_length, turns, prompt, completion)
 
     def score(self, items: list[tuple[list[dict] | None, str, str]]) -> list[tuple[float, bool]]:
         """The score of each (turns, prompt, completion), in order (the `label` logit, normalized and scaled), and
@@ -77,3 +65,23 @@ class Classifier:
         if self.settings.normalize == "sigmoid":
             logit = 1.0 / (1.0 + math.exp(-logit)) if logit >= -700 else 0.0
         return logit * self.settings.scale
+
+
+def reward_model_tokens(
+    tokenizer, max_length: int, turns: list[dict] | None, prompt: str, completion: str
+) -> tuple[list[int], bool]:
+    """What a reward model reads of one completion: through its chat template, the prompt's turns (the policy's
+    prompt as one user turn where the row had none) and the completion as the assistant's; without a template,
+    the policy's prompt text and the completion. A template writes the special tokens it wants; raw text gets the
+    tokenizer's. Cut to `max_length` keeping both ends; and whether it was."""
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    if templated:
+        answer = {"role": "assistant", "content": completion}
+        conversation = [*(turns or [{"role": "user", "content": prompt}]), answer]
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    else:
+        text = prompt + completion
+    ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+    if len(ids) <= max_length:
+        return ids, False
+    return ids[: max_length // 2] + ids[len(ids) - (max_length - max_length // 2) :], True
