@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import ray
 
@@ -85,10 +84,6 @@ class JudgePool:
 
 def judge_model(judge: JudgeConfig) -> str:
     """The judge model's directory: a local one, or a hub id's snapshot."""
-    from grpo_dist.models.hub import HUB_ID, snapshot
+    from grpo_dist.models.hub import model_directory
 
-    if Path(judge.model).is_dir():
-        return str(Path(judge.model).resolve())
-    if HUB_ID.fullmatch(judge.model):
-        return snapshot(judge.model, None, "reward.judge.model")
-    raise ValueError(f"reward.judge.model: {judge.model} is neither a model directory nor a hub id")
+    return model_directory(judge.model, None, "reward.judge.model")

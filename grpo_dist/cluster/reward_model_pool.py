@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import ray
 
@@ -79,10 +78,6 @@ def _checked(score: float | None) -> tuple[float, str | None]:
 
 def reward_model_path(settings: RewardModelConfig, files: list[str] | None = None) -> str:
     """The reward model's directory: a local one, or a hub id's snapshot at `revision` (only `files` when given)."""
-    from grpo_dist.models.hub import HUB_ID, snapshot
+    from grpo_dist.models.hub import model_directory
 
-    if Path(settings.path).is_dir():
-        return str(Path(settings.path).resolve())
-    if HUB_ID.fullmatch(settings.path):
-        return snapshot(settings.path, settings.revision, "reward.model.path", files=files)
-    raise ValueError(f"reward.model.path: {settings.path} is neither a model directory nor a hub id")
+    return model_directory(settings.path, settings.revision, "reward.model.path", files)

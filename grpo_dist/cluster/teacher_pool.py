@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import ray
 
@@ -24,7 +23,7 @@ from grpo_dist.cluster.actors.generator import Generator
 from grpo_dist.cluster.placement import Placement, engine_resources
 from grpo_dist.config import Config, DistillConfig, engine_rollout
 from grpo_dist.faults import ActorPool, Bounds, FaultLog
-from grpo_dist.models.hub import HUB_ID, max_positions, snapshot
+from grpo_dist.models.hub import max_positions, model_directory
 from grpo_dist.types import Completion
 
 
@@ -94,8 +93,4 @@ class TeacherPool:
 def teacher_model(distill: DistillConfig, files: list[str] | None = None) -> str:
     """The teacher's directory: a local one, or a hub id's snapshot at `algorithm.distill.revision` (only `files`
     when given, as `grpo_dist.models.hub.snapshot` takes them)."""
-    if Path(distill.teacher).is_dir():
-        return str(Path(distill.teacher).resolve())
-    if HUB_ID.fullmatch(distill.teacher):
-        return snapshot(distill.teacher, distill.revision, "algorithm.distill.teacher", files=files)
-    raise ValueError(f"algorithm.distill.teacher: {distill.teacher} is neither a model directory nor a hub id")
+    return model_directory(distill.teacher, distill.revision, "algorithm.distill.teacher", files)

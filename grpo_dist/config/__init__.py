@@ -180,25 +180,20 @@ class Config(_Section):
         return runs_model_code([spec.name for spec in self.reward.functions] + self.judges, tools)
 
     @model_validator(mode="after")
-    def _judge_is_a_reward(self) -> Config:
-        named = [spec.name for spec in self.reward.functions].count("judge")
-        if self.reward.judge is not None and named != 1:
-            raise ValueError(
-                "reward.judge is set: list its verdict once in reward.functions, as {name: judge, weight: ...}"
-            )
-        if self.reward.judge is None and named:
-            raise ValueError("reward.functions names `judge`, and reward.judge (its model, prompt, verdict) is not set")
-        return self
-
-    @model_validator(mode="after")
-    def _reward_model_is_a_reward(self) -> Config:
-        named = [spec.name for spec in self.reward.functions].count("reward_model")
-        if self.reward.model is not None and named != 1:
-            raise ValueError(
-                "reward.model is set: list its score once in reward.functions, as {name: reward_model, weight: ...}"
-            )
-        if self.reward.model is None and named:
-            raise ValueError("reward.functions names `reward_model`, and reward.model (its path) is not set")
+    def _judge_and_reward_model_are_rewards(self) -> Config:
+        for name, setting, what in (
+            ("judge", self.reward.judge, "reward.judge (its model, prompt, verdict)"),
+            ("reward_model", self.reward.model, "reward.model (its path)"),
+        ):
+            named = [spec.name for spec in self.reward.functions].count(name)
+            key = what.split()[0]
+            if setting is not None and named != 1:
+                raise ValueError(
+                    f"{key} is set: list its {'verdict' if name == 'judge' else 'score'} once in reward.functions, "
+                    f"as {{name: {name}, weight: ...}}"
+                )
+            if setting is None and named:
+                raise ValueError(f"reward.functions names `{name}`, and {what} is not set")
         if "reward_model" in self.judges:
             raise ValueError(
                 "eval.reward (or an eval set's reward) is `reward_model`: an evaluation counts the answers a reward "

@@ -74,6 +74,16 @@ def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model", 
     return path
 
 
+def model_directory(location: str, revision: str | None, key: str, files: list[str] | None = None) -> str:
+    """The directory of a model named by config key `key`: a local one, or a hub id's snapshot at `revision` (only
+    `files` when given, as `snapshot` takes them); `ValueError` naming the key when it is neither."""
+    if Path(location).is_dir():
+        return str(Path(location).resolve())
+    if HUB_ID.fullmatch(location):
+        return snapshot(location, revision, key, files=files)
+    raise ValueError(f"{key}: {location} is neither a model directory nor a hub id")
+
+
 def max_positions(directory: str | Path) -> int | None:
     """The positions a model directory's `config.json` gives (`max_position_embeddings`); None when it gives none."""
     return json.loads((Path(directory) / "config.json").read_text()).get("max_position_embeddings")
