@@ -42,6 +42,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from run_cost import cpu_by_process, sample  # noqa: E402
 
+from grpo_dist.cluster.warm import ready  # noqa: E402
+
 MARKS = [  # (figure, what the line starts with), in the order a run prints them
     ("first_line_s", "== "),
     ("inputs_ready_s", "== starting"),
@@ -115,6 +117,12 @@ def main() -> None:
     parser.add_argument(
         "--up", action="store_true", help="also run this checkout on a cluster `grpo-dist up` started (series this-up)"
     )
+    parser.add_argument(
+        "--up-cold",
+        action="store_true",
+        help="also run this checkout on a cluster `grpo-dist up --cold` started (series this-up-cold: each actor's"
+        " process imports the stack itself)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     args = parser.parse_args()
     series = {"baseline": (args.baseline.resolve(), None)} if args.baseline else {}
@@ -122,10 +130,14 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory(prefix="startup-") as work,
         tempfile.TemporaryDirectory(prefix="su-", dir="/tmp") as up,
+        tempfile.TemporaryDirectory(prefix="sc-", dir="/tmp") as up_cold,
     ):
         if args.up:  # a temporary directory of its own, where only the runs of this-up find the cluster
             series["this-up"] = (REPO, up)
             grpo_dist_up(up, "up")
+        if args.up_cold:
+            series["this-up-cold"] = (REPO, up_cold)
+            grpo_dist_up(up_cold, "up", "--cold")
         rows: dict[str, list[dict]] = {name: [] for name in series}
         try:
             for attempt in range(args.repeat):
@@ -136,6 +148,8 @@ def main() -> None:
         finally:
             if args.up:
                 grpo_dist_up(up, "down")
+            if args.up_cold:
+                grpo_dist_up(up_cold, "down")
     summary = {name: medians(found) for name, found in rows.items()}
     for name, figures in summary.items():
         print(json.dumps({"row": "median", "checkout": name, **figures}))
@@ -145,14 +159,22 @@ def main() -> None:
             base, this = summary[base_name], summary[name]
             ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
             print(json.dumps({"row": "ratios", f"{name}_over_{base_name}": ratios}))
+    if args.up and args.up_cold:  # what the warm processes take off a run on `grpo-dist up`
+        base, this = summary["this-up-cold"], summary["this-up"]
+        ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
+        print(json.dumps({"row": "ratios", "this-up_over_this-up-cold": ratios}))
 
 
-def grpo_dist_up(temp: str, command: str) -> None:
-    """`grpo-dist up` or `down` with `temp` as the temporary directory (where the cluster's record lives)."""
+def grpo_dist_up(temp: str, command: str, *flags: str) -> None:
+    """`grpo-dist up` or `down` with `temp` as the temporary directory (where the cluster's record lives); `up` waits
+    for its warm process to have imported the stack, as a cluster kept up between runs has."""
     env = {**os.environ, "TMPDIR": temp, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "grpo_dist", command], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "grpo_dist", command, *flags], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"grpo-dist {command} failed:\n{done.stdout}{done.stderr}")
+    warm_socket = Path(temp) / f"grpo-dist-up-{os.getuid()}" / "ray" / "warm.sock"
+    if command == "up" and "--cold" not in flags and not ready(warm_socket, timeout_s=300):
+        raise SystemExit(f"the warm process of `grpo-dist up` did not answer at {warm_socket} within 300 s")
 
 
 if __name__ == "__main__":

@@ -23,14 +23,25 @@ def ray_cluster(tmp_path_factory):
     """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py."""
     import ray
 
+    from grpo_dist.cluster import warm
     from grpo_dist.cluster.ray_cluster import start_local_ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("WANDB_MODE", "offline")
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
+    warm_process = None
+    if warm.available():  # the session's actors forked from one process that imported the stack once
+        socket_path = tmp_path_factory.mktemp("warm") / "warm.sock"
+        warm_process = warm.start(socket_path, socket_path.with_name("warm.log"), detached=False)
+        with warm.used_for_nodes_started_here(socket_path):  # only this cluster: a test's own nodes start cold
+            start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
+    else:
+        start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
+    if warm_process is not None:
+        warm_process.kill()
+        warm_process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

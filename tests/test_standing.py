@@ -13,6 +13,8 @@ import pytest
 import yaml
 from conftest import TESTS_DIR, small_config
 
+from grpo_dist.cluster import warm
+
 pytestmark = pytest.mark.slow
 
 
@@ -62,6 +64,8 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
         raylets = [p for p in psutil.process_iter(["cmdline"]) if "raylet" in " ".join(p.info["cmdline"] or [])[:200]
                    and ray_dir in " ".join(p.info["cmdline"] or [])]  # fmt: skip
         assert raylets and all(p.environ().get("RAY_worker_niceness") == "0" for p in raylets)  # actors at nice 0
+        if warm.available():  # the warm process the runs' actors are forked from, stopped by `down` with the rest
+            assert warm.ready(Path(ray_dir) / "warm.sock", timeout_s=300)
 
         for run in ("first", "second"):  # each run joins it, and its actors go with it
             done = grpo_dist(env, "train", str(config), f"run.name={run}")
@@ -83,6 +87,20 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
     assert processes_naming(ray_dir) == []
     assert "no local Ray cluster" in grpo_dist(env, "down").stdout
     assert not Path(ray_dir).with_name("cluster.json").exists()
+
+
+def test_up_cold_starts_no_warm_process(machine_temp):
+    env = {**os.environ, "TMPDIR": machine_temp}
+    ray_dir = f"{machine_temp}/grpo-dist-up-{os.getuid()}/ray"
+    try:
+        up = grpo_dist(env, "up", "--num-cpus", "2", "--cold")
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert any("raylet" in line for line in processes_naming(ray_dir))
+        assert [line for line in processes_naming(ray_dir) if "grpo_dist.cluster.warm " in line + " "] == []
+        assert not warm.ready(Path(ray_dir) / "warm.sock", timeout_s=1)
+    finally:
+        grpo_dist(env, "down")
+    assert processes_naming(ray_dir) == []
 
 
 NICENESS = """

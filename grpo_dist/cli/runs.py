@@ -123,7 +123,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"grpo-dist up: --num-cpus must be at least 1, not {args.num_cpus}", file=sys.stderr)
         return 2
     try:
-        standing, started = up(args.num_cpus)
+        standing, started = up(args.num_cpus, warm_workers=not args.cold)
     except StandingError as err:
         print(f"grpo-dist up: {err}", file=sys.stderr)
         return 1
@@ -155,8 +155,16 @@ COMMANDS: dict[str, Command] = {
     ),
     "up": Command(
         "keep a local Ray cluster up for the runs on this machine (they join it instead of starting one each)",
-        lambda parser: parser.add_argument(
-            "--num-cpus", type=int, default=None, help="its logical CPUs (default: the machine's count, at least 8)"
+        lambda parser: (
+            parser.add_argument(
+                "--num-cpus", type=int, default=None, help="its logical CPUs (default: the machine's count, at least 8)"
+            ),
+            parser.add_argument(
+                "--cold",
+                action="store_true",
+                help="start each actor's process as Ray does, importing torch, vLLM and DeepSpeed itself (by default"
+                " they are forked from one process that imported them once: README, Runs one after another)",
+            ),
         ),
         _up,
     ),

@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grpo_dist.cluster import warm
+
 START_TIMEOUT_S = 120.0  # `ray start --head` on a busy machine
 STOP_GRACE_S = 10.0  # what Ray's processes get to end on SIGTERM before they are killed
 
@@ -81,7 +83,7 @@ DEFAULT_CPUS = 8
 cores (the quick start's actors ask for 2.5), and a run that starts a cluster of its own gets what it asks for."""
 
 
-def up(num_cpus: int | None = None) -> tuple[Standing, bool]:
+def up(num_cpus: int | None = None, warm_workers: bool = True) -> tuple[Standing, bool]:
     """Start the cluster (`num_cpus` logical CPUs; by default the machine's count, at least `DEFAULT_CPUS`; its actors
     at the priority of the processes that start them, as `grpo_dist.cluster.ray_cluster.WORKER_NICENESS` says) unless
     one is up already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when it
@@ -92,11 +94,15 @@ def up(num_cpus: int | None = None) -> tuple[Standing, bool]:
     temp_dir, port = home() / "ray", _free_port()
     temp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     command = [
-        str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
+        sys.executable, "-m", "grpo_dist.cluster.warm", "ray-start", "--head", f"--port={port}", f"--num-cpus={cpus}",
         f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
     ]  # fmt: skip
     _ensure_token()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token", "RAY_worker_niceness": "0"}
+    if warm_workers and warm.available():  # its path names temp_dir: `down` stops it with Ray's processes
+        socket_path = temp_dir / "warm.sock"
+        warm.start(socket_path, temp_dir / "warm.log", detached=True)
+        env[warm.SOCKET_ENV] = str(socket_path)
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
     except subprocess.TimeoutExpired as err:

@@ -1,0 +1,256 @@
+"""Actor processes that start warm: forked from one process that imported the stack once, not each importing it.
+
+Each of a run's actors is a Python process of its own, and most of a small run's start-up is those processes
+importing torch, transformers, DeepSpeed and vLLM again (about 13 CPU seconds for vLLM alone on a 2-core machine).
+On the Ray clusters grpo-dist starts on this machine (`grpo-dist up`'s, a run's own local one, the tests' own), a
+warm process imports them once, and every Python worker the raylet starts is forked from it instead:
+
+- the raylet runs `warm_launch.py` in place of Ray's `setup_worker.py` (`ray_constants.SETUP_WORKER_FILENAME`, read
+  when a node starts); it asks the warm process, over a Unix socket, to fork the worker with the launcher's
+  arguments, environment, working directory and standard streams, and stays beside it as the process the raylet
+  knows (passing signals on, ending with it);
+- the forked worker is Ray's own `default_worker.py`, run as `__main__` in the fork: it registers with the raylet,
+  runs its actor and is killed as any worker is. It ends itself when its launcher goes (`_watch`), so no worker
+  outlives what the raylet started;
+- Ray itself is not imported in the warm process: its C++ core reads the job's id and the raylet's pid from the
+  environment once per process, so each worker imports Ray after the fork, with its own environment (about 1 s).
+  vLLM's one module that imports Ray at import (`vllm.v1.executor.ray_utils`, for its Ray executor) is imported
+  again in the worker when used;
+- a worker whose runtime environment needs more than environment variables (a working directory, a container, a
+  conda environment: Ray prefixes its command) starts as Ray starts it, and so does every worker while the warm
+  process is not answering.
+
+What the fork inherits that a fresh process would read from its own environment at import: torch's thread count
+(set again from `OMP_NUM_THREADS` where Ray sets it for the actor, `_threads_as_ray_sets`) and the Hugging Face
+paths read when `huggingface_hub` is imported (the node's, as the raylet's environment has them). Only for nodes
+without GPUs: a GPU's runtime cannot be forked once initialized, and the warm process is not tested there.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from grpo_dist.cluster.warm_launch import SOCKET_ENV
+
+LAUNCHER = Path(__file__).with_name("warm_launch.py")
+STACK = ("torch", "transformers", "deepspeed", "vllm", "vllm.v1.engine.async_llm", "safetensors.torch")
+REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
+
+
+def serve(path: str) -> None:
+    """Import the stack, then fork a worker for each launcher that connects to `path`, until killed."""
+    started = time.monotonic()
+    listener = socket.socket(socket.AF_UNIX)
+    Path(path).unlink(missing_ok=True)
+    listener.bind(path)
+    listener.listen(128)  # launchers that come before the imports end wait for their answer (READY_TIMEOUT_S)
+    _import_without_ray(STACK)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the workers are reaped as they exit
+    print(f"warm in {time.monotonic() - started:.1f} s: {', '.join(STACK)}", flush=True)
+    while True:
+        connection, _ = listener.accept()
+        try:
+            request, streams = _request(connection)
+        except (OSError, ValueError) as err:
+            print(f"a launcher's request was not read: {err}", flush=True)
+            connection.close()
+            continue
+        if os.fork() == 0:
+            listener.close()
+            _become_worker(connection, request, streams)  # never returns
+        for descriptor in streams:
+            os.close(descriptor)
+        connection.close()
+
+
+def _import_without_ray(modules: tuple[str, ...]) -> None:
+    blocker = _NoRay()
+    sys.meta_path.insert(0, blocker)
+    try:
+        for name in modules:
+            __import__(name)
+    finally:
+        sys.meta_path.remove(blocker)
+    sys.modules.pop("vllm.v1.executor.ray_utils", None)
+    executor = sys.modules.get("vllm.v1.executor")
+    if executor is not None:
+        executor.__dict__.pop("ray_utils", None)
+    if threading.active_count() != 1:  # a fork keeps only the thread that forks
+        raise RuntimeError(f"the stack's imports started threads: {threading.enumerate()}")
+
+
+class _NoRay(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `ray` and its modules, and fails to load them: an optional import of Ray sees it missing."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.machinery.ModuleSpec(name, self) if name.split(".")[0] == "ray" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise ImportError("Ray is imported by each worker after it is forked (grpo_dist.cluster.warm)")
+
+
+def _request(connection: socket.socket) -> tuple[dict, list[int]]:
+    connection.settimeout(REQUEST_TIMEOUT_S)
+    connection.sendall(b"R")
+    message, ancillary, _, _ = connection.recvmsg(1 << 20, socket.CMSG_LEN(3 * array.array("i").itemsize))
+    streams = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            descriptors = array.array("i")
+            descriptors.frombytes(data[: len(data) - len(data) % descriptors.itemsize])
+            streams.extend(descriptors)
+    if len(message) < 8 or len(streams) != 3:
+        for descriptor in streams:
+            os.close(descriptor)
+        raise ValueError("no request, or not its three standard streams")
+    size, body = int.from_bytes(message[:8], "big"), message[8:]
+    while len(body) < size:
+        chunk = connection.recv(size - len(body))
+        if not chunk:
+            raise ValueError("the request ended early")
+        body += chunk
+    return json.loads(body), streams
+
+
+def _become_worker(connection: socket.socket, request: dict, streams: list[int]) -> None:
+    try:
+        os.setsid()  # a process group of its own, as the raylet gives the processes it starts
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for target, descriptor in enumerate(streams):
+            os.dup2(descriptor, target)
+            os.close(descriptor)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        sys.path[:0] = [entry for entry in extra if entry not in sys.path]
+        sys.argv = list(request["argv"])
+        connection.settimeout(None)
+        connection.sendall(f"{os.getpid()}\n".encode())
+        threading.Thread(target=_watch, args=(connection,), name="warm-launcher-watch", daemon=True).start()
+        _threads_as_ray_sets()
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as done:
+        os._exit(done.code if isinstance(done.code, int) else 1)
+    except BaseException as err:  # noqa: BLE001 - a forked worker must never return into the warm process's loop
+        print(f"the warm worker failed: {err!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+    os._exit(0)
+
+
+def _watch(connection: socket.socket) -> None:
+    """End this worker when its launcher (the process the raylet started and kills) is gone."""
+    try:
+        while connection.recv(64):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _threads_as_ray_sets() -> None:
+    """Ray sets an actor's `OMP_NUM_THREADS` to its CPUs before the actor's code runs, which a fresh process's torch
+    reads at import; this process imported torch before, so the count is also given to torch when Ray sets it."""
+    import ray._private.utils as ray_utils
+    import torch
+
+    original = ray_utils.set_omp_num_threads_if_unset
+
+    def set_threads() -> bool:
+        changed = original()
+        if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
+        return changed
+
+    ray_utils.set_omp_num_threads_if_unset = set_threads
+    if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def ready(path: Path, timeout_s: float) -> bool:
+    """Whether the warm process at `path` answers within `timeout_s` (it answers once it has imported the stack)."""
+    probe = socket.socket(socket.AF_UNIX)
+    probe.settimeout(timeout_s)
+    try:
+        probe.connect(str(path))
+        return probe.recv(1) == b"R"
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def available() -> bool:
+    """Whether workers here can start warm: Linux (fork, Unix sockets) and no GPU device on the machine."""
+    return sys.platform == "linux" and not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists()
+
+
+def start(path: Path, log: Path, detached: bool) -> subprocess.Popen:
+    """Start the warm process serving at `path` (its output in `log`). A `detached` one outlives this process (its
+    own session: `grpo-dist up`'s, stopped by `down`); otherwise it is killed when this process exits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "grpo_dist.cluster.warm", str(path)]
+    with open(log, "ab") as output:
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, start_new_session=detached,
+            preexec_fn=None if detached else _die_with_parent,
+        )  # fmt: skip
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def used_for_nodes_started_here(path: Path) -> Iterator[None]:
+    """Within the block, the Ray nodes this process starts (`ray.init` of a local cluster) start their workers
+    through the launcher, asking the warm process at `path`; nodes started after it start theirs as Ray does."""
+    import ray._private.ray_constants as ray_constants
+
+    default, socket_before = ray_constants.SETUP_WORKER_FILENAME, os.environ.get(SOCKET_ENV)
+    ray_constants.SETUP_WORKER_FILENAME = str(LAUNCHER)  # joined to Ray's workers directory: an absolute path wins
+    os.environ[SOCKET_ENV] = str(path)  # the raylet's environment, passed on to the processes it starts
+    try:
+        yield
+    finally:
+        ray_constants.SETUP_WORKER_FILENAME = default
+        if socket_before is None:
+            os.environ.pop(SOCKET_ENV, None)
+        else:
+            os.environ[SOCKET_ENV] = socket_before
+
+
+def ray_start(arguments: list[str]) -> None:
+    """`ray start ARGUMENTS` whose node starts its workers through the launcher (`GRPO_DIST_WARM_SOCKET` set)."""
+    import ray._private.ray_constants as ray_constants
+    from ray.scripts.scripts import main
+
+    ray_constants.SETUP_WORKER_FILENAME = str(LAUNCHER)
+    sys.argv = ["ray", "start", *arguments]
+    main()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["ray-start"]:
+        ray_start(sys.argv[2:])
+    else:
+        serve(sys.argv[1])
