@@ -43,6 +43,10 @@ def resume_or_override(args: argparse.Namespace) -> None:
 @bad_data_exits_2
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    from grpo_dist.cluster import ray_cluster, warm
+
+    if ray_cluster.starts_a_cluster_of_its_own(cfg):
+        warm.start_for_this_run()  # imports the stack for the run's actors while this process prepares the run
     from grpo_dist.faults import RunFailed
     from grpo_dist.run.driver import train
     from grpo_dist.storage import StoreError

@@ -13,8 +13,6 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-import ray
-
 from grpo_dist.cluster.generator_pool import GeneratorPool
 from grpo_dist.cluster.learner_group import (
     LearnerGroup,
@@ -27,6 +25,7 @@ from grpo_dist.cluster.learner_group import (
 from grpo_dist.cluster.placement import Placement, place, plan
 from grpo_dist.cluster.ray_cluster import (
     start_ray,
+    stop_ray,
 )
 from grpo_dist.cluster.reward_pool import RewardPool
 from grpo_dist.cluster.teacher_pool import TeacherPool
@@ -358,7 +357,7 @@ class Cluster:
             self.teacher.shutdown()
         self.placement.remove()
         if self.owns_ray:
-            ray.shutdown()
+            stop_ray()
 
 
 class ActorsDiffer(ValueError):
@@ -435,7 +434,7 @@ def start_cluster(cfg: Config, model_path: str, console: Console | None = None, 
         cluster = Cluster.start(cfg, model_path, probe=write_probe(run) if run else None)
     except BaseException:
         if owns_ray:
-            ray.shutdown()
+            stop_ray()
         raise
     cluster.owns_ray = owns_ray
     if console is not None:

@@ -10,6 +10,7 @@ import socket
 import ray
 
 from grpo_dist.cluster import standing as standing_cluster
+from grpo_dist.cluster import warm
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.storage.console import section
 
@@ -65,8 +66,21 @@ def start_ray(cfg: Config) -> bool:
         ray.init(address=standing.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return True
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
-    start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)
+    with warm.used_by_this_run():  # where the command started one (`grpo_dist.cluster.warm.start_for_this_run`)
+        start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)
     return True
+
+
+def starts_a_cluster_of_its_own(cfg: Config) -> bool:
+    """Whether `start_ray` will start a local cluster for this run (no `ray.address`, none `grpo-dist up` keeps, this
+    process not connected to Ray yet)."""
+    return not cfg.ray.address and not ray.is_initialized() and standing_cluster.find() is None
+
+
+def stop_ray() -> None:
+    """Stop this process's Ray (a local cluster goes with it) and the warm process its workers were forked from."""
+    ray.shutdown()
+    warm.stop_for_this_run()
 
 
 LOCAL_START_ATTEMPTS = 2

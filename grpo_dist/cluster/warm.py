@@ -2,8 +2,9 @@
 
 Each of a run's actors is a Python process of its own, and most of a small run's start-up is those processes
 importing torch, transformers, DeepSpeed and vLLM again (about 13 CPU seconds for vLLM alone on a 2-core machine).
-On the Ray clusters grpo-dist starts on this machine (`grpo-dist up`'s, a run's own local one, the tests' own), a
-warm process imports them once, and every Python worker the raylet starts is forked from it instead:
+On the Ray clusters grpo-dist starts on this machine (`grpo-dist up`'s; a run's own local one, whose warm process
+the command starts before its own heavy imports, `start_for_this_run`; the tests' own), a warm process imports them
+once, and every Python worker the raylet starts is forked from it instead:
 
 - the raylet runs `warm_launch.py` in place of Ray's `setup_worker.py` (`ray_constants.SETUP_WORKER_FILENAME`, read
   when a node starts); it asks the warm process, over a Unix socket, to fork the worker with the launcher's
@@ -237,6 +238,42 @@ def used_for_nodes_started_here(path: Path) -> Iterator[None]:
             os.environ.pop(SOCKET_ENV, None)
         else:
             os.environ[SOCKET_ENV] = socket_before
+
+
+_for_this_run: tuple[Path, subprocess.Popen] | None = None
+
+
+def start_for_this_run() -> None:
+    """Start a warm process for the local Ray cluster this run will start, early (importing beside the driver's own
+    start); `used_by_this_run` gives it to that cluster, `stop_for_this_run` (or this process's exit) stops it."""
+    global _for_this_run
+    if _for_this_run is not None or not available():
+        return
+    import atexit
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="grpo-dist-warm-", dir="/tmp"))  # short: a socket path's limit
+    path = directory / "warm.sock"
+    _for_this_run = (path, start(path, directory / "warm.log", detached=False))
+    atexit.register(stop_for_this_run)
+
+
+def used_by_this_run() -> contextlib.AbstractContextManager:
+    """The warm process `start_for_this_run` started, for the nodes started within the block (else nothing)."""
+    return used_for_nodes_started_here(_for_this_run[0]) if _for_this_run else contextlib.nullcontext()
+
+
+def stop_for_this_run() -> None:
+    global _for_this_run
+    if _for_this_run is None:
+        return
+    path, process = _for_this_run
+    _for_this_run = None
+    process.kill()
+    process.wait(timeout=30)
+    import shutil
+
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def ray_start(arguments: list[str]) -> None:

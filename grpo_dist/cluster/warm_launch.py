@@ -16,7 +16,8 @@ import socket
 import sys
 
 SOCKET_ENV = "GRPO_DIST_WARM_SOCKET"
-READY_TIMEOUT_S = 120.0  # the warm process answers once it has imported the stack (about 15 s on 2 cores)
+READY_TIMEOUT_S = 30.0  # it answers once it has imported the stack (about 15 s on 2 cores); the raylet gives a
+# worker 60 s to register
 
 
 def main() -> None:
