@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import array
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import psutil
 import pytest
 
 from grpo_dist.cluster import warm, warm_launch
-
-pytestmark = pytest.mark.slow
 
 
 def test_a_launcher_finds_no_warm_process_at_once(tmp_path):
@@ -39,6 +43,7 @@ def _process(*_):
     }
 
 
+@pytest.mark.slow
 def test_the_session_s_actors_are_forked_warm_and_die_as_ray_kills_them(ray_cluster, tmp_path):
     ray = ray_cluster
     if not warm.available():
@@ -74,11 +79,11 @@ def test_the_session_s_actors_are_forked_warm_and_die_as_ray_kills_them(ray_clus
     assert gone, "the worker outlived its launcher"
 
 
-def test_runtime_environments_beyond_variables_start_as_ray_does(ray_cluster, tmp_path):
+@pytest.mark.slow
+def test_a_runtime_environment_s_variables_reach_the_forked_worker(ray_cluster):
     ray = ray_cluster
     if not warm.available():
         pytest.skip("no warm processes on this machine (not Linux, or a GPU device)")
-    (tmp_path / "marker.txt").write_text("here")
 
     @ray.remote(num_cpus=1)
     def describe():
@@ -90,11 +95,66 @@ def test_runtime_environments_beyond_variables_start_as_ray_does(ray_cluster, tm
     assert with_variables["setting"] == "a value"  # the runtime environment's variables reach the forked worker
     assert "grpo_dist.cluster.warm" in " ".join(psutil.Process(with_variables["parent"]).cmdline())
 
-    # A working directory: Ray prefixes the worker's command (`cd DIR &&`), so the worker starts cold, in it.
-    in_directory = ray.get(describe.options(runtime_env={"working_dir": str(tmp_path)}).remote(), timeout=300)
-    assert "grpo_dist.cluster.warm" not in " ".join(_cmdline(in_directory["parent"]))
-    assert in_directory["imported"] == []
-    assert os.path.exists(os.path.join(in_directory["cwd"], "marker.txt"))
+
+SETUP_WORKER = "import json, sys\nprint(json.dumps(sys.argv[1:]))\n"
+
+
+class FakeWarmProcess:
+    """A Unix socket that answers as the warm process does (ready, then a worker's pid), counting who connects."""
+
+    def __init__(self, path):
+        self.connections = 0
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            connection.sendall(b"R")
+            _, ancillary, _, _ = connection.recvmsg(1 << 20, socket.CMSG_LEN(3 * 4))
+            for _, _, data in ancillary:  # the launcher's standard streams: held, its output would never end
+                for descriptor in array.array("i", data[: len(data) - len(data) % 4]):
+                    os.close(descriptor)
+            connection.sendall(b"12345\n")
+            connection.close()  # the "worker" ends at once
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "no warm process named", "no warm process there", "a command prefix", "another interpreter"]
+)
+def test_only_a_worker_needing_no_more_than_variables_is_forked_warm(tmp_path, case):
+    """The launcher asks the warm process for a worker whose runtime environment is variables only; otherwise it
+    becomes Ray's own setup_worker.py (beside default_worker.py, with the same arguments): when no warm process is
+    named or answers, or when Ray prefixes the command or changes the interpreter (a working directory, a
+    container, a conda environment)."""
+    (tmp_path / "setup_worker.py").write_text(SETUP_WORKER)
+    context = {
+        "a command prefix": {"command_prefix": ["cd", "/tmp", "&&"]},
+        "another interpreter": {"py_executable": "/opt/conda/bin/python"},
+    }.get(case, {"env_vars": {"A": "1"}})
+    arguments = [
+        str(tmp_path / "default_worker.py"), "--worker-id=abc",
+        f"--serialized-runtime-env-context={json.dumps(context)}", "--language=PYTHON",
+    ]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != warm_launch.SOCKET_ENV}
+    if case != "no warm process named":
+        env[warm_launch.SOCKET_ENV] = str(tmp_path / "warm.sock")
+    fake = FakeWarmProcess(tmp_path / "warm.sock") if case != "no warm process there" else None
+    done = subprocess.run(
+        [sys.executable, warm_launch.__file__, *arguments], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    if case == "plain":
+        assert fake.connections == 1 and done.stdout == ""  # forked warm: Ray's setup_worker.py never ran
+    else:
+        assert json.loads(done.stdout) == arguments  # setup_worker.py ran, with every argument
+        assert fake is None or fake.connections == 0
 
 
 def _cmdline(pid: int) -> list[str]:
