@@ -36,9 +36,13 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 
 
 def vllm_imported(_actor) -> bool:
+    """Whether this process imported vLLM's modules itself (those a warm process imported before forking it aside:
+    `grpo_dist.cluster.warm`)."""
     import sys
 
-    return "vllm" in sys.modules
+    from grpo_dist.cluster.warm_launch import PRELOADED
+
+    return any(name.split(".")[0] == "vllm" for name in set(sys.modules) - PRELOADED)
 
 
 def dynamo_off(_actor) -> bool:

@@ -35,6 +35,7 @@ def _process(*_):
         "pid": os.getpid(),
         "parent": os.getppid(),
         "imported": sorted(name for name in ("vllm", "deepspeed", "transformers") if name in modules.modules),
+        "preloaded": sorted(name for name in ("vllm", "deepspeed", "transformers") if name in warm_launch.PRELOADED),
         "torch_threads": torch.get_num_threads(),
         "omp": os.environ.get("OMP_NUM_THREADS"),
         "setting": os.environ.get("WARM_TEST_SETTING"),
@@ -61,6 +62,7 @@ def test_the_session_s_actors_are_forked_warm_and_die_as_ray_kills_them(ray_clus
     for seen in found:
         assert seen["parent"] == warm_process.pid  # forked by the warm process, not started by the raylet
         assert seen["imported"] == ["deepspeed", "transformers", "vllm"]  # before this actor imported anything
+        assert seen["preloaded"] == seen["imported"]  # and recorded as imported before the fork
     # torch was imported before Ray set each actor's OMP_NUM_THREADS; the fork gives torch the actor's count
     assert [(seen["omp"], seen["torch_threads"]) for seen in found] == [("1", 1), ("3", 3)]
 

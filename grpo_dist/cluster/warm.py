@@ -45,6 +45,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from grpo_dist.cluster import warm_launch
 from grpo_dist.cluster.warm_launch import SOCKET_ENV
 
 LAUNCHER = Path(__file__).with_name("warm_launch.py")
@@ -147,6 +148,7 @@ def _become_worker(connection: socket.socket, request: dict, streams: list[int])
         connection.sendall(f"{os.getpid()}\n".encode())
         threading.Thread(target=_watch, args=(connection,), name="warm-launcher-watch", daemon=True).start()
         _threads_as_ray_sets()
+        warm_launch.PRELOADED = frozenset(sys.modules)
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as done:
         os._exit(done.code if isinstance(done.code, int) else 1)

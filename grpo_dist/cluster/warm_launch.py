@@ -16,6 +16,8 @@ import socket
 import sys
 
 SOCKET_ENV = "GRPO_DIST_WARM_SOCKET"
+PRELOADED: frozenset[str] = frozenset()
+"""In a worker forked warm, the modules the warm process had imported before the fork (`grpo_dist.cluster.warm`)."""
 READY_TIMEOUT_S = 30.0  # it answers once it has imported the stack (about 15 s on 2 cores); the raylet gives a
 # worker 60 s to register
 
