@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,13 +30,12 @@ def ray_cluster(tmp_path_factory):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("WANDB_MODE", "offline")
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    warm_process = None
+    warm_process, only_this_cluster = None, contextlib.nullcontext()
     if warm.available():  # the session's actors forked from one process that imported the stack once
         socket_path = tmp_path_factory.mktemp("warm") / "warm.sock"
         warm_process = warm.start(socket_path, socket_path.with_name("warm.log"), detached=False)
-        with warm.used_for_nodes_started_here(socket_path):  # only this cluster: a test's own nodes start cold
-            start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
-    else:
+        only_this_cluster = warm.used_for_nodes_started_here(socket_path)  # a test's own nodes start cold
+    with only_this_cluster:
         start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()

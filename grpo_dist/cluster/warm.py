@@ -176,15 +176,17 @@ def _threads_as_ray_sets() -> None:
 
     original = ray_utils.set_omp_num_threads_if_unset
 
-    def set_threads() -> bool:
-        changed = original()
+    def give_torch_the_count() -> None:
         if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
+
+    def set_threads() -> bool:
+        changed = original()
+        give_torch_the_count()
         return changed
 
     ray_utils.set_omp_num_threads_if_unset = set_threads
-    if (threads := os.environ.get("OMP_NUM_THREADS", "")).isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
+    give_torch_the_count()
 
 
 def ready(path: Path, timeout_s: float) -> bool:
