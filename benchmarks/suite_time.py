@@ -6,9 +6,11 @@ Runs `make TARGET` (the README's test commands) in this checkout and, with `--ba
 `git worktree add /tmp/base <commit>`), in that one first, one after the other on the same machine, both with this
 checkout's environment (`VENV`, its install taken as done: `make -o`) and each with its own code first on the path.
 Prints, per checkout, the whole command's wall time, each of its two phases' (the tests run by two workers, then
-the serial ones, from pytest's own summary lines), whether it passed, and its slowest tests (pytest's
-`--durations`); then the ratios (under 1: faster here). A suite is an hour of both cores: run it on an otherwise
-idle machine; CI never runs it.
+the serial ones, from pytest's own summary lines), whether it passed, its slowest tests (pytest's `--durations`), and
+where the time went by module: the sum of each module's tests' durations, setup and teardown included
+(`benchmarks/suite_durations.py`, a pytest plugin; two workers on two cores: the modules' sum is about twice the
+first phase's wall time); then the ratios (under 1: faster here). A suite is an hour of both cores: run it on an
+otherwise idle machine; CI never runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 VENV = Path(sys.executable).parent.parent
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s")  # pytest's last line: "== 5 passed in 1.2s =="
 DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?:call|setup|teardown) +(?P<test>\S+)")
@@ -30,7 +33,11 @@ DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?:call|setup|teardown) +(?P<test>
 
 def run_suite(repo: Path, target: str, log: Path) -> dict:
     """`make TARGET` in `repo`: its wall time, its phases' times and counts, and its exit code; output to `log`."""
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    phase_log = log.with_suffix(".durations.jsonl")  # every test phase's seconds (suite_durations.py)
+    phase_log.unlink(missing_ok=True)
+    addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"), "-p suite_durations"]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(HERE)]), "PYTEST_ADDOPTS": addopts,
+           "GRPO_DIST_SUITE_DURATIONS": str(phase_log)}  # fmt: skip
     command = ["make", "-C", str(repo), "-o", f"{VENV}/.installed", target, f"VENV={VENV}"]
     started = time.monotonic()
     with log.open("w") as out:
@@ -44,7 +51,18 @@ def run_suite(repo: Path, target: str, log: Path) -> dict:
         "phases": [{"seconds": float(phase["seconds"]), "counts": phase["counts"]} for phase in phases],
         "exit": code,
         "slowest": durations,
+        "modules": by_module(phase_log),
     }
+
+
+def by_module(durations: Path) -> list[tuple[float, str]]:
+    """The sum of each test module's phases' seconds in `durations` (`suite_durations.py`'s lines), largest first."""
+    modules: dict[str, float] = {}
+    lines = durations.read_text().splitlines() if durations.exists() else []
+    for phase in map(json.loads, lines):
+        module = phase["test"].split("::")[0]
+        modules[module] = modules.get(module, 0.0) + phase["seconds"]
+    return sorted(((round(seconds, 1), module) for module, seconds in modules.items()), reverse=True)
 
 
 def main() -> None:
@@ -52,6 +70,7 @@ def main() -> None:
     parser.add_argument("--target", choices=["test", "test-fast"], default="test")
     parser.add_argument("--baseline", type=Path, help="another checkout of the repository, run first")
     parser.add_argument("--slowest", type=int, default=25, help="how many of the slowest tests to print")
+    parser.add_argument("--modules", type=int, default=15, help="how many of the costliest modules to print")
     parser.add_argument("--logs", type=Path, default=Path("/tmp"), help="where each run's output is kept")
     args = parser.parse_args()
     checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
@@ -59,10 +78,14 @@ def main() -> None:
     found = {}
     for name, repo in checkouts.items():
         found[name] = run_suite(repo, args.target, args.logs / f"suite-{name}.log")
-        figures = {key: value for key, value in found[name].items() if key != "slowest"}
+        figures = {key: value for key, value in found[name].items() if key not in ("slowest", "modules")}
         print(json.dumps({"checkout": name, "repo": str(repo), "target": args.target, **figures}), flush=True)
         for seconds, test in found[name]["slowest"][: args.slowest]:
             print(f"  {seconds:8.1f} s  {test}")
+        modules = found[name]["modules"]
+        print(f"  by module ({sum(seconds for seconds, _ in modules):.0f} s in all):")
+        for seconds, module in modules[: args.modules]:
+            print(f"  {seconds:8.1f} s  {module}")
     if args.baseline:
         base, this = found["baseline"], found["this"]
         ratios = {"wall": round(this["wall_s"] / base["wall_s"], 3)}

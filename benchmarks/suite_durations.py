@@ -1,0 +1,21 @@
+"""A pytest plugin for `benchmarks/suite_time.py`: every test phase's duration (setup, call, teardown), one JSON line
+each, appended to the file `GRPO_DIST_SUITE_DURATIONS` names. Loaded with `-p suite_durations` (this folder on the
+path); with pytest-xdist only the controlling process writes, so a test's phases are counted once."""
+
+from __future__ import annotations
+
+import json
+import os
+
+WRITES = {"enabled": False}
+
+
+def pytest_configure(config) -> None:
+    WRITES["enabled"] = bool(os.environ.get("GRPO_DIST_SUITE_DURATIONS")) and not hasattr(config, "workerinput")
+
+
+def pytest_runtest_logreport(report) -> None:
+    if WRITES["enabled"]:
+        line = {"test": report.nodeid, "when": report.when, "seconds": round(report.duration, 3)}
+        with open(os.environ["GRPO_DIST_SUITE_DURATIONS"], "a") as out:
+            out.write(json.dumps(line) + "\n")
