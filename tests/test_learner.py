@@ -130,13 +130,15 @@ def test_old_logprobs_sampler_takes_the_ratio_against_the_sampling_policy(ray_cl
         pytest.param(2, "none", 8, id="zero2-token-budget"),
     ],
 )
-def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_stage, offload, budget):
+def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_stage, offload, budget, monkeypatch):
     """The same batch on 1 rank and on 2 ranks (split by tokens, losses weighted by share): the same loss, grad
     norm and updated weights. token-mean weighs rows by their tokens, the hardest case; two mini-batches run the
     old-logprob pass and two optimizer steps; kl_coef > 0 puts the reference on the ranks (sharded under ZeRO-3).
     With offload the 2 ranks step DeepSpeed's CPU Adam on offloaded state and still match 1 rank's torch AdamW.
     With a token budget the 2 ranks pack micro-batches of at most 8 tokens (one 5-7 token row each) and the 1 rank
-    pads (`learner.packing: false`) micro-batches of 2 rows: packing changes no number."""
+    pads (`learner.packing: false`) micro-batches of 2 rows: packing changes no number. The 1 rank runs as one of 2
+    runs sharing the machine (`GRPO_DIST_CPU_SHARE`), the 2 ranks as the machine's only run: each rank's torch threads
+    are the cores divided among the node's ranks and runs."""
     algorithm = {"aggregation": "token-mean", "mini_batches": 2, "kl_coef": 0.04}
     sections = {} if budget is None else {"data": {"max_prompt_tokens": 4}}  # sequences of at most 4 + 4 tokens
     results = []
@@ -146,8 +148,10 @@ def test_two_ranks_train_exactly_as_one(ray_cluster, tmp_path, model_dir, zero_s
             learner.update(offload=offload, max_tokens_per_micro_batch=budget)
         elif budget is not None:
             learner["packing"] = False
+        sharing = 3 - ranks
+        monkeypatch.setenv("GRPO_DIST_CPU_SHARE", str(sharing))
         group = start_group(ray_cluster, tmp_path, model_dir, learner, algorithm, **sections)
-        assert group.threads == [max(1, len(os.sched_getaffinity(0)) // ranks)] * ranks  # the node's cores, shared
+        assert group.threads == [max(1, len(os.sched_getaffinity(0)) // (ranks * sharing))] * ranks
         metrics = group.train(sample_batch())
         results.append((metrics, ray_cluster.get(group.state_dict())))
         group.shutdown()

@@ -334,3 +334,17 @@ def test_a_local_cluster_whose_first_start_times_out_is_started_again_with_nothi
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True", "2", "1"], done.stdout + done.stderr[-3000:]
     assert "did not start (The current node timed out during startup" in done.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
+def test_a_cpu_share_that_is_not_a_count_of_runs_is_refused_naming_the_variable(monkeypatch, value):
+    from grpo_dist.cluster.ray_cluster import cpu_share
+    from grpo_dist.config import ConfigError
+
+    monkeypatch.setenv("GRPO_DIST_CPU_SHARE", value)
+    with pytest.raises(ConfigError, match=f"GRPO_DIST_CPU_SHARE='{re.escape(value)}' in the environment"):
+        cpu_share()
+    monkeypatch.setenv("GRPO_DIST_CPU_SHARE", " 3 ")
+    assert cpu_share() == 3
+    monkeypatch.delenv("GRPO_DIST_CPU_SHARE")
+    assert cpu_share() == 1

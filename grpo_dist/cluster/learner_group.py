@@ -19,6 +19,7 @@ import ray
 
 from grpo_dist.algo.batch import TrainBatch, shard_batch
 from grpo_dist.cluster.actors.learner import Learner
+from grpo_dist.cluster.ray_cluster import cpu_share
 from grpo_dist.config import Config, RolloutConfig
 from grpo_dist.faults import POLL, Bound, Bounds, gather, gather_progressing, stacks
 from grpo_dist.storage import Store
@@ -97,6 +98,7 @@ class LearnerGroup:
                 node_ids.count(node_ids[index]),
                 master,
                 collective_s,
+                cpu_share(),
             )
             for index, rank in enumerate(self.ranks)
         ]

@@ -33,11 +33,33 @@ def actor_cpus(cfg: Config) -> float:
     )
 
 
+CPU_SHARE_ENV = "GRPO_DIST_CPU_SHARE"
+"""How many runs share this machine's cores at a time, where several run side by side on one CPU machine (a test
+suite's workers, a sweep): each learner rank's torch threads are then the cores divided among its node's ranks and
+the other runs (`Learner._threads`). With no other run's share left to it, a rank's OpenMP threads wait for cores
+another run holds: two quick starts side by side on 2 cores took 4.03 s a step with 2 threads a rank and 1.93 s with
+1 (`benchmarks/contention.py --beside 1`, docs/performance.md)."""
+
+
+def cpu_share() -> int:
+    """`GRPO_DIST_CPU_SHARE` (`CPU_SHARE_ENV`) of this process's environment: 1 when unset."""
+    value = os.environ.get(CPU_SHARE_ENV, "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(
+            f"{CPU_SHARE_ENV}={value!r} in the environment: the number of runs sharing this machine's cores, a whole"
+            " number of at least 1 (unset: 1)"
+        )
+    return int(value)
+
+
 def start_ray(cfg: Config) -> bool:
     """Join `ray.address`; else the local cluster `grpo-dist up` started, when it is up (`grpo_dist.cluster.standing`);
     else start a local cluster of this run's own big enough for its actors (even where another Ray cluster runs on
     the machine: that one is joined only when named in `ray.address`). Returns whether it did: a process already
     connected to Ray (the caller's own `ray.init`) keeps that connection."""
+    cpu_share()  # a bad value is refused before any cluster starts
     if cfg.ray.address and (problem := unreachable(cfg.ray.address)):
         raise ConnectionError(f"ray.address: cannot reach the Ray cluster at {cfg.ray.address}: {problem}")
     if ray.is_initialized():

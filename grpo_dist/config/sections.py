@@ -684,7 +684,8 @@ class LearnerConfig(_Section):
     """GPUs per learner rank (1 on a GPU cluster, 0 on a CPU machine)."""
     threads: int | None = Field(None, ge=1)
     """torch threads per learner rank. null: with a GPU, `num_cpus`; without, the node's cores shared among the
-    learner ranks on it (training and generation take turns, so training may use the whole machine)."""
+    learner ranks on it (training and generation take turns, so training may use the whole machine) and among the
+    runs sharing the machine, where `GRPO_DIST_CPU_SHARE` in the environment says how many."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of every weight (`grpo_dist.models.lora`): the base model frozen, the optimizer
     holding the adapter alone, the KL's reference the base with the adapter off (no second copy). The engines get

@@ -123,12 +123,14 @@ class Learner(LearnerWeights):
         local_world_size: int,
         master: tuple[str, int],
         collective_timeout_s: float,
+        runs_sharing: int = 1,
     ):
         """Join the ranks' process group and build the policy and reference engines (collective: every rank
-        calls it at once); a collective that waits past `collective_timeout_s` on a peer fails. Returns the torch
-        threads this rank uses."""
+        calls it at once); a collective that waits past `collective_timeout_s` on a peer fails. `runs_sharing`: the
+        runs sharing the machine's cores (`grpo_dist.cluster.ray_cluster.cpu_share`). Returns the torch threads this
+        rank uses."""
         self.rank = rank
-        torch.set_num_threads(self._threads(local_world_size))
+        torch.set_num_threads(self._threads(local_world_size, runs_sharing))
         self._init_distributed(rank, world_size, local_rank, master, collective_timeout_s)
         self._build()
         return torch.get_num_threads()
@@ -178,13 +180,14 @@ class Learner(LearnerWeights):
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_flops = peak_flops(device_name, self.bf16)
 
-    def _threads(self, local_world_size: int) -> int:
-        """`learner.threads`, else with a GPU the CPUs reserved, else the node's cores shared by its ranks."""
+    def _threads(self, local_world_size: int, runs_sharing: int) -> int:
+        """`learner.threads`, else with a GPU the CPUs reserved, else the node's cores shared by its ranks and by the
+        other runs sharing the machine."""
         if self.cfg.threads is not None:
             return self.cfg.threads
         if torch.cuda.is_available():
             return max(1, int(self.cfg.num_cpus))
-        return max(1, len(os.sched_getaffinity(0)) // local_world_size)
+        return max(1, len(os.sched_getaffinity(0)) // (local_world_size * runs_sharing))
 
     def _init_distributed(
         self, rank: int, world_size: int, local_rank: int, master: tuple[str, int], timeout_s: float
