@@ -266,7 +266,7 @@ def pytest_configure(config):
     if (workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")).isdigit():  # side by side on the cores
         import torch
 
-        os.environ.setdefault("GRPO_DIST_CPU_SHARE", workers)
+        os.environ.setdefault("GRPO_DIST_CPU_SHARE", workers)  # ray_cluster.CPU_SHARE_ENV (it imports Ray)
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(workers)))  # this worker's own torch work
     if (found := standing.find()) is not None:
         raise pytest.UsageError(

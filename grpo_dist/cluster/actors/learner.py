@@ -123,7 +123,7 @@ class Learner(LearnerWeights):
         local_world_size: int,
         master: tuple[str, int],
         collective_timeout_s: float,
-        runs_sharing: int = 1,
+        runs_sharing: int,
     ):
         """Join the ranks' process group and build the policy and reference engines (collective: every rank
         calls it at once); a collective that waits past `collective_timeout_s` on a peer fails. `runs_sharing`: the
