@@ -275,6 +275,12 @@ def test_generators_share_prompts_by_half_an_even_share_and_a_lone_one_takes_all
     assert requests_per_generator(1, 4) == 1 and requests_per_generator(0, 1) == 1
 
 
+def test_a_generators_share_goes_in_about_four_calls_and_a_small_one_a_prompt_a_call():
+    from grpo_dist.cluster.generator_pool import prompts_per_call
+
+    assert [prompts_per_call(depth) for depth in (1, 2, 4, 5, 8, 16, 32, 100)] == [1, 1, 1, 2, 2, 4, 8, 25]
+
+
 def test_a_generator_counts_as_hung_only_after_a_bound_without_answers():
     """A slot's time without progress starts at its last answer, or at the sending of its oldest request under way
     if that is later: a long queue in an engine that keeps answering is not a hang."""
@@ -283,9 +289,9 @@ def test_a_generator_counts_as_hung_only_after_a_bound_without_answers():
     pool = object.__new__(GeneratorPool)  # the bookkeeping alone, no generators
     pool.answered = {0: 40.0, 1: 5.0}
     running = {
-        "a": Request(0, 0, 10.0, None), "b": Request(0, 1, 50.0, None),  # queued since 10, answered at 40
-        "c": Request(1, 2, 30.0, None),  # sent at 30, last answer (an earlier batch's) at 5
-        "d": Request(2, 3, 20.0, None), "e": Request(2, 4, 25.0, None),  # never answered
+        "a": Request(0, (0,), 10.0, None), "b": Request(0, (1, 2), 50.0, None),  # queued since 10, answered at 40
+        "c": Request(1, (3,), 30.0, None),  # sent at 30, last answer (an earlier batch's) at 5
+        "d": Request(2, (4,), 20.0, None), "e": Request(2, (5,), 25.0, None),  # never answered
     }  # fmt: skip
     assert pool._progress(running) == {0: 40.0, 1: 30.0, 2: 20.0}
 
@@ -367,6 +373,41 @@ def test_requests_cancelled_by_the_pool_are_aborted_in_the_engine(ray_cluster, t
     assert held > 0, "the engine never held the requests, so there was nothing to cancel"
     assert left == 0, f"{left} cancelled requests still in the (paused) engine after 30 s"
     assert len(completions) < len(prompts) * 4  # the requests were stopped, not generated to the end
+
+
+@pytest.mark.slow
+def test_a_lone_generator_takes_a_batch_in_four_calls_and_samples_what_a_call_per_prompt_samples(ray_cluster, tmp_path):
+    """16 prompts to one generator go in 4 calls of 4 (`prompts_per_call`), each prompt still its own engine request
+    seeded by its own seed: the groups, in prompt order, are token for token those of one `generate` call each."""
+    from grpo_dist.cluster.generator_pool import GeneratorPool
+    from grpo_dist.cluster.placement import place
+    from grpo_dist.faults import FaultLog
+    from grpo_dist.run.inputs import prepare
+
+    cfg = validate_config(small_config(tmp_path, rollout={"max_new_tokens": 8}))
+    inputs = prepare(cfg)
+    placement = place(cfg)
+    pool = GeneratorPool(cfg, inputs.model_path, placement, FaultLog())
+    prompts, seeds = inputs.train[:16], [100 + index for index in range(16)]
+    try:
+        pool.pool.wait_ready()
+        generation = pool.start(prompts, group_size=2, seeds=seeds)
+        generation._send()  # what the first `advance` sends: every prompt, a lone generator taking all
+        calls = [request.prompts for request in generation.running.values()]
+        while not generation.finished:
+            generation.advance()
+        batched = [c.token_ids for c in generation.completions()]
+        one_each = ray_cluster.get(
+            [pool.actors[0].generate.remote(p.token_ids, 2, None, i, seeds[i]) for i, p in enumerate(prompts)],
+            timeout=300,
+        )
+    finally:
+        pool.shutdown()
+        placement.remove()
+    assert calls == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)], calls
+    assert [c.prompt_index for c in generation.completions()] == [index for index in range(16) for _ in range(2)]
+    assert batched == [c.token_ids for group in one_each for c in group]
+    assert len({tuple(ids) for ids in batched}) > 1  # sampled, not one completion repeated
 
 
 @pytest.mark.slow

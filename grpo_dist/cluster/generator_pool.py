@@ -1,9 +1,12 @@
-"""The generator pool: the run's vLLM engines, a batch's prompts streamed to them one request each, a lost engine
+"""The generator pool: the run's vLLM engines, a batch's prompts streamed to them a few calls each, a lost engine
 replaced.
 
-`start(prompts, ...)` begins a `Generation`: its prompts wait in a queue and each goes, as one request, to the
-generator with the fewest under way, up to `requests_per_generator` each (half of an even share: enough for an
-engine to batch, few enough that a fast engine takes more of the batch and no engine sets the pace). The caller
+`start(prompts, ...)` begins a `Generation`: its prompts wait in a queue and go to the generator with the fewest
+under way, up to `requests_per_generator` each (half of an even share: enough for an engine to batch, few enough
+that a fast engine takes more of the batch and no engine sets the pace). A call carries up to a quarter of that
+share (`prompts_per_call`): a Ray call per prompt costs the driver and the generator more than the engine's own
+work on a small model, while a share sent in a few calls still comes back in parts, each scored while the rest
+generate. Each prompt is one engine request (its group). The caller
 drives it: each `advance` sends what it can, waits (bounded), and returns the groups finished since the last call
 and whether a generator was replaced, for the caller to act on (score them at once; bring a new engine into the
 weight transport before it takes work). A generator that dies, whose engine dies or whose device fails (an
@@ -47,10 +50,11 @@ class Joining:
 
 @dataclass
 class Request:
-    """One prompt's group being generated: by which slot's actor (the one it was sent to), since when."""
+    """One call under way: the groups of `prompts` (their indices, in order), by which slot's actor (the one it was
+    sent to), since when."""
 
     slot: int
-    prompt_index: int
+    prompts: tuple[int, ...]
     started: float
     actor: ray.actor.ActorHandle
 
@@ -83,6 +87,15 @@ def requests_per_generator(prompts: int, generators: int, lone_takes_all: bool =
     if generators == 1 and lone_takes_all:
         return max(1, prompts)
     return max(1, math.ceil(prompts / (2 * generators)))
+
+
+CALLS_PER_SHARE = 4  # a generator's share of the prompts comes back in about this many parts
+
+
+def prompts_per_call(depth: int) -> int:
+    """How many prompts one call to a generator carries when it may have `depth` under way: a quarter of them (one
+    while `depth` is 4 or less, so that a small share still spreads over the generators a prompt at a time)."""
+    return max(1, math.ceil(depth / CALLS_PER_SHARE))
 
 
 def _start_failure(outcome, bound: Bound) -> str | None:
@@ -202,13 +215,13 @@ class GeneratorPool:
         by_actor: dict[int, list[Lost]] = {}
         for each in lost:
             by_actor.setdefault(id(each.request.actor), []).append(each)
-        self.faults.count("regenerated", len(lost))
+        self.faults.count("regenerated", sum(len(each.request.prompts) for each in lost))
         for requests in by_actor.values():
             first = requests[0]
             if self.actors[first.request.slot] is first.request.actor:
                 self.pool.replace(
                     first.request.slot,
-                    f"{first.why} while generating {len(requests)} prompts",
+                    f"{first.why} while generating {sum(len(each.request.prompts) for each in requests)} prompts",
                     "generating them again",
                     restart_counter(first.kind),
                 )
@@ -317,6 +330,7 @@ class Generation:
         self.evaluation = evaluation
         self.depth = depth
         self.queue = deque(range(len(prompts)))
+        self.per_call = prompts_per_call(depth)
         self.running: dict[ray.ObjectRef, Request] = {}
         self.done: dict[int, list[Completion]] = {}  # prompt index -> its group
         self.busy_since: dict[int, float] = {}
@@ -340,8 +354,8 @@ class Generation:
         outcomes = self._wait(poll)
         groups, lost = self._collect(outcomes)
         self._account_busy()
-        for each in lost:
-            self.queue.appendleft(each.request.prompt_index)
+        for each in reversed(lost):  # the lost prompts first, in their order
+            self.queue.extendleft(reversed(each.request.prompts))
         return Advanced(groups, bool(lost) and self.pool._replace_lost(lost))
 
     def completions(self) -> list[Completion]:
@@ -357,20 +371,30 @@ class Generation:
         self._account_busy()
 
     def _send(self) -> None:
-        """Hand queued prompts, one request each, to the generators with the fewest under way, up to `depth`."""
+        """Hand queued prompts to the generators with the fewest prompts under way, up to `depth` each, in calls of
+        up to `per_call` prompts."""
         actors = self.pool.actors
         under_way = Counter({slot: 0 for slot in range(len(actors))})
-        under_way.update(request.slot for request in self.running.values())
+        for request in self.running.values():
+            under_way[request.slot] += len(request.prompts)
         while self.queue:
             slot, count = min(under_way.items(), key=lambda item: (item[1], item[0]))
             if count >= self.depth:
                 return
-            index = self.queue.popleft()
-            record, seed = self.prompts[index], self.seeds and self.seeds[index]
-            row = record.row if self.pool.cfg.environment is not None else None  # a trajectory starts from its row
-            call = actors[slot].generate.remote(record.token_ids, self.group_size, self.evaluation, index, seed, row)
-            self.running[call] = Request(slot, index, time.monotonic(), actors[slot])
-            under_way[slot] += 1
+            taken = min(self.per_call, self.depth - count, len(self.queue))
+            indices = tuple(self.queue.popleft() for _ in range(taken))
+            call = actors[slot].generate_each.remote(
+                [self._prompt(index) for index in indices], self.group_size, self.evaluation
+            )
+            self.running[call] = Request(slot, indices, time.monotonic(), actors[slot])
+            under_way[slot] += taken
+
+    def _prompt(self, index: int) -> tuple:
+        """What a generator samples prompt `index` from: its token ids, index, seed and (with an environment, where
+        a trajectory starts from it) its row."""
+        record = self.prompts[index]
+        seed = self.seeds[index] if self.seeds else None
+        return record.token_ids, index, seed, record.row if self.pool.cfg.environment is not None else None
 
     def _wait(self, poll: bool) -> list:
         """Until a request finishes, the slot longest without progress passes the generate bound, or (with
@@ -398,9 +422,10 @@ class Generation:
             if outcome.fault:
                 lost.append(Lost(request, outcome.fault, outcome.kind))
                 continue
-            self.done[request.prompt_index] = outcome.value
-            self.pool._answered(request, outcome.value, self.evaluation is not None)
-            groups.append(outcome.value)
+            for index, group in zip(request.prompts, outcome.value, strict=True):
+                self.done[index] = group
+                self.pool._answered(request, group, self.evaluation is not None)
+                groups.append(group)
         bound, now = self.pool.bounds.generate, time.monotonic()
         hung = {slot for slot, since in self.pool._progress(self.running).items() if now - since > bound.seconds}
         where = ""

@@ -1,7 +1,8 @@
 """Generator actor: one vLLM asynchronous engine sampling groups of completions, versioned by the weights it holds.
 
-The actor is asynchronous (a Ray async actor around vLLM's `AsyncLLM`): it serves many `generate` calls at once, one
-prompt's group each, and the engine batches whatever is running (continuous batching). A weight update pauses the
+The actor is asynchronous (a Ray async actor around vLLM's `AsyncLLM`): it serves many calls at once, each a few
+prompts' groups (`generate_each`) or one (`generate`), and the engine batches whatever is running (continuous
+batching). A weight update pauses the
 engine with its requests kept, loads the weights and resumes; a request under way then samples its remaining tokens
 with the new weights, and its completion records the oldest and newest weight versions its tokens were sampled by
 (vLLM labels every output token with the version that sampled it). The KV cache such a request already holds was
@@ -179,6 +180,26 @@ class Generator:
             async with self.held_back:
                 await asyncio.sleep(delay_s)
         return group
+
+    async def generate_each(
+        self,
+        prompts: list[tuple[list[int], int, int | None, dict | None]],
+        group_size: int,
+        evaluation: Sampling | None,
+    ) -> list[list[Completion]]:
+        """`generate` of each of `prompts` (its token ids, prompt index, seed and row), all at once, one engine
+        request each: their groups in order. One that fails stops the others (their engine requests aborted) and its
+        error is the call's."""
+        calls = [
+            asyncio.ensure_future(self.generate(ids, group_size, evaluation, index, seed, row))
+            for ids, index, seed, row in prompts
+        ]
+        try:
+            return list(await asyncio.gather(*calls))
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
 
     async def _trajectories(
         self,
