@@ -187,20 +187,25 @@ def test_config_and_cli_import_neither_torch_nor_ray():
 
 def test_the_driver_picks_the_transport_and_reads_a_sync_report_without_loading_vllm(tmp_path):
     """The driver resolves `sync.transport: auto` and unpickles what a gloo sync reports (a learner's answer); it
-    never runs vLLM, so neither loads it (seconds of every run's start-up)."""
+    never runs vLLM, so neither loads it (seconds of every run's start-up). It reads a tiny model's tokenizer without
+    importing transformers' auto classes (seconds more)."""
     import pickle
 
+    from grpo_dist.models.tiny import build_tiny_model
     from grpo_dist.transports.base import SyncReport
 
     path = write_config(tmp_path, small_config(tmp_path))
+    model = build_tiny_model(tmp_path / "model")
     report = pickle.dumps(SyncReport("full", 10, 10, 40))
     code = (
         "import pickle, sys; import grpo_dist.run.driver; from grpo_dist.config import load_config; "
-        "from grpo_dist.transports import transport_name; "
-        f"print(transport_name(load_config({str(path)!r})), pickle.loads({report!r}).mode, 'vllm' in sys.modules)"
+        "from grpo_dist.transports import transport_name; from grpo_dist.run.inputs import load_tokenizer; "
+        f"load_tokenizer({str(model)!r}); "
+        f"print(transport_name(load_config({str(path)!r})), pickle.loads({report!r}).mode, 'vllm' in sys.modules, "
+        "'transformers.models.auto.tokenization_auto' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["broadcast", "full", "False"]
+    assert result.stdout.split() == ["broadcast", "full", "False", "False"]
 
 
 def test_cli_reports_a_typo_before_starting_anything(capfd, tmp_path):

@@ -190,3 +190,34 @@ def test_a_relative_output_dir_is_made_absolute_once_against_the_drivers_directo
     monkeypatch.chdir(tmp_path / "..")
     again, _ = open_run(cfg)  # already absolute: unchanged wherever it is called from
     assert again.run_dir == tmp_path.resolve() / "outputs" / "test"
+
+
+def test_a_qwen2_tokenizer_loads_without_the_auto_classes_as_they_would_load_it(tmp_path):
+    """`load_tokenizer` loads a `Qwen2Tokenizer` named by a model type transformers maps to it without importing
+    `AutoTokenizer` (test_config checks the import): the same tokenizer as `AutoTokenizer`'s. Files that name other
+    code, or a model type mapped elsewhere, go through `AutoTokenizer`."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from grpo_dist.models.tiny import build_tiny_model
+    from grpo_dist.run.inputs import QWEN2_TOKENIZER_MODELS, load_tokenizer, qwen2_tokenizer
+
+    assert {TOKENIZER_MAPPING_NAMES[name] for name in QWEN2_TOKENIZER_MODELS} == {"Qwen2Tokenizer"}
+    model = build_tiny_model(tmp_path / "model")
+    direct, auto = load_tokenizer(str(model)), AutoTokenizer.from_pretrained(model)
+    assert qwen2_tokenizer(model) and type(direct) is type(auto)
+    assert direct.get_vocab() == auto.get_vocab() and direct.all_special_tokens == auto.all_special_tokens
+    assert (direct.pad_token_id, direct.eos_token_id, direct.chat_template) == (
+        auto.pad_token_id, auto.eos_token_id, auto.chat_template
+    )  # fmt: skip
+    for text in ["7 3 9 5:", "12 <eos> 3", ""]:
+        assert direct(text)["input_ids"] == auto(text)["input_ids"]
+    for file, change in [("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}),
+                         ("config.json", {"model_type": "llama"}),
+                         ("tokenizer_config.json", {"tokenizer_class": "LlamaTokenizer"})]:  # fmt: skip
+        other = tmp_path / f"other-{len(list(tmp_path.iterdir()))}"
+        other.mkdir()
+        for each in model.iterdir():
+            (other / each.name).write_bytes(each.read_bytes())
+        (other / file).write_text(json.dumps({**json.loads((model / file).read_text()), **change}))
+        assert not qwen2_tokenizer(other), change

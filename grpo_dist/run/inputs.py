@@ -369,10 +369,40 @@ def check_lora_targets(cfg: Config, model_path: str) -> None:
         raise ConfigError(f"{error}; the model is {model_path}") from None
 
 
-def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+QWEN2_TOKENIZER_MODELS = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+"""The model types whose tokenizer `AutoTokenizer` loads as the `Qwen2Tokenizer` their tokenizer_config.json names
+(transformers' own mapping for them; a test holds this list to it): the tiny models grpo-dist builds among them."""
 
-    return AutoTokenizer.from_pretrained(model_path)
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model's tokenizer, as `AutoTokenizer` loads it. Where its files name a `Qwen2Tokenizer` for a model type
+    that maps to it and no code of their own, that class loads it directly: importing `AutoTokenizer` imports torch
+    and transformers' model registry (about 5 s on 2 cores, in a driver that reads a tiny model's tokenizer in
+    milliseconds)."""
+    import transformers
+
+    if qwen2_tokenizer(Path(model_path)):
+        return transformers.Qwen2Tokenizer.from_pretrained(model_path)
+    return transformers.AutoTokenizer.from_pretrained(model_path)
+
+
+def qwen2_tokenizer(model_dir: Path) -> bool:
+    """Whether `AutoTokenizer` would load the tokenizer in `model_dir` as `Qwen2Tokenizer` (`load_tokenizer`)."""
+    import json
+
+    try:
+        tokenizer = json.loads((model_dir / "tokenizer_config.json").read_text())
+        model = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(tokenizer, dict)
+        and isinstance(model, dict)
+        and tokenizer.get("tokenizer_class") == "Qwen2Tokenizer"
+        and "auto_map" not in tokenizer
+        and "auto_map" not in model
+        and model.get("model_type") in QWEN2_TOKENIZER_MODELS
+    )
 
 
 def read_prompts(cfg: Config, location: str, tokenizer: Any, held_out: bool = False) -> tuple[list[PromptRecord], int]:
