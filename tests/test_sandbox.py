@@ -71,6 +71,23 @@ def runner_of(names: list[str], **reward) -> RewardRunner:
     return RewardRunner(names, RewardConfig(functions=functions, **{"timeout_s": 2.0, **reward}), reap=True)
 
 
+def test_a_sandbox_started_without_waiting_says_its_import_failure_when_waited_for():
+    """The pre-flight's sandbox imports the functions while the driver loads the tokenizer and the data
+    (`wait=False`): the runner comes back at once, and `ready` raises what the start would have."""
+    from grpo_dist.sandbox import SandboxError
+
+    functions = [RewardFunctionConfig(name="no_such_pkg.mod.fn")]
+    with pytest.raises(SandboxError, match="cannot import module 'no_such_pkg.mod'"):
+        RewardRunner(["no_such_pkg.mod.fn"], RewardConfig(functions=functions))
+    runner = RewardRunner(["no_such_pkg.mod.fn"], RewardConfig(functions=functions), wait=False)
+    try:
+        assert runner.sandbox.starting is not None  # started, its ready line not read
+        with pytest.raises(SandboxError, match="cannot import module 'no_such_pkg.mod'"):
+            runner.ready()
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize(
     "name, kind, said",
     [

@@ -23,9 +23,10 @@ log = logging.getLogger("grpo_dist")
 
 class RewardRunner:
     """The reward functions `names` (built-ins or dotted paths), ready to score; raises `ValueError` naming the
-    first that does not resolve. `reap`: see `Sandbox` (a reward worker's runner)."""
+    first that does not resolve (or, in the sandbox, `SandboxError`). `reap`: see `Sandbox` (a reward worker's
+    runner). `wait=False`: the sandbox starts while the caller goes on; `ready` waits for it (and raises)."""
 
-    def __init__(self, names: list[str], reward: RewardConfig, reap: bool = False) -> None:
+    def __init__(self, names: list[str], reward: RewardConfig, reap: bool = False, wait: bool = True) -> None:
         self.names, self.timeout_s = names, reward.timeout_s
         self.sandbox: Sandbox | None = None
         self.executor = None
@@ -46,9 +47,9 @@ class RewardRunner:
                 tuple(reward.sandbox_env),
                 tuple(reward.sandbox_paths),
             )
-            self.sandbox = Sandbox(names, limits, reap)
-            for note in self.sandbox.notes:
-                log.warning(note)
+            self.sandbox = Sandbox(names, limits, reap, wait=False)
+            if wait:
+                self.ready()
         else:
             self.functions = [resolve_reward(name) for name in names]
             # Threads stuck in timed-out calls stay busy; spare ones keep scoring until half are stuck, when
@@ -96,6 +97,13 @@ class RewardRunner:
             return to_score(self.jailed[index](prompt, completion, **kwargs)), None
         except Exception as error:  # a row without tests, no jail on this node: this completion unscored
             return math.nan, Failure("unscorable", f"{type(error).__name__}: {error}")
+
+    def ready(self) -> None:
+        """Wait until the sandbox has imported the functions, saying once what the machine did not allow."""
+        if self.sandbox is not None and self.sandbox.starting is not None:
+            self.sandbox.ready()
+            for note in self.sandbox.notes:
+                log.warning(note)
 
     @property
     def exhausted(self) -> bool:

@@ -48,7 +48,7 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
     """Build or check the model, read and tokenise the data, resolve the rewards: fail here, not in an actor.
     `scratch`: where to build what the config asks to be built, instead of its own paths (a dry run);
     `model_files`: the hub model's files it needs (`prepare_model`), all when None."""
-    rewards = check_rewards(cfg)
+    rewards = check_rewards(cfg)  # its sandbox imports the functions while the model, tokenizer and data load
     try:
         model_path = prepare_model(cfg, scratch, model_files)
         teacher, scorer = teacher_directory(cfg), reward_model_directory(cfg, model_files)
@@ -68,6 +68,7 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
         if skipped:
             print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
+        rewards_ready(rewards)
         show_first_prompt(cfg, train[0], tokenizer)
         if cfg.environment is not None:
             check_environment(cfg, tokenizer, train[0])
@@ -135,9 +136,10 @@ PREFLIGHT_TIMEOUT_S = 60.0
 
 def check_rewards(cfg: Config) -> RewardRunner:
     """Every reward function the config names (training, then the eval judges) resolves to a callable: imported
-    where they will run (the sandbox, by default), never in this process. Returns them, ready to score as the reward
-    workers will (the caller closes it). Where the model's code runs, the isolation `reward.isolation` asks for must
-    be there (said once on the console)."""
+    where they will run (the sandbox, by default), never in this process. Returns them, to score as the reward
+    workers will once `rewards_ready` has waited for their sandbox, which starts meanwhile (the caller closes it).
+    Where the model's code runs, the isolation `reward.isolation` asks for must be there (said once on the
+    console)."""
     try:
         if cfg.model_code_runs:
             found = jail.check(jail.Isolation(cfg.reward.isolation), "the code_tests reward or the python tool")
@@ -145,8 +147,16 @@ def check_rewards(cfg: Config) -> RewardRunner:
         # A reward's first call may import what it needs (math_answer: sympy), seconds on a busy machine: the check
         # is whether the reward reads the data, not its speed, so it is bounded by PREFLIGHT_TIMEOUT_S at least.
         reward = cfg.reward.model_copy(update={"timeout_s": max(cfg.reward.timeout_s, PREFLIGHT_TIMEOUT_S)})
-        return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, reward)
+        return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, reward, wait=False)
     except (ValueError, SandboxError, jail.IsolationRefused) as err:
+        raise ConfigError(str(err)) from None
+
+
+def rewards_ready(rewards: RewardRunner) -> None:
+    """Wait for `check_rewards`' sandbox: a reward function that did not import there is a `ConfigError`."""
+    try:
+        rewards.ready()
+    except SandboxError as err:
         raise ConfigError(str(err)) from None
 
 

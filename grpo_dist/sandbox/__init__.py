@@ -103,8 +103,12 @@ class Sandbox:
     `reap`: this process (a reward worker, which does nothing else) becomes the one a process that leaves the
     sandbox's group is re-parented to, so that `close` finds and kills it too."""
 
-    def __init__(self, names: list[str], limits: Limits, reap: bool = False, kind: str = "rewards") -> None:
-        """`kind`: `rewards` (reward functions, `call`) or `tools` (an environment's tools, `call_tool`)."""
+    def __init__(
+        self, names: list[str], limits: Limits, reap: bool = False, kind: str = "rewards", wait: bool = True
+    ) -> None:
+        """`kind`: `rewards` (reward functions, `call`) or `tools` (an environment's tools, `call_tool`). `wait`:
+        until it is ready (its functions imported), raising `SandboxError` if it does not start; without, it starts
+        while the caller goes on, and `ready` (or the first call) waits and raises."""
         self.names, self.limits, self.kind = names, limits, kind
         self.label = "reward" if kind == "rewards" else "tool"  # in what it says
         self.process: subprocess.Popen | None = None
@@ -114,14 +118,16 @@ class Sandbox:
         self.request = ""  # the id of the last request, drawn at random: its answer carries it
         self.home: str | None = None  # the directory its home is made in on this machine (`private_home`)
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
+        self.starting: jail.Status | None = None  # started, its ready line not read yet: where it runs
         if reap:
             privileges.reap_orphans_here()
-        self._start()
+        self._start(wait)
 
     def call(
         self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float
     ) -> tuple[float, Failure | None]:
         """Function `index` on one completion: (score, None), or (NaN, why it has none)."""
+        self.ready()
         if self.process is None or self.process.poll() is not None:
             self._start()
         request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
@@ -138,6 +144,7 @@ class Sandbox:
 
     def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
         """Tool `index` with `arguments`: (its result as text, None), or (None, why it has none)."""
+        self.ready()
         if self.process is None or self.process.poll() is not None:
             self._start()
         try:
@@ -165,13 +172,13 @@ class Sandbox:
             with contextlib.suppress(psutil.Error):
                 stray.kill()
         psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
-        self.process = None
+        self.process, self.starting = None, None
         self.buffer, self.ended, self.too_long, self.request = b"", False, False, ""
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
 
-    def _start(self) -> None:
+    def _start(self, wait: bool = True) -> None:
         self.close()
         found = jail.status()
         if self.limits.require and not found.namespaces:
@@ -208,6 +215,16 @@ class Sandbox:
         setup["jailed"], setup["scratch"] = found.namespaces, ["/tmp/work", "/dev/shm"] if found.namespaces else [home]
         self.process.stdin.write(json.dumps(setup).encode() + b"\n")
         self.process.stdin.flush()
+        self.starting = found
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until a sandbox started without waiting has imported its functions (at most START_TIMEOUT_S);
+        raises `SandboxError` saying why it did not start. Nothing to wait for once it has."""
+        if self.starting is None:
+            return
+        found, self.starting = self.starting, None
         line = self._line(START_TIMEOUT_S)
         ready = json.loads(line) if line is not None else None
         if ready is None:
