@@ -84,6 +84,13 @@ def test_bad_inputs_fail_in_prepare(tmp_path, section, values, message):
     assert message in str(error.value)
 
 
+def test_a_reward_that_does_not_import_is_said_before_what_else_is_wrong(tmp_path):
+    """The pre-flight's sandbox imports the reward functions while the data loads; its refusal still comes first."""
+    cfg = validate_config(small_config(tmp_path, eval={"reward": "no_such.module.fn"}, data={"prompts_per_step": 65}))
+    with pytest.raises(ConfigError, match="no_such.module.fn"):
+        prepare(cfg)
+
+
 ROWS = [{"prompt": f"{n} {n}:", "answer": str(n)} for n in range(4)]
 
 
@@ -214,7 +221,8 @@ def test_a_qwen2_tokenizer_loads_without_the_auto_classes_as_they_would_load_it(
         assert direct(text)["input_ids"] == auto(text)["input_ids"]
     for file, change in [("tokenizer_config.json", {"auto_map": {"AutoTokenizer": ["x.Tok", None]}}),
                          ("config.json", {"model_type": "llama"}),
-                         ("tokenizer_config.json", {"tokenizer_class": "LlamaTokenizer"})]:  # fmt: skip
+                         ("tokenizer_config.json", {"tokenizer_class": "LlamaTokenizer"}),
+                         ("config.json", {"_name_or_path": "deepseek-ai/deepseek-coder-1.3b"})]:  # fmt: skip
         other = tmp_path / f"other-{len(list(tmp_path.iterdir()))}"
         other.mkdir()
         for each in model.iterdir():

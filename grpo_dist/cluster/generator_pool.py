@@ -82,8 +82,8 @@ class Advanced:
 
 
 def requests_per_generator(prompts: int, generators: int, lone_takes_all: bool = True) -> int:
-    """How many requests a generator may have under way: half of an even share of the prompts; all of them when
-    there is one generator and `lone_takes_all` (no other to share with, and a second wave would cost a wait)."""
+    """How many prompts a generator may have under way: half of an even share of them; all of them when there is
+    one generator and `lone_takes_all` (no other to share with, and a second wave would cost a wait)."""
     if generators == 1 and lone_takes_all:
         return max(1, prompts)
     return max(1, math.ceil(prompts / (2 * generators)))

@@ -791,9 +791,9 @@ class FaultsConfig(_Section):
     """An actor (learner rank, generator, reward worker) that has not started (placed, its model loaded) within
     this many seconds stops the run, naming it."""
     generate_timeout_s: float = Field(600.0, gt=0)
-    """A generator that answers none of its requests (one prompt's group each) for this long while it has some
-    under way is treated as hung: killed, replaced and its prompts generated again. A long queue in a working
-    engine does not count, as long as it keeps finishing requests."""
+    """A generator that answers none of its calls (a few prompts' groups each: its share of a batch goes in about
+    four) for this long while it has some under way is treated as hung: killed, replaced and its prompts generated
+    again. A long queue in a working engine does not count, as long as it keeps answering."""
     score_timeout_s: float = Field(60.0, gt=0)
     """A reward worker that finishes no completion of its share for this long (a call stuck holding the
     interpreter) is treated as hung: killed, replaced and its completions scored again. A large share takes as long

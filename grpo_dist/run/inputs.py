@@ -82,6 +82,9 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
         eval_sets = read_eval_sets(cfg, held_out, tokenizer)
         for each, key in eval_sets:
             check_answer(cfg, rewards, each.prompts[0], key, each.reward)
+    except Exception:
+        rewards_ready(rewards)  # a reward function that does not import is said first, as when it was waited for
+        raise
     finally:
         rewards.close()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -412,6 +415,8 @@ def qwen2_tokenizer(model_dir: Path) -> bool:
         and "auto_map" not in tokenizer
         and "auto_map" not in model
         and model.get("model_type") in QWEN2_TOKENIZER_MODELS
+        # AutoTokenizer matches a hub id recorded here against checkpoints it loads otherwise; a path never matches
+        and str(model.get("_name_or_path", "/")).startswith("/")
     )
 
 

@@ -226,7 +226,11 @@ class Sandbox:
             return
         found, self.starting = self.starting, None
         line = self._line(START_TIMEOUT_S)
-        ready = json.loads(line) if line is not None else None
+        try:
+            ready = json.loads(line) if line is not None else None
+        except ValueError:  # not a line its server writes (the functions print to the log, not this pipe)
+            self.close()
+            raise SandboxError(f"the {self.label} sandbox did not start: it wrote {line[:200]!r} first") from None
         if ready is None:
             why = exit_reason(self.process.poll(), self.label) if self.process.poll() is not None else "no answer"
             self.close()

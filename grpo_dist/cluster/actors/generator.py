@@ -191,7 +191,7 @@ class Generator:
         request each: their groups in order. One that fails stops the others (their engine requests aborted) and its
         error is the call's."""
         calls = [
-            asyncio.ensure_future(self.generate(ids, group_size, evaluation, index, seed, row))
+            asyncio.create_task(self.generate(ids, group_size, evaluation, index, seed, row))
             for ids, index, seed, row in prompts
         ]
         try:
@@ -199,6 +199,7 @@ class Generator:
         except BaseException:
             for call in calls:
                 call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)  # their engine requests aborted before the error
             raise
 
     async def _trajectories(
