@@ -1,6 +1,6 @@
-"""A pytest plugin for `benchmarks/suite_time.py`: every test phase's duration (setup, call, teardown), one JSON line
-each, appended to the file `GRPO_DIST_SUITE_DURATIONS` names. Loaded with `-p suite_durations` (this folder on the
-path); with pytest-xdist only the controlling process writes, so a test's phases are counted once."""
+"""A pytest plugin for `benchmarks/suite_time.py`: every test phase's duration (setup, call, teardown) and outcome,
+one JSON line each, appended to the file `GRPO_DIST_SUITE_DURATIONS` names. Loaded with `-p suite_durations` (this
+folder on the path); with pytest-xdist only the controlling process writes, so a test's phases are counted once."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def pytest_configure(config) -> None:
 
 def pytest_runtest_logreport(report) -> None:
     if WRITES["enabled"]:
-        line = {"test": report.nodeid, "when": report.when, "seconds": round(report.duration, 3)}
+        line = {
+            "test": report.nodeid,
+            "when": report.when,
+            "seconds": round(report.duration, 3),
+            "outcome": report.outcome,
+        }
         with open(os.environ["GRPO_DIST_SUITE_DURATIONS"], "a") as out:
             out.write(json.dumps(line) + "\n")

@@ -1,6 +1,6 @@
 """How long the test suite takes, and how it compares with another checkout side by side.
 
-    .venv/bin/python benchmarks/suite_time.py [--target test|test-fast] [--baseline DIR] [--slowest 25]
+    .venv/bin/python benchmarks/suite_time.py [--target test|test-fast] [--baseline DIR] [--slowest 25] [--cpu]
 
 Runs `make TARGET` (the README's test commands) in this checkout and, with `--baseline DIR` (another checkout, e.g.
 `git worktree add /tmp/base <commit>`), in that one first, one after the other on the same machine, both with this
@@ -9,8 +9,9 @@ Prints, per checkout, the whole command's wall time, each of its two phases' (th
 the serial ones, from pytest's own summary lines), whether it passed, its slowest tests (pytest's `--durations`), and
 where the time went by module: the sum of each module's tests' durations, setup and teardown included
 (`benchmarks/suite_durations.py`, a pytest plugin; two workers on two cores: the modules' sum is about twice the
-first phase's wall time); then the ratios (under 1: faster here). A suite is an hour of both cores: run it on an
-otherwise idle machine; CI never runs it.
+first phase's wall time); with `--cpu`, where the machine's CPU time went by kind of process and how much was left
+idle (`benchmarks/cpu_by_process.py`); then the ratios (under 1: faster here). A suite is an hour of both cores: run
+it on an otherwise idle machine; CI never runs it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_by_process import Sampler, print_table
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 VENV = Path(sys.executable).parent.parent
@@ -31,18 +34,23 @@ SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s")  # pytest's
 DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?:call|setup|teardown) +(?P<test>\S+)")
 
 
-def run_suite(repo: Path, target: str, log: Path) -> dict:
-    """`make TARGET` in `repo`: its wall time, its phases' times and counts, and its exit code; output to `log`."""
+def run_suite(repo: Path, target: str, log: Path, cpu: bool = False) -> dict:
+    """`make TARGET` in `repo`: its wall time, its phases' times and counts, and its exit code; output to `log`;
+    with `cpu`, the machine's CPU time by kind of process while it ran (`cpu_by_process.Sampler`)."""
     phase_log = log.with_suffix(".durations.jsonl")  # every test phase's seconds (suite_durations.py)
     phase_log.unlink(missing_ok=True)
     addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"), "-p suite_durations"]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(HERE)]), "PYTEST_ADDOPTS": addopts,
            "GRPO_DIST_SUITE_DURATIONS": str(phase_log)}  # fmt: skip
     command = ["make", "-C", str(repo), "-o", f"{VENV}/.installed", target, f"VENV={VENV}"]
+    sampler = Sampler(every=2.0) if cpu else None
+    if sampler is not None:
+        sampler.start()
     started = time.monotonic()
     with log.open("w") as out:
         code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     wall = time.monotonic() - started
+    table = sampler.stop() if sampler is not None else None
     text = log.read_text().splitlines()
     phases = [match.groupdict() for line in text if (match := SUMMARY.match(line))]
     durations = sorted(((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True)
@@ -52,6 +60,8 @@ def run_suite(repo: Path, target: str, log: Path) -> dict:
         "exit": code,
         "slowest": durations,
         "modules": by_module(phase_log),
+        "failed": failed(phase_log),
+        "cpu": table,
     }
 
 
@@ -65,6 +75,13 @@ def by_module(durations: Path) -> list[tuple[float, str]]:
     return sorted(((round(seconds, 1), module) for module, seconds in modules.items()), reverse=True)
 
 
+def failed(durations: Path) -> list[str]:
+    """The tests in `durations` with a phase that failed (an error in setup or teardown counts), in the order seen."""
+    lines = durations.read_text().splitlines() if durations.exists() else []
+    found = [phase["test"] for phase in map(json.loads, lines) if phase.get("outcome") == "failed"]
+    return list(dict.fromkeys(found))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", choices=["test", "test-fast"], default="test")
@@ -72,13 +89,14 @@ def main() -> None:
     parser.add_argument("--slowest", type=int, default=25, help="how many of the slowest tests to print")
     parser.add_argument("--modules", type=int, default=15, help="how many of the costliest modules to print")
     parser.add_argument("--logs", type=Path, default=Path("/tmp"), help="where each run's output is kept")
+    parser.add_argument("--cpu", action="store_true", help="where the CPU time went, by kind of process")
     args = parser.parse_args()
     checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
     checkouts["this"] = REPO
     found = {}
     for name, repo in checkouts.items():
-        found[name] = run_suite(repo, args.target, args.logs / f"suite-{name}.log")
-        figures = {key: value for key, value in found[name].items() if key not in ("slowest", "modules")}
+        found[name] = run_suite(repo, args.target, args.logs / f"suite-{name}.log", args.cpu)
+        figures = {key: value for key, value in found[name].items() if key not in ("slowest", "modules", "cpu")}
         print(json.dumps({"checkout": name, "repo": str(repo), "target": args.target, **figures}), flush=True)
         for seconds, test in found[name]["slowest"][: args.slowest]:
             print(f"  {seconds:8.1f} s  {test}")
@@ -86,6 +104,8 @@ def main() -> None:
         print(f"  by module ({sum(seconds for seconds, _ in modules):.0f} s in all):")
         for seconds, module in modules[: args.modules]:
             print(f"  {seconds:8.1f} s  {module}")
+        if found[name]["cpu"] is not None:
+            print_table(found[name]["cpu"], args.modules)
     if args.baseline:
         base, this = found["baseline"], found["this"]
         ratios = {"wall": round(this["wall_s"] / base["wall_s"], 3)}

@@ -74,13 +74,16 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
     files = RunFiles(runs.store, "killed")
     writing_in = staging / "killed" / "checkpoints" if store_run else tmp_path / "outputs" / "killed" / "checkpoints"
     process = grpo_dist("train", str(path), "--resume", "auto", start_new_session=True)
-    caught = None
+    caught, whole = None, False
     deadline = time.monotonic() + 600
     try:
         while caught is None and time.monotonic() < deadline:  # a checkpoint is written every step; catch one mid-way
             assert process.poll() is None, "the run ended before it was killed"
-            writing = list(writing_in.glob(".step-*.tmp")) if writing_in.is_dir() else []
-            if writing and files.read("checkpoints/latest"):
+            # a whole checkpoint first, then a write under way: the kill follows the sight of the write at once (an
+            # object store's read between them took long enough for the write to finish)
+            whole = whole or bool(files.read("checkpoints/latest"))
+            writing = list(writing_in.glob(".step-*.tmp")) if whole and writing_in.is_dir() else []
+            if writing:
                 os.killpg(process.pid, signal.SIGKILL)  # the driver and everything in its process group, at once
                 caught = writing[0].name
             else:
