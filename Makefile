@@ -51,9 +51,12 @@ demo-agent: $(STAMP)
 # processes machine-wide); each phase lists its 25 slowest tests. Both phases run; either failing fails the target.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest --durations=25
+# The modules that mark tests serial: the serial phase collects only these (tests/conftest.py refuses a serial test
+# in a module this misses), not every module's imports and parameters again.
+SERIAL_MODULES = $(shell grep -l 'pytest\.mark\.serial' tests/test_*.py)
 # $(1): a marker expression ending in "and " (or nothing) that both phases add to their own.
 two_phases = $(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "$(1)not serial"; status=$$?; \
-	$(PYTEST) -m "$(1)serial" || status=1; exit $$status
+	$(PYTEST) -m "$(1)serial" $(SERIAL_MODULES) || status=1; exit $$status
 
 test: $(STAMP)
 	$(call two_phases,)

@@ -1,6 +1,7 @@
-"""A pytest plugin for `benchmarks/suite_time.py`: every test phase's duration (setup, call, teardown) and outcome,
-one JSON line each, appended to the file `GRPO_DIST_SUITE_DURATIONS` names. Loaded with `-p suite_durations` (this
-folder on the path); with pytest-xdist only the controlling process writes, so a test's phases are counted once."""
+"""A pytest plugin for `benchmarks/suite_time.py`: every test phase's duration (setup, call, teardown), outcome,
+worker and end, one JSON line each, appended to the file `GRPO_DIST_SUITE_DURATIONS` names. Loaded with `-p
+suite_durations` (this folder on the path); with pytest-xdist only the controlling process writes, so a test's phases
+are counted once."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def pytest_runtest_logreport(report) -> None:
             "when": report.when,
             "seconds": round(report.duration, 3),
             "outcome": report.outcome,
+            "worker": getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None),  # xdist's gw0
+            "ended": round(getattr(report, "stop", 0.0), 3),  # when the phase ended (time.time())
         }
         with open(os.environ["GRPO_DIST_SUITE_DURATIONS"], "a") as out:
             out.write(json.dumps(line) + "\n")

@@ -275,12 +275,24 @@ def pytest_configure(config):
         )
 
 
+SERIAL_MARK = "pytest.mark.serial"
+"""How a module marks a test serial: the Makefile's serial phase collects only the modules whose text holds it."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every serial test is seen
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu(n)` (n CUDA GPUs, 1 when not given) are skipped where fewer are present. Under pytest-xdist
     (`make test`: `--dist loadfile`, a module's tests on one worker, sharing its fixtures: a Ray cluster, engines, a
     trained model) the longest modules go first (`LONGEST`), then those with the most real-stack tests, so that no
-    long one is left to run alone at the end."""
+    long one is left to run alone at the end. A test marked serial in a module the Makefile's serial phase would
+    not collect (its text lacks `SERIAL_MARK`) is refused: it would run in neither phase."""
     import torch
+
+    hidden = sorted({item.nodeid for item in items if item.get_closest_marker("serial") is not None
+                     and SERIAL_MARK not in item.path.read_text()})  # fmt: skip
+    if hidden:
+        raise pytest.UsageError(f"marked serial, but its module's text lacks {SERIAL_MARK!r}, which the Makefile's "
+                                f"serial phase looks for: {', '.join(hidden)}")  # fmt: skip
 
     slow = {}
     for item in items:
