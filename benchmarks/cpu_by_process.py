@@ -52,13 +52,14 @@ KINDS = (  # (what the command line holds, the kind), the first that matches
 
 
 def kind(command: str, name: str) -> str:
-    """The kind of a process whose command line (or title) is `command` and whose kernel name is `name`."""
-    if command.startswith("ray::") and not command.startswith(("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnv")):
-        actor, _, method = command.split()[0].removeprefix("ray::").partition(".")
-        return f"actor {actor}" + (", starting" if method == "__init__" else "")
+    """The kind of a process whose command line (or title) is `command` and whose kernel name is `name`: the first
+    of `KINDS` it holds, else the actor its Ray title names (`ray::Role.method`)."""
     for needle, found in KINDS:
         if needle in command or needle in name:
             return found
+    if command.startswith("ray::"):
+        actor, _, method = command.split()[0].removeprefix("ray::").partition(".")
+        return f"actor {actor}" + (", starting" if method == "__init__" else "")
     return f"other: {name}"
 
 

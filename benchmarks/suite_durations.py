@@ -22,8 +22,8 @@ def pytest_runtest_logreport(report) -> None:
             "when": report.when,
             "seconds": round(report.duration, 3),
             "outcome": report.outcome,
-            "worker": getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None),  # xdist's gw0
-            "ended": round(getattr(report, "stop", 0.0), 3),  # when the phase ended (time.time())
+            "worker": report.node.gateway.id if hasattr(report, "node") else None,  # xdist's gw0; None: serial
+            "ended": round(report.stop, 3),  # when the phase ended (time.time())
         }
         with open(os.environ["GRPO_DIST_SUITE_DURATIONS"], "a") as out:
             out.write(json.dumps(line) + "\n")

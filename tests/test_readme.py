@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, SERIAL_MARK, TESTS_DIR
 
 from grpo_dist import cli
 from grpo_dist.cli import reference_markdown
@@ -42,6 +42,33 @@ NAMED_CONFIGS = [path for path in NAMED_PATHS if path.startswith("configs/")]
 def make_targets() -> set[str]:
     makefile = (REPO / "Makefile").read_text()
     return set(re.findall(r"^([A-Za-z][\w-]*)\s*:(?!=)", makefile, re.MULTILINE))
+
+
+def test_the_serial_phase_collects_the_modules_that_mark_serial_tests_and_a_mark_it_would_miss_is_refused(tmp_path):
+    """`make test`'s serial phase is given the modules whose text holds `SERIAL_MARK`, every one of them; a test
+    marked serial in a module without that text (the mark built another way) stops the collection, naming it."""
+    dry = subprocess.run(["make", "-n", "-o", f"{sys.prefix}/.installed", "test", f"VENV={sys.prefix}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    serial = shlex.split(dry.stdout.split("|| status=1")[0].rsplit("; ", 1)[-1])
+    marking = sorted(f"tests/{path.name}" for path in TESTS_DIR.glob("test_*.py") if SERIAL_MARK in path.read_text())
+    assert serial[serial.index("serial") + 1 :] == marking and len(marking) >= 2, serial
+
+    (tmp_path / "test_seen.py").write_text("import pytest\n\n@pytest.mark.serial\ndef test_seen():\n    pass\n")
+    (tmp_path / "test_hidden.py").write_text(
+        'import pytest\nmark = getattr(pytest.mark, "ser" + "ial")\n\n@mark\ndef test_hidden():\n    pass\n'
+    )
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "serial", "-p", "conftest", "-c",
+               str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
+    seen = subprocess.run([*collect, "test_seen.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert seen.returncode == 0 and "1 test collected" in seen.stdout, seen.stdout + seen.stderr
+    both = subprocess.run([*collect, "test_seen.py", "test_hidden.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    told = both.stdout + both.stderr
+    assert both.returncode != 0 and "marked serial, but" in told and "test_hidden.py::test_hidden" in told, told
+    assert "test_seen.py::test_seen" not in told.split("marked serial, but", 1)[1], told
 
 
 def test_the_configuration_page_is_the_schema_written_at_every_build(tmp_path):
