@@ -336,6 +336,35 @@ def test_a_local_cluster_whose_first_start_times_out_is_started_again_with_nothi
     assert "did not start (The current node timed out during startup" in done.stderr
 
 
+AGENT_PORT_TAKEN = textwrap.dedent("""
+    import socket, sys
+    import ray
+    from grpo_dist.cluster.ray_cluster import start_local_ray
+
+    taken = socket.socket()  # another cluster's agent on Ray's fixed port
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        taken.bind(("0.0.0.0", 52365))
+    except OSError:  # something else on the machine holds it already, as well
+        pass
+    else:
+        taken.listen()
+    start_local_ray(num_cpus=1)
+    print(ray._private.worker.global_worker.node.dashboard_agent_listen_port)
+    ray.shutdown()
+""")
+
+
+@pytest.mark.slow
+def test_a_local_cluster_gives_its_dashboard_agent_a_free_port_where_rays_fixed_one_is_taken():
+    """With Ray's fixed port (52365) held elsewhere, the agent's bind would fail after 4.4 s of retries and the node
+    report -1 for its port; a run's own cluster takes a free one instead, and starts without that wait."""
+    done = subprocess.run([sys.executable, "-c", AGENT_PORT_TAKEN], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    port = int(done.stdout.split()[-1])
+    assert port > 0 and port != 52365, done.stdout + done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("value", ["0", "two", "-1", "1.5"])
 def test_a_cpu_share_that_is_not_a_count_of_runs_is_refused_naming_the_variable(monkeypatch, value):
     from grpo_dist.cluster.ray_cluster import cpu_share

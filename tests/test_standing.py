@@ -64,6 +64,8 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
         raylets = [p for p in psutil.process_iter(["cmdline"]) if "raylet" in " ".join(p.info["cmdline"] or [])[:200]
                    and ray_dir in " ".join(p.info["cmdline"] or [])]  # fmt: skip
         assert raylets and all(p.environ().get("RAY_worker_niceness") == "0" for p in raylets)  # actors at nice 0
+        agents = [child for raylet in raylets for child in raylet.children() if child.name().startswith("ray::")]
+        assert agents, [child.cmdline() for raylet in raylets for child in raylet.children()]  # retitled: ray::...
         if warm.available():  # the warm process the runs' actors are forked from, stopped by `down` with the rest
             assert warm.ready(Path(ray_dir) / "warm.sock", timeout_s=300)
 
@@ -85,6 +87,7 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
     assert down.returncode == 0, down.stderr
     assert "local Ray cluster stopped" in down.stdout
     assert processes_naming(ray_dir) == []
+    assert [agent.name() for agent in agents if agent.is_running()] == []  # stopped with it, not a minute later
     assert "no local Ray cluster" in grpo_dist(env, "down").stdout
     assert not Path(ray_dir).with_name("cluster.json").exists()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -123,13 +124,36 @@ def start_local_ray(**settings) -> None:
     system = {"worker_niceness": WORKER_NICENESS, **settings.pop("_system_config", {})}
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
-            ray.init(address="local", include_dashboard=False, _system_config=system, **settings)
+            with agent_on_a_free_port():
+                ray.init(address="local", include_dashboard=False, _system_config=system, **settings)
             return
         except Exception as err:  # Ray raises a bare Exception for it
             if "timed out during startup" not in str(err) or attempt == LOCAL_START_ATTEMPTS:
                 raise
             log.warning("the local Ray cluster did not start (%s); starting it again", err)
             stop_ray_children()
+
+
+@contextlib.contextmanager
+def agent_on_a_free_port():
+    """Within the block, a local cluster `ray.init` starts gives its dashboard agent's HTTP server a port the system
+    chooses. `ray.init` has no setting for it and Ray's default is a fixed port, 52365: where another cluster on the
+    machine holds it (a run beside this one, a test suite's own cluster, or the agent of a cluster just stopped, which
+    lingers), the new agent retries the bind for 4.4 s before giving up, and the raylet waits for it before the node
+    counts as started: `ray.init` took 6.8 s with the port taken and 3.9 s with this (`benchmarks/startup.py`,
+    docs/performance.md). A run's own cluster serves no job submission, the one thing that port is for."""
+    parameters = ray._private.parameter
+    fixed = parameters.RayParams
+
+    class FreeAgentPort(fixed):
+        def __init__(self, *args, dashboard_agent_listen_port: int = 0, **kwargs):
+            super().__init__(*args, dashboard_agent_listen_port=dashboard_agent_listen_port, **kwargs)
+
+    parameters.RayParams = FreeAgentPort
+    try:
+        yield
+    finally:
+        parameters.RayParams = fixed
 
 
 def stop_ray_children() -> None:

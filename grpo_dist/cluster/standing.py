@@ -138,17 +138,21 @@ def down() -> int:
 
 
 def _stop_processes(temp_dir: Path) -> int:
-    """Stop every process whose command line names `temp_dir` (Ray passes each of its processes its directory)."""
+    """Stop every process whose command line names `temp_dir` (Ray passes each of its processes its directory), and
+    their descendants: the raylet's agents retitle themselves (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) and,
+    left to notice their raylet gone, lived about a minute longer, holding the agent's fixed port."""
     import psutil
 
     mark = str(temp_dir)
-    found = []
+    found = {}
     for process in psutil.process_iter(["cmdline"]):
         try:
             if process.pid != os.getpid() and any(mark in part for part in process.info["cmdline"] or []):
-                found.append(process)
+                found[process.pid] = process
+                found.update((child.pid, child) for child in process.children(recursive=True))
         except psutil.Error:
             continue
+    found = [process for pid, process in found.items() if pid != os.getpid()]
     for process in found:
         try:
             process.send_signal(signal.SIGTERM)
