@@ -23,6 +23,7 @@ from grpo_dist.data import (
     split_task,
     write_task,
 )
+from grpo_dist.data.tasks import COLORS
 from grpo_dist.models import CHARACTERS, build_tiny_model, build_tiny_tokenizer
 
 CHAT_TEMPLATE = (
@@ -194,7 +195,12 @@ def test_sampler_rejects_bad_arguments(records: list[PromptRecord], batch_size: 
         PromptSampler(records, batch_size=batch_size, seed=0)
 
 
-def solve(task: str, prompt: str) -> str:
+def solve(task: str, row: dict) -> str:
+    prompt = row["prompt"]
+    if task == "color":  # the digit naming the disc's color, which is the picture's centre pixel's
+        (picture,) = row["images"]
+        center = picture.draw().getpixel((picture.x, picture.y))
+        return next(answer for answer, color in COLORS.items() if color == center)
     if task in ("add", "add_multi"):
         left, right = prompt.rstrip("=").split("+")
         return str(int(left) + int(right))
@@ -209,7 +215,7 @@ def test_task_rows_are_correct_and_tokenizable(task: str) -> None:
     rows = make_task_rows(task, 200, seed=0)
     assert rows == make_task_rows(task, 200, seed=0)
     for row in rows:
-        assert row["answer"] == solve(task, row["prompt"])
+        assert row["answer"] == solve(task, row)
         assert set(row["prompt"] + row["answer"]) <= set(CHARACTERS)
     if task == "multiply":  # the transcripts solve the row with the calculator; `solved` is one, or the answer
         for row in rows:
@@ -238,7 +244,8 @@ def test_write_task_roundtrips_through_load_rows(tmp_path: Path) -> None:
 
 
 def test_unknown_task_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="unknown task 'divide'; valid tasks: add, add_multi, last_digit, multiply"):
+    valid = "add, add_multi, color, last_digit, multiply"
+    with pytest.raises(ValueError, match=f"unknown task 'divide'; valid tasks: {valid}"):
         make_task_rows("divide", 5, seed=0)
 
 

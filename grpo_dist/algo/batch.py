@@ -30,6 +30,9 @@ class TrainBatch:
     token_advantages: torch.Tensor | None = None
     """[B, T] per-token advantages added to each row's (on-policy distillation's, `with_token_advantages`); None:
     none."""
+    images: list[tuple[bytes, ...]] | None = None
+    """[B] each row's prompt's images (PNG bytes), whose tokens its `input_ids` hold: the learner's forward reads
+    their pixels (`grpo_dist.models.vision`); None: no row has any."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -40,7 +43,11 @@ class TrainBatch:
 
     def select(self, rows: torch.Tensor | slice) -> TrainBatch:
         """The sub-batch of the given rows (a mini- or micro-batch)."""
-        return self._map(lambda tensor: tensor[rows])
+        chosen = self._map(lambda tensor: tensor[rows])
+        if self.images is not None:
+            picked = range(len(self))[rows] if isinstance(rows, slice) else rows.reshape(-1).tolist()
+            chosen.images = [self.images[row] for row in picked]
+        return chosen
 
     def trimmed(self) -> TrainBatch:
         """The same rows cut to their longest sequence (right padding beyond it dropped)."""
@@ -57,6 +64,7 @@ class TrainBatch:
             advantages=function(self.advantages),
             weight_version=self.weight_version,
             token_advantages=None if self.token_advantages is None else function(self.token_advantages),
+            images=self.images,
         )
 
     def with_token_advantages(self, token_advantages: torch.Tensor) -> TrainBatch:
@@ -69,11 +77,15 @@ class TrainBatch:
 
 
 def collate(
-    completions: list[Completion], advantages: torch.Tensor, pad_token_id: int, mask_truncated: bool = False
+    completions: list[Completion],
+    advantages: torch.Tensor,
+    pad_token_id: int,
+    mask_truncated: bool = False,
+    images: list[tuple[bytes, ...]] | None = None,
 ) -> TrainBatch:
     """Pad prompt+completion sequences into one batch; completion tokens are marked for the loss (of a multi-turn
     trajectory, only those the model sampled: its `mask`), except those of completions cut at the length limit
-    when `mask_truncated` (DAPO's overlong filtering)."""
+    when `mask_truncated` (DAPO's overlong filtering). `images`: each completion's prompt's images, or None."""
     if len(completions) != advantages.shape[0]:
         raise ValueError(f"{len(completions)} completions but {advantages.shape[0]} advantages")
     length = max(len(c.prompt_token_ids) + len(c.token_ids) for c in completions)
@@ -92,7 +104,9 @@ def collate(
             completion_mask[row, start:end] = sampled
         sampling_logprobs[row, start:end] = torch.tensor(completion.logprobs)
     versions = {c.weight_version for c in completions}
-    return TrainBatch(input_ids, attention_mask, completion_mask, sampling_logprobs, advantages.float(), min(versions))
+    return TrainBatch(
+        input_ids, attention_mask, completion_mask, sampling_logprobs, advantages.float(), min(versions), images=images
+    )
 
 
 @dataclass

@@ -121,13 +121,20 @@ def scores(
     entropy: bool = False,
     packed: bool = True,
     host: TrainBatch | None = None,
+    pixels: dict[str, torch.Tensor] | None = None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of `batch`'s tokens under `model` (a Hugging Face causal LM, or a DeepSpeed engine around
     one) and with `entropy` the entropies: packed (only the tokens that count in the loss; 0 elsewhere) or padded.
-    `host`: the same micro-batch in host memory, if the caller has it (see `pack`)."""
+    `host`: the same micro-batch in host memory, if the caller has it (see `pack`). `pixels`: the rows' image
+    tensors a vision-language model reads beside their tokens (padded only). `banned`: token ids the engines never
+    sample (a vision-language model's image placeholders), scored out of every distribution as theirs are."""
     if packed:
-        return packed_scores(model, batch, temperature, entropy, host)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [b, T, V]
+        if pixels:
+            raise ValueError("packed scoring takes no images: a batch with images is scored padded")
+        return packed_scores(model, batch, temperature, entropy, host, banned)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **(pixels or {})).logits  # [b,T,V]
+    logits = without(logits, banned)
     if entropy:
         return token_logprobs_and_entropy(logits, batch.input_ids, temperature)
     return token_logprobs(logits, batch.input_ids, temperature), None
@@ -155,13 +162,30 @@ def _shifted_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tens
     return F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
 
 
+BANNED_LOGIT = -1e4
+"""A banned token's logit: probability 0 at any temperature near 1, as the engines' bias of -100 leaves it, and
+finite, so that its share of an entropy is 0 rather than NaN."""
+
+
+def without(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    """`logits` [..., V] with the `banned` token ids' set to `BANNED_LOGIT` (a copy; as they are without any)."""
+    if banned is None or not len(banned):
+        return logits
+    return logits.index_fill(-1, banned, BANNED_LOGIT)
+
+
 def packed_scores(
-    model, batch: TrainBatch, temperature: float, entropy: bool = False, host: TrainBatch | None = None
+    model,
+    batch: TrainBatch,
+    temperature: float,
+    entropy: bool = False,
+    host: TrainBatch | None = None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of the counted tokens of `batch` (and their next-token entropies) from one packed forward
     of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count."""
     packed = pack(batch, host)
-    logits = model(**packed.model_inputs()).logits[0]  # [K, V]
+    logits = without(model(**packed.model_inputs()).logits[0], banned)  # [K, V]
     logprobs, entropies = selected_logprobs(logits, packed.targets, temperature, entropy)
     return packed.unpack(logprobs), None if entropies is None else packed.unpack(entropies)
 

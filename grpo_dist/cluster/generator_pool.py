@@ -390,11 +390,12 @@ class Generation:
             under_way[slot] += taken
 
     def _prompt(self, index: int) -> tuple:
-        """What a generator samples prompt `index` from: its token ids, index, seed and (with an environment, where
-        a trajectory starts from it) its row."""
+        """What a generator samples prompt `index` from: its token ids, index, seed, (with an environment, where
+        a trajectory starts from it) its row, and its images (None without)."""
         record = self.prompts[index]
         seed = self.seeds[index] if self.seeds else None
-        return record.token_ids, index, seed, record.row if self.pool.cfg.environment is not None else None
+        row = record.row if self.pool.cfg.environment is not None else None
+        return record.token_ids, index, seed, row, list(record.images) or None
 
     def _wait(self, poll: bool) -> list:
         """Until a request finishes, the slot longest without progress passes the generate bound, or (with

@@ -214,6 +214,22 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
+    def _images_where_a_run_can_take_them(self) -> Config:
+        if self.data.images_column is None:
+            return self
+        refused = {
+            "an environment (an episode's turns take no images)": self.environment is not None,
+            "learner.packing (the learner pads a step's image rows; set learner.packing: false)": self.learner.packing,
+            "learner.lora (adapters on a vision-language model are not supported yet)": self.learner.lora is not None,
+            "algorithm.distill (the teacher scores the tokens without their images)": self.algorithm.distill
+            is not None,
+        }
+        for what, given in refused.items():
+            if given:
+                raise ValueError(f"prompts with images (data.fields.images, or the color task) do not go with {what}")
+        return self
+
+    @model_validator(mode="after")
     def _delta_needs_broadcast(self) -> Config:
         if self.sync.delta and self.sync.transport == "object_store":
             raise ValueError(

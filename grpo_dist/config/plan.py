@@ -41,6 +41,7 @@ class Shape:
     kv_values_per_token: int  # keys and values of one token over all layers
     linear: dict[str, tuple[int, int]]  # (in, out) features of each linear layer of a block by name, and lm_head's
     positions: int | None = None  # `max_position_embeddings`, where the config gives it
+    vision_params: int = 0  # of `params`, a vision-language model's vision tower and its connector to the text model
 
     def adapter_params(self, lora: LoraConfig) -> int:
         """Parameters of `lora`'s adapter on this model: `rank x (in + out)` for every adapted linear layer. A
@@ -53,10 +54,13 @@ class Shape:
 
     @classmethod
     def of(cls, model_dir: str | Path) -> Shape:
-        """The shape of the decoder-only transformer whose config.json is in `model_dir` (Llama, Qwen and kin)."""
+        """The shape of the decoder-only transformer whose config.json is in `model_dir` (Llama, Qwen and kin); of
+        a vision-language model, its text model's, and its vision tower's parameters counted in (`vision_params`)."""
         from transformers import AutoConfig
 
-        c = AutoConfig.from_pretrained(model_dir)
+        whole = AutoConfig.from_pretrained(model_dir)
+        c = whole.get_text_config()
+        vision = vision_tower_params(whole) if hasattr(whole, "vision_config") else 0
         experts = [getattr(c, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")]
         if any(isinstance(count, int) and count > 1 for count in experts):
             raise NotPlanned(f"{c.model_type} is a mixture of experts")
@@ -73,7 +77,8 @@ class Shape:
             layer += 2 * head_dim  # q and k norms
         embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
         return cls(
-            params=c.num_hidden_layers * layer + embeddings + c.hidden_size,
+            params=c.num_hidden_layers * layer + embeddings + c.hidden_size + vision,
+            vision_params=vision,
             hidden=c.hidden_size,
             layers=c.num_hidden_layers,
             intermediate=c.intermediate_size,
@@ -83,6 +88,28 @@ class Shape:
             linear=linear,
             positions=getattr(c, "max_position_embeddings", None),
         )
+
+
+LANGUAGE_MODULES = ("text_model", "language_model", "lm_head")
+"""The names under which a vision-language model's Hugging Face class keeps its text model and output head."""
+
+
+def vision_tower_params(config) -> int:
+    """The parameters of a vision-language model's vision tower and connector: its Hugging Face model built on the
+    meta device (no memory, no weights read), counting every parameter outside its text model and head."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+    except (ValueError, KeyError) as err:
+        raise NotPlanned(f"{config.model_type}: its vision tower cannot be built to count ({err})") from None
+    return sum(
+        tensor.numel()
+        for name, tensor in model.named_parameters()
+        if not any(part in LANGUAGE_MODULES for part in name.split("."))
+    )
 
 
 @dataclass(frozen=True)
@@ -103,6 +130,7 @@ class Plan:
     scorer: dict[str, float] | None = None  # a reward-model actor's parts (`reward.model` on GPUs), else None
     scorer_budget_gb: float = 0.0
     kv_sequence_gb: float = 0.0  # the KV cache of one whole sequence, per GPU
+    vision_params: int = 0  # of `params`, the vision tower's
 
     @property
     def learner_gb(self) -> float:
@@ -166,7 +194,8 @@ class Plan:
 
     def lines(self) -> list[str]:
         trained = "" if self.trained == self.params else f", {self.trained / 1e6:.1f}M trained by LoRA"
-        out = [f"memory plan per GPU ({self.params / 1e9:.2f}B parameters{trained}, {self.gpu_gb:g} GB GPUs):"]
+        tower = f", {self.vision_params / 1e9:.2f}B of them the vision tower" if self.vision_params else ""
+        out = [f"memory plan per GPU ({self.params / 1e9:.2f}B parameters{tower}{trained}, {self.gpu_gb:g} GB GPUs):"]
         if self.learner:
             parts = ", ".join(f"{name} {gb:.1f}" for name, gb in self.learner.items())
             out.append(f"  learner rank: {self.learner_gb:.1f} GB ({parts})")
@@ -293,6 +322,7 @@ def plan(cfg: Config, shape: Shape, teacher: Shape | None = None, scorer: Shape 
         kv_sequence_gb=sequence_gb,
         params=p,
         trained=trained,
+        vision_params=shape.vision_params,
         **teacher_engine(cfg, teacher),
         **reward_model_actor(cfg, scorer),
     )

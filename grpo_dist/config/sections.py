@@ -94,6 +94,10 @@ class TinyModelConfig(_Section):
     chat_template: bool = False
     """Give the tokenizer the built-in chat template (roles, tool turns, each turn ended by the end-of-sequence
     token): what an environment's multi-turn conversations need."""
+    vision: bool = False
+    """Build a vision-language model instead (Idefics3: a one-layer vision tower of 64 wide heads reading 56 x 56
+    pictures as 4 image tokens each, and this text model), with its processor and a chat template that places a
+    prompt's images: what a run on images (`data.fields.images`, the `color` task) needs."""
 
     @model_validator(mode="after")
     def _head_dim_is_64(self) -> TinyModelConfig:
@@ -121,10 +125,11 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["last_digit", "add", "add_multi", "multiply"] = "last_digit"
+    name: Literal["last_digit", "add", "add_multi", "multiply", "color"] = "last_digit"
     """Bundled synthetic task: `last_digit` (answer the prompt's last digit), `add` (single-digit sums),
-    `add_multi` (sums of two numbers below 100) or `multiply` (products of 2-digit numbers, with tool-use
-    transcripts for an environment with the `calculator`)."""
+    `add_multi` (sums of two numbers below 100), `multiply` (products of 2-digit numbers, with tool-use
+    transcripts for an environment with the `calculator`) or `color` (the digit naming the color of a picture's
+    disc: 1 red, 2 green, 3 blue; a vision-language model's task, its pictures in the rows' `images`)."""
     num_train: int = Field(2000, ge=1)
     """Training prompts to generate."""
     num_eval: int = Field(200, ge=1)
@@ -139,6 +144,11 @@ class FieldsConfig(_Section):
     `reward_model.ground_truth` reaches into a nested column); null when the rewards need none."""
     messages: str | None = None
     """Column holding the prompt as chat turns (`[{role, content}, ...]`), used instead of `prompt`."""
+    images: str | None = None
+    """Column holding a row's images (a list of them, or one): paths (relative to the dataset file's folder) or
+    `file://` URLs, image bytes, or a `datasets` Image column. Each is placed before the prompt's text in its first
+    user turn, as the model's chat template and processor place an image; the model must be a vision-language model.
+    null: text prompts (a column named `images` then reaches the rewards like any other)."""
 
 
 class DataConfig(_Section):
@@ -167,12 +177,24 @@ class DataConfig(_Section):
     prompts_per_step: int = Field(16, ge=1)
     """Prompts per rollout batch; each yields `rollout.group_size` completions."""
 
+    @property
+    def images_column(self) -> str | None:
+        """The column of a row's images: `fields.images`, or the `color` task's `images`; None for text prompts."""
+        if self.task is not None:
+            return "images" if self.task.name == "color" else None
+        return self.fields.images
+
     @model_validator(mode="after")
     def _has_a_source(self) -> DataConfig:
         if self.task is None and self.path is None:
             raise ValueError("set either data.path (a file, a directory, a hub dataset) or data.task (a bundled task)")
         if self.task is not None and self.path is not None:
             raise ValueError("set only one of data.path and data.task")
+        if self.images_column is not None and self.chat_template is False:
+            raise ValueError(
+                "data.fields.images: a prompt's images are placed by the model's chat template, which"
+                " data.chat_template: false turns off; set it to true or null"
+            )
         if self.fields.messages is not None and self.chat_template is False:
             raise ValueError(
                 "data.fields.messages holds chat turns, which only a chat template renders: set data.chat_template to "

@@ -45,6 +45,7 @@ class PromptRecord:
     fields: dict[str, Any] = field(default_factory=dict)  # the row's other fields (e.g. answer) for rewards
     index: int = 0  # 0-based position of the row in the dataset file
     messages: list[dict[str, Any]] | None = None  # the row's chat turns (its system prompt first), when templated
+    images: tuple[bytes, ...] = ()  # the prompt's images as PNG bytes, one placeholder each in `token_ids`
 
     @property
     def row(self) -> dict[str, Any]:
@@ -185,6 +186,16 @@ def prompt_turns(row: dict[str, Any], system_prompt: str | None = None) -> list[
     return turns
 
 
+def with_images(turns: list[dict[str, Any]], count: int, where: str) -> list[dict[str, Any]]:
+    """`turns` with `count` image parts before the text of the first user turn (`{"type": "image"}` each, then
+    `{"type": "text", ...}`), where chat templates of vision-language models place a prompt's images."""
+    for at, turn in enumerate(turns):
+        if turn["role"] == "user":
+            parts = [{"type": "image"}] * count + [{"type": "text", "text": turn["content"]}]
+            return [*turns[:at], {**turn, "content": parts}, *turns[at + 1 :]]
+    raise DatasetError(f"{where}: the row has images but no user turn to show them in")
+
+
 def encode_prompts(
     rows: Sequence[dict[str, Any]],
     tokenizer: PromptTokenizer,
@@ -192,9 +203,13 @@ def encode_prompts(
     system_prompt: str | None = None,
     chat_template: bool | None = None,
     tools: list[dict] | None = None,
+    processor: Any = None,
 ) -> tuple[list[PromptRecord], int]:
     """Render each row's prompt (`prompt_text`) and tokenise it. Rows hold `prompt` (text) or `messages` (chat
-    turns); their other fields travel with the record to the rewards.
+    turns); their other fields travel with the record to the rewards. With `processor` (a vision-language model's,
+    given where `data.fields.images` is set) rows hold `images` (PNG bytes, `grpo_dist.data.sources`): each gets an
+    image part in the first user turn, one placeholder in the token ids (the engine expands it), and counts toward
+    the length limit as the processor expands it.
 
     Prompts longer than ``max_prompt_tokens`` are skipped. Returns ``(records, num_skipped)``; raises
     :class:`DatasetError` if every prompt was skipped.
@@ -204,20 +219,42 @@ def encode_prompts(
     records, num_skipped = [], 0
     templated = chat_template is not False and bool(getattr(tokenizer, "chat_template", None))
     for index, row in enumerate(rows):
-        text = prompt_text(row, tokenizer, system_prompt, chat_template, tools)
+        images = tuple(row.get("images") or ()) if processor is not None else ()
+        shown = row
+        if images:  # the turns with an image part each
+            shown = {**row, "messages": with_images(prompt_turns(row, system_prompt), len(images), f"row {index}")}
+        text = prompt_text(shown, tokenizer, system_prompt, chat_template, tools)
+        if processor is not None and (found := text.count(processor.image_token)) != len(images):
+            raise DatasetError(
+                f"row {index} (0-based): its prompt holds {found} image placeholders ({processor.image_token!r}) for"
+                f" {len(images)} images: the chat template places one per image, so the prompt's text must hold none"
+            )
         token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(token_ids) > max_prompt_tokens:
+        if expanded_length(processor, text, images, token_ids) > max_prompt_tokens:
             num_skipped += 1
             continue
-        fields = {key: value for key, value in row.items() if key not in ("prompt", "messages")}
+        taken = ("prompt", "messages", "images") if processor is not None else ("prompt", "messages")
+        fields = {key: value for key, value in row.items() if key not in taken}
         turns = prompt_turns(row, system_prompt) if templated else None
-        records.append(PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index, messages=turns))
+        records.append(
+            PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index, messages=turns, images=images)
+        )
     if not records:
         raise DatasetError(
             f"encode_prompts: all {num_skipped} prompts are longer than max_prompt_tokens={max_prompt_tokens} "
             f"tokens (after the chat template); raise max_prompt_tokens or shorten the prompts."
         )
     return records, num_skipped
+
+
+def expanded_length(processor: Any, text: str, images: tuple[bytes, ...], token_ids: list[int]) -> int:
+    """How many tokens the model reads of a prompt: its token ids, each image placeholder expanded to the image's
+    tokens as `processor` expands it (nothing to expand without images)."""
+    if not images:
+        return len(token_ids)
+    from grpo_dist.models.vision import model_inputs
+
+    return len(model_inputs(processor, text, images)[0])
 
 
 class PromptSampler:
@@ -274,6 +311,8 @@ class PromptSampler:
         digest = xxhash.xxh3_64()
         for record in self.records:
             digest.update(json.dumps([record.token_ids, record.fields], sort_keys=True, default=str).encode())
+            for image in record.images:  # (text prompts' fingerprints are as before)
+                digest.update(image)
         return digest.hexdigest()
 
     def load_state_dict(self, state: dict[str, int]) -> None:

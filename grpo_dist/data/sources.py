@@ -46,7 +46,29 @@ def read_source(
         rows = [check_row(row, column, f"{named}: row {n}", messages) for n, row in enumerate(rows, 1)]
     if not rows:
         raise DatasetError(f"{key}: {named} has no rows")
-    return [_mapped(row, fields, named, number, key) for number, row in enumerate(rows, 1)]
+    base_dir = path.parent if path.is_file() else path if path.is_dir() else None
+    mapped = [_mapped(row, fields, named, number, key) for number, row in enumerate(rows, 1)]
+    if fields.images is not None:
+        for number, (row, source) in enumerate(zip(mapped, rows, strict=True), 1):
+            row["images"] = _images(source, fields.images, f"{named}: row {number}", base_dir, key)
+    return mapped
+
+
+def _images(row: dict[str, Any], column: str, where: str, base_dir: Path | None, key: str) -> list[bytes]:
+    """The images in `row`'s column `column` (one, or a list of them) as PNG bytes (`grpo_dist.models.vision`)."""
+    from grpo_dist.models.vision import ImageError, encoded
+
+    found = lookup(row, column)
+    if found is MISSING:
+        raise DatasetError(
+            f"{where}: no images column {column!r} (data.fields.images; columns: {sorted(row)}): map it to the "
+            f"column that holds the row's images, or set it to null for text prompts ({key})"
+        )
+    found = found if isinstance(found, list) else [] if found is None else [found]
+    try:
+        return [encoded(image, f"{where}, {column}[{at}]", base_dir) for at, image in enumerate(found)]
+    except ImageError as err:
+        raise DatasetError(f"{err} ({key})") from None
 
 
 def _mapped(row: dict[str, Any], fields: FieldsConfig, named: str, number: int, key: str) -> dict[str, Any]:
@@ -58,7 +80,8 @@ def _mapped(row: dict[str, Any], fields: FieldsConfig, named: str, number: int, 
             f"nested one), or set it to null when the rewards need none ({key})"
         )
     prompt_column = fields.messages or fields.prompt
-    mapped = {name: value for name, value in row.items() if name not in (prompt_column, fields.answer)}
+    taken = (prompt_column, fields.answer, fields.images)
+    mapped = {name: value for name, value in row.items() if name not in taken}
     mapped["messages" if fields.messages else "prompt"] = lookup(row, prompt_column)
     if answer is not MISSING:
         mapped["answer"] = answer

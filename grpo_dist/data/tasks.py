@@ -13,6 +13,9 @@ Each task makes rows ``{"prompt": ..., "answer": ...}`` from a seeded RNG; the a
   ``calculator`` tool (a Hermes tool call, the tool's answer, the answer), and ``solved``: that transcript for
   half the rows, a direct answer for the others (solved examples, half of them worked out without a tool), what
   ``grpo-dist sft`` warms up on in ``configs/agent.yaml``.
+- ``color``: ``"color:"`` and a 56 x 56 picture of a red, green or blue disc (its place, size and the grey behind it
+  drawn at random) -> ``"1"``, ``"2"`` or ``"3"``: the answer is only in the picture, for a vision-language model.
+  Each row's ``images`` holds its picture's path (a PNG in ``images/`` beside the JSON Lines file, relative to it).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ class Task:
 
     name: str
     description: str
-    make_row: Callable[[random.Random], dict[str, str]]  # rng -> {"prompt": ..., "answer": ...}
+    make_row: Callable[[random.Random], dict]  # rng -> {"prompt": ..., "answer": ...}
     num_distinct_prompts: int
+    key: Callable[[dict], str] = lambda row: row["prompt"]  # what tells two rows' prompts apart
 
 
 def _last_digit_row(rng: random.Random) -> dict[str, str]:
@@ -72,6 +76,40 @@ def _multiply_row(rng: random.Random) -> dict:
     return {"prompt": prompt, "answer": answer, "transcript": transcript, "solved": solved}
 
 
+COLORS = {"1": (220, 40, 40), "2": (40, 180, 40), "3": (40, 60, 220)}
+"""The `color` task's answers and the color each names (red, green, blue)."""
+PICTURE_SIZE = 56  # pixels, the tiny vision model's image size (`grpo_dist.models.tiny_vision`)
+RADII = range(18, 27)  # the disc's, in pixels: it covers most of the picture, part of every one of its 4 tiles
+GREYS = range(90, 201)  # the background's level
+
+
+def _color_row(rng: random.Random) -> dict:
+    answer = rng.choice(sorted(COLORS))
+    radius = rng.choice(RADII)
+    x, y = (rng.randint(radius, PICTURE_SIZE - radius) for _ in range(2))
+    picture = Picture(COLORS[answer], x, y, radius, rng.choice(GREYS))
+    return {"prompt": "color:", "answer": answer, "images": [picture]}
+
+
+@dataclass(frozen=True)
+class Picture:
+    """A `color` row's picture, drawn when its row is written: a disc of `color` centred at (`x`, `y`) on grey."""
+
+    color: tuple[int, int, int]
+    x: int
+    y: int
+    radius: int
+    grey: int
+
+    def draw(self):
+        from PIL import Image, ImageDraw
+
+        image = Image.new("RGB", (PICTURE_SIZE, PICTURE_SIZE), (self.grey,) * 3)
+        box = (self.x - self.radius, self.y - self.radius, self.x + self.radius, self.y + self.radius)
+        ImageDraw.Draw(image).ellipse(box, fill=self.color)
+        return image
+
+
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
@@ -79,6 +117,13 @@ TASKS: dict[str, Task] = {
         Task("add", "sum of two single digits", _add_row, 10 * 10),
         Task("add_multi", "sum of two numbers below 100", _add_multi_row, 100 * 100),
         Task("multiply", "product of two 2-digit numbers, with a calculator", _multiply_row, 90 * 90),
+        Task(
+            "color",
+            "the color of a picture's disc, as a digit",
+            _color_row,
+            len(COLORS) * sum((PICTURE_SIZE + 1 - 2 * radius) ** 2 for radius in RADII) * len(GREYS),
+            key=lambda row: repr(row["images"]),
+        ),
     )
 }
 
@@ -99,11 +144,27 @@ def make_task_rows(name: str, num_rows: int, seed: int) -> list[dict[str, str]]:
     return [task.make_row(rng) for _ in range(num_rows)]
 
 
-def _write_jsonl(rows: list[dict[str, str]], out_path: str | Path) -> Path:
+def _write_jsonl(rows: list[dict], out_path: str | Path) -> Path:
+    """The rows as JSON Lines at `out_path`; a row's pictures (`Picture`) drawn into PNG files in `images/` beside
+    it, named by the file and the row, and the row holding their paths relative to it."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    lines = []
+    for number, row in enumerate(rows):
+        if any(isinstance(image, Picture) for image in row.get("images", [])):
+            drawn = [_drawn(image, out_path, f"{number}-{at}") for at, image in enumerate(row["images"])]
+            row = {**row, "images": drawn}
+        lines.append(json.dumps(row) + "\n")
+    out_path.write_text("".join(lines), encoding="utf-8")
     return out_path
+
+
+def _drawn(picture: Picture, beside: Path, name: str) -> str:
+    """`picture` drawn into `images/<file>-<name>.png` beside the file `beside`; its path relative to that file's."""
+    relative = Path("images") / f"{beside.stem}-{name}.png"
+    (beside.parent / relative).parent.mkdir(exist_ok=True)
+    picture.draw().save(beside.parent / relative)
+    return str(relative)
 
 
 def write_task(name: str, out_path: str | Path, num_rows: int, seed: int) -> Path:
@@ -124,7 +185,7 @@ def _held_out_rows(task: Task, train_prompts: set[str], num_eval: int, seed: int
     rows: list[dict[str, str]] = []
     while len(rows) < num_eval:
         row = task.make_row(rng)
-        if row["prompt"] not in train_prompts:
+        if task.key(row) not in train_prompts:
             rows.append(row)
     return rows
 
@@ -140,6 +201,6 @@ def split_task(name: str, out_dir: str | Path, num_train: int, num_eval: int, se
     if num_eval < 1:
         raise ValueError(f"split_task: num_eval must be >= 1, got {num_eval}.")
     train_rows = make_task_rows(name, num_train, seed)
-    eval_rows = _held_out_rows(task, {row["prompt"] for row in train_rows}, num_eval, seed + 1)
+    eval_rows = _held_out_rows(task, {task.key(row) for row in train_rows}, num_eval, seed + 1)
     out_dir = Path(out_dir)
     return _write_jsonl(train_rows, out_dir / "train.jsonl"), _write_jsonl(eval_rows, out_dir / "eval.jsonl")

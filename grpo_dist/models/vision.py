@@ -67,6 +67,88 @@ def model_inputs(processor, text: str, images: Sequence[bytes]) -> tuple[list[in
     return ids, {name: found[name] for name in IMAGE_TENSORS if name in found}
 
 
-def placeholders(processor, text: str) -> int:
-    """How many images a rendered prompt has room for (its image placeholders)."""
-    return text.count(processor.image_token)
+def describe(image: bytes) -> str:
+    """An image (`encoded`) as a check names it: its size and a short digest of its pixels."""
+    import hashlib
+
+    (picture,) = opened([image])
+    return f"{picture.width}x{picture.height} ({hashlib.sha256(picture.tobytes()).hexdigest()[:8]})"
+
+
+def is_vision_model(model_path: str | Path) -> bool:
+    """Whether the model at `model_path` is a vision-language model (its config.json has a vision tower)."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config
+
+
+def load_policy(model_path: str | Path, dtype):
+    """The model at `model_path` as a Hugging Face model whose forward gives next-token logits: a causal LM, or a
+    vision-language model (which also takes `IMAGE_TENSORS`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kind = AutoModelForImageTextToText if is_vision_model(model_path) else AutoModelForCausalLM
+    return kind.from_pretrained(model_path, dtype=dtype)
+
+
+def row_pixels(image_processor, images: Sequence[bytes]) -> dict:
+    """The tensors a vision-language model's forward reads of one row's images (batch dimension 1, or the images'
+    patches in one flat tensor where the model takes them so: `image_grid_thw`); empty without images."""
+    if not images:
+        return {}
+    found = image_processor(images=[opened(images)], return_tensors="pt")
+    return {name: found[name] for name in IMAGE_TENSORS if name in found}
+
+
+def batch_pixels(rows: Sequence[dict]) -> dict:
+    """Rows' `row_pixels` as one micro-batch's: flat patches concatenated in row order (the order of the image
+    tokens in the batch), or batched tensors stacked with each row padded to the most images with all-zero images,
+    which such models skip; empty where no row has images."""
+    import torch
+
+    found = [row for row in rows if row]
+    if not found:
+        return {}
+    if "image_grid_thw" in found[0]:
+        return {name: torch.cat([row[name] for row in found]) for name in found[0]}
+    most = max(row["pixel_values"].shape[1] for row in found)
+    out = {}
+    for name, like in found[0].items():
+        padded = []
+        for row in rows:
+            have = row[name] if row else like[:, :0]
+            padded.append(torch.cat([have, like.new_zeros((1, most - have.shape[1], *like.shape[2:]))], dim=1))
+        out[name] = torch.cat(padded)
+    return out
+
+
+PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+"""Where a vision-language model's config.json names the tokens its prompts hold in place of an image's features."""
+
+
+def placeholder_ids(model_path: str | Path) -> list[int]:
+    """The token ids that stand for an image's (or a video's) features in a vision-language model's prompts; empty
+    for a text model. A completion may not sample one: the learner's forward would take it for a slot to fill with
+    image features the prompt does not have. The engines bias them away and the learner scores them out, so both
+    sample from and score the same distribution (the vocabulary without them: `grpo_dist.algo.scoring.without`)."""
+    import json
+
+    if not is_vision_model(model_path):
+        return []
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return sorted({config[key] for key in PLACEHOLDER_KEYS if isinstance(config.get(key), int)})
+
+
+def served_image_key(image: bytes, served: str) -> str:
+    """The key an engine caches an image's vision-tower output under: the image's digest and `served`, the key of
+    the weights it serves (the generator's cache salt, which each weight version changes). vLLM keys that cache by
+    the image alone, so without the version a picture seen again after a weight update is read with the old tower
+    (a run's learner and engine log-probs drifted apart from the second epoch of its pictures on, 3e-2 by its third
+    step there)."""
+    import hashlib
+
+    return f"{hashlib.sha256(image).hexdigest()}@{served}"

@@ -171,7 +171,8 @@ def train_step(
         rollout, sampling_metrics = rollouts.take(step, timer)
         rollout, staleness = bound_staleness(rollout, learner.version, k)
     rewards, advantages = compute_advantages(cfg, rollout)  # [B*G] each
-    batch = collate(rollout.completions, advantages, pad_token_id, mask_truncated=cfg.algorithm.overlong == "mask")
+    truncated = cfg.algorithm.overlong == "mask"
+    batch = collate(rollout.completions, advantages, pad_token_id, truncated, images=rollout.images())
     batch, distill_metrics = add_distillation(cfg, batch, rollout.completions)  # per-token, from the teacher's view
     with timer("train"):
         learner.start_train(batch)

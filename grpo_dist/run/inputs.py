@@ -58,8 +58,9 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
         check_lengths(cfg, model_path)
         if cfg.learner.lora is not None:
             check_lora_targets(cfg, model_path)
+        processor = load_processor(cfg, model_path)
         train_path, eval_path = prepare_data(cfg, scratch)
-        train, skipped = read_prompts(cfg, train_path, tokenizer)
+        train, skipped = read_prompts(cfg, train_path, tokenizer, processor=processor)
         if len(train) < cfg.data.prompts_per_step:
             raise ConfigError(
                 f"data.prompts_per_step ({cfg.data.prompts_per_step}) is more than the {len(train)} usable training "
@@ -67,7 +68,7 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
             )
         if skipped:
             print(f"skipped {skipped} training prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-        held_out = read_prompts(cfg, eval_path, tokenizer, held_out=True)[0] if eval_path is not None else []
+        held_out = read_prompts(cfg, eval_path, tokenizer, True, processor)[0] if eval_path is not None else []
         rewards_ready(rewards)
         show_first_prompt(cfg, train[0], tokenizer)
         if cfg.environment is not None:
@@ -79,7 +80,7 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
         if scorer is not None:
             check_reward_model_reads(cfg, scorer, train[0])
         check_answer(cfg, rewards, train[0], "data.path", cfg.eval.reward)
-        eval_sets = read_eval_sets(cfg, held_out, tokenizer)
+        eval_sets = read_eval_sets(cfg, held_out, tokenizer, processor)
         for each, key in eval_sets:
             check_answer(cfg, rewards, each.prompts[0], key, each.reward)
     except Exception:
@@ -91,10 +92,12 @@ def prepare(cfg: Config, scratch: Path | None = None, model_files: list[str] | N
     return Inputs(model_path, pad, train, [each for each, _ in eval_sets])
 
 
-def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) -> list[tuple[EvalSet, str]]:
+def read_eval_sets(
+    cfg: Config, held_out: list[PromptRecord], tokenizer: Any, processor: Any = None
+) -> list[tuple[EvalSet, str]]:
     """Each eval set with its prompts, and the key its prompts come from (for errors); `eval.sets` empty: the
     held-out prompts, decoded greedily, as the set `held_out`. A set must have prompts and room for its
-    completions in `rollout.max_model_len`."""
+    completions in `rollout.max_model_len`. A set's images are read as the training data's (`processor`)."""
     specs = cfg.eval.sets or ([EvalSetConfig(name="held_out")] if held_out else [])
     sets = []
     for number, spec in enumerate(specs):
@@ -108,7 +111,13 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
                 )
             key = "data.eval_path"
         else:
-            rows = read_source(spec.path, spec.split, spec.subset, spec.fields or cfg.data.fields, key)
+            fields = spec.fields or cfg.data.fields.model_copy(update={"images": cfg.data.images_column})
+            if fields.images is not None and processor is None:
+                raise ConfigError(
+                    f"eval.sets.{number}.fields.images: the training prompts carry no images, so the model is not"
+                    " read as a vision-language model; give the training data its images too (data.fields.images)"
+                )
+            rows = read_source(spec.path, spec.split, spec.subset, fields, key)
             check_fields(rows, key, spec.path)
             prompts, _ = encode_prompts(
                 rows,
@@ -117,6 +126,7 @@ def read_eval_sets(cfg: Config, held_out: list[PromptRecord], tokenizer: Any) ->
                 cfg.data.system_prompt,
                 cfg.data.chat_template,
                 template_tools(cfg),
+                processor if fields.images is not None else None,
             )
             if not prompts:
                 raise ConfigError(f"{key}: {spec.path} holds no prompt within data.max_prompt_tokens")
@@ -168,6 +178,10 @@ def show_first_prompt(cfg: Config, record: PromptRecord, tokenizer: Any) -> None
     (a tiny model's `characters`) show as missing, and are named."""
     read = tokenizer.decode(record.token_ids, skip_special_tokens=False)
     print(f"first prompt, as the model reads it: {read!r}")
+    if record.images:
+        from grpo_dist.models.vision import describe
+
+        print(f"  its images ({cfg.data.images_column}): {', '.join(describe(image) for image in record.images)}")
     lost = sorted(set(record.text) - set(read))
     if lost:
         where = " (model.tiny.characters)" if cfg.model.tiny is not None else ""
@@ -420,16 +434,47 @@ def qwen2_tokenizer(model_dir: Path) -> bool:
     )
 
 
-def read_prompts(cfg: Config, location: str, tokenizer: Any, held_out: bool = False) -> tuple[list[PromptRecord], int]:
-    """The training (or held-out) prompts at `location`, mapped and rendered as the model reads them, tokenised;
-    returns the records and how many were over the length limit."""
+def read_prompts(
+    cfg: Config, location: str, tokenizer: Any, held_out: bool = False, processor: Any = None
+) -> tuple[list[PromptRecord], int]:
+    """The training (or held-out) prompts at `location`, mapped and rendered as the model reads them, tokenised
+    (with their images, through `processor`, where the data has them: `load_processor`); returns the records and
+    how many were over the length limit."""
     data = cfg.data
     split, key = (data.eval_split, "data.eval_path") if held_out else (data.split, "data.path")
-    rows = read_source(location, split, data.subset, data.fields, key)
+    fields = data.fields.model_copy(update={"images": data.images_column})
+    rows = read_source(location, split, data.subset, fields, key)
     check_fields(rows, key, location)
     return encode_prompts(
-        rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template, template_tools(cfg)
+        rows, tokenizer, data.max_prompt_tokens, data.system_prompt, data.chat_template, template_tools(cfg), processor
     )
+
+
+def load_processor(cfg: Config, model_path: str) -> Any:
+    """The model's processor where the prompts carry images (`data.images_column`), else None. Raises
+    `ConfigError` where the model is not a vision-language model (no processor that reads images, or no chat
+    template to place them)."""
+    if cfg.data.images_column is None:
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        processor, why = None, f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    else:
+        why = "its processor reads no images"
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        raise ConfigError(
+            f"the prompts carry images (data.fields.images, or the color task), and model.path {model_path} is not a"
+            f" vision-language model ({why}): name one whose processor reads images (model.tiny.vision for a tiny one)"
+        )
+    if not getattr(processor.tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"the prompts carry images, and the tokenizer of model.path {model_path} has no chat template to place"
+            " them with"
+        )
+    return processor
 
 
 def check_fields(rows: list[dict[str, Any]], key: str, location: str) -> None:
@@ -492,10 +537,15 @@ def model_directory(cfg: Config, path: Path, key: str, scratch: Path | None = No
         from grpo_dist.models.tiny import CHAT_TEMPLATE
 
         path = path if scratch is None else scratch / "model"
-        sizes = cfg.model.tiny.model_dump(exclude_none=True, exclude={"chat_template"})
-        template = CHAT_TEMPLATE if cfg.model.tiny.chat_template else None
-        build_tiny_model(path, seed=cfg.run.seed, chat_template=template, **sizes)
-        print(f"built a random-init tiny model at {path}")
+        sizes = cfg.model.tiny.model_dump(exclude_none=True, exclude={"chat_template", "vision"})
+        if cfg.model.tiny.vision:  # its own chat template places a prompt's images
+            from grpo_dist.models.tiny_vision import build_tiny_vision_model
+
+            build_tiny_vision_model(path, seed=cfg.run.seed, **sizes)
+        else:
+            template = CHAT_TEMPLATE if cfg.model.tiny.chat_template else None
+            build_tiny_model(path, seed=cfg.run.seed, chat_template=template, **sizes)
+        print(f"built a random-init tiny {'vision-language ' if cfg.model.tiny.vision else ''}model at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
     return str(path.resolve())

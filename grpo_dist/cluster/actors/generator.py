@@ -31,7 +31,7 @@ from grpo_dist.cluster.actors.engine import (
 )
 from grpo_dist.config import EnvironmentConfig, InjectConfig, RolloutConfig
 from grpo_dist.faults.inject import Injector
-from grpo_dist.models.vision import opened
+from grpo_dist.models.vision import opened, placeholder_ids, served_image_key
 from grpo_dist.sandbox.privileges import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
@@ -69,6 +69,7 @@ class Generator:
         from grpo_dist.transports.weight_sync import WORKER_EXTENSION
 
         self.rollout = rollout
+        self.banned = {token: -100.0 for token in placeholder_ids(model_path)} or None  # vLLM's strongest bias
         self.agent = None
         if environment is not None:
             from transformers import AutoTokenizer
@@ -173,6 +174,7 @@ class Generator:
                 max_tokens=sampling.max_tokens,
                 logprobs=0,
                 seed=seed,
+                logit_bias=self.banned,
             )
             output = await self._sample(prompt_token_ids, params, images)
             group = [self._completion(prompt_index, output.prompt_token_ids, sample) for sample in output.outputs]
@@ -183,16 +185,16 @@ class Generator:
 
     async def generate_each(
         self,
-        prompts: list[tuple[list[int], int, int | None, dict | None]],
+        prompts: list[tuple[list[int], int, int | None, dict | None, list[bytes] | None]],
         group_size: int,
         evaluation: Sampling | None,
     ) -> list[list[Completion]]:
-        """`generate` of each of `prompts` (its token ids, prompt index, seed and row), all at once, one engine
-        request each: their groups in order. One that fails stops the others (their engine requests aborted) and its
-        error is the call's."""
+        """`generate` of each of `prompts` (its token ids, prompt index, seed, row and images), all at once, one
+        engine request each: their groups in order. One that fails stops the others (their engine requests aborted)
+        and its error is the call's."""
         calls = [
-            asyncio.create_task(self.generate(ids, group_size, evaluation, index, seed, row))
-            for ids, index, seed, row in prompts
+            asyncio.create_task(self.generate(ids, group_size, evaluation, index, seed, row, images))
+            for ids, index, seed, row, images in prompts
         ]
         try:
             return list(await asyncio.gather(*calls))
@@ -228,6 +230,7 @@ class Generator:
                 logprobs=0,
                 max_tokens=min(max_tokens, sampling.max_tokens),
                 seed=turn_seed,
+                logit_bias=self.banned,
             )
             (turn,) = (await self._sample(prefix, params)).outputs
             return Sampled(list(turn.token_ids), _logprobs(turn), turn.finish_reason or "length", self._versions(turn))
@@ -275,6 +278,7 @@ class Generator:
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids, cache_salt=salt)
         if images:
             prompt["multi_modal_data"] = {"image": opened(images)}
+            prompt["multi_modal_uuids"] = {"image": [served_image_key(image, salt) for image in images]}
         async for output in self.engine.generate(prompt, params, str(next(self.request_ids)), lora_request=lora):
             final = output
         for sample in final.outputs:

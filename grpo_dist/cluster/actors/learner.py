@@ -33,7 +33,7 @@ from grpo_dist.algo.throughput import flop_params, peak_flops, step_flops
 from grpo_dist.cluster.actors.learner_weights import LearnerWeights
 from grpo_dist.config import AlgorithmConfig, InjectConfig, LearnerConfig, RolloutConfig
 from grpo_dist.faults.inject import Injector
-from grpo_dist.models import lora
+from grpo_dist.models import lora, vision
 from grpo_dist.sandbox.privileges import die_with_parent
 from grpo_dist.storage import safe_load
 
@@ -160,11 +160,15 @@ class Learner(LearnerWeights):
         gc.collect()
 
     def _build(self) -> None:
-        """The policy's DeepSpeed engine from the initial model, and the reference when the KL needs one."""
-        from transformers import AutoModelForCausalLM
-
+        """The policy's DeepSpeed engine from the initial model (of a vision-language model, with the image processor
+        its forward's pixels come from), and the reference when the KL needs one."""
         torch.manual_seed(self.seed)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = vision.load_policy(self.model_path, torch.float32)
+        self.image_processor, self.row_pixels = None, None
+        if vision.is_vision_model(self.model_path):
+            from transformers import AutoProcessor
+
+            self.image_processor = AutoProcessor.from_pretrained(self.model_path).image_processor
         if self.cfg.packing:
             use_packed_attention(model)
         if self.cfg.gradient_checkpointing:
@@ -173,9 +177,11 @@ class Learner(LearnerWeights):
             model = lora.wrap(model, self.cfg.lora)
         self.engine = self._deepspeed_engine(model)
         self.device = self.engine.device
+        placeholders = vision.placeholder_ids(self.model_path)  # never sampled (`grpo_dist.models.vision`)
+        self.banned = torch.tensor(placeholders, device=self.device) if placeholders else None
         self.reference_engine = None  # the reference's DeepSpeed engine, under ZeRO-3
         self.reference = self._reference() if self.algo.kl_coef > 0 else None
-        shape = model.config
+        shape = model.config.get_text_config()
         self.shape = (flop_params(self.engine.module), shape.num_hidden_layers, shape.hidden_size)
         device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         self.peak_flops = peak_flops(device_name, self.bf16)
@@ -245,13 +251,12 @@ class Learner(LearnerWeights):
         """The frozen reference: with LoRA the policy with its adapter off (the same weights), else sharded over the
         ranks by a ZeRO-3 inference engine under ZeRO-3, else a full copy on this rank."""
         import deepspeed
-        from transformers import AutoModelForCausalLM
 
         if self.cfg.lora is not None:
             return lora.AdapterOff(self.engine.module)
 
         dtype = torch.bfloat16 if self.bf16 else torch.float32
-        reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).eval().requires_grad_(False)
+        reference = vision.load_policy(self.model_path, dtype).eval().requires_grad_(False)
         if self.cfg.packing:
             use_packed_attention(reference)
         if self.cfg.zero_stage != 3:
@@ -289,6 +294,7 @@ class Learner(LearnerWeights):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         batch, self.host_batch = shard.batch.to(self.device), shard.batch
+        self.row_pixels = self._row_pixels(shard.batch)
         reuse = self.algo.ppo_epochs > 1 or len(shard.mini_batches) > 1
         if self.algo.old_logprobs == "sampler":
             old_logprobs = batch.sampling_logprobs  # [b, T]
@@ -375,11 +381,27 @@ class Learner(LearnerWeights):
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         return torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
 
+    def _row_pixels(self, batch: TrainBatch) -> list[dict] | None:
+        """Each row's pixel tensors (`grpo_dist.models.vision.row_pixels`), read once a step for all its passes
+        (each distinct set of images once: a group's rows share their prompt's); None without images."""
+        if batch.images is None:
+            return None
+        read: dict[tuple[bytes, ...], dict] = {}
+        for images in batch.images:
+            if images not in read:
+                read[images] = vision.row_pixels(self.image_processor, images)
+        return [read[images] for images in batch.images]
+
     def _scores(self, model, micro: TrainBatch, rows: torch.Tensor, entropy: bool = False):
         """[b, T] log-probs of `micro` (`rows` of the step's batch) under `model` (and with `entropy` the
-        entropies), packed or padded as `learner.packing` says."""
+        entropies), packed or padded as `learner.packing` says; with the rows' pixels where they have images."""
         host = self.host_batch.select(rows)  # lays out the packing without waiting on the device
-        return scores(model, micro, self.temperature, entropy, packed=self.cfg.packing, host=host)
+        pixels = {}
+        if self.row_pixels is not None:
+            found = vision.batch_pixels([self.row_pixels[row] for row in rows.tolist()])
+            pixels = {name: tensor.to(self.device) for name, tensor in found.items()}
+        packed = self.cfg.packing
+        return scores(model, micro, self.temperature, entropy, packed, host, pixels=pixels, banned=self.banned)
 
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
         logprobs, entropy = self._scores(self.engine, micro, rows, entropy=True)  # [b, T] each

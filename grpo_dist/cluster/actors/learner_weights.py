@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_dist.models import lora
+from grpo_dist.models import lora, vision
 
 
 class LearnerWeights:
@@ -101,9 +101,10 @@ class LearnerWeights:
         return self.weight_sender.send(weight_version, full)
 
     def save(self, out_dir: str) -> str:
-        """Save the policy with the initial model's tokenizer in Hugging Face format (loadable by transformers and
-        vLLM); with LoRA the policy merged, and the adapter alone in PEFT's format under `adapter/` (loadable by
-        `PeftModel.from_pretrained` and as a vLLM LoRA adapter). Collective, rank 0 writes."""
+        """Save the policy with the initial model's tokenizer (and a vision-language model's processor) in Hugging Face
+        format (loadable by transformers and vLLM); with LoRA the policy merged, and the adapter alone in PEFT's
+        format under `adapter/` (loadable by `PeftModel.from_pretrained` and as a vLLM LoRA adapter). Collective,
+        rank 0 writes."""
         from transformers import AutoTokenizer
 
         written = self._on_rank0(self._final)
@@ -116,4 +117,8 @@ class LearnerWeights:
             if adapter is not None:
                 lora.save_adapter(module, adapter, Path(out_dir) / "adapter")
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out_dir)
+            if vision.is_vision_model(self.model_path):  # its processor, which turns images into its inputs
+                from transformers import AutoProcessor
+
+                AutoProcessor.from_pretrained(self.model_path).save_pretrained(out_dir)
         return out_dir

@@ -35,6 +35,13 @@ class Rollout:
         """[P*G] completion lengths: the tokens the model sampled (of a trajectory, not its observations)."""
         return torch.tensor([c.sampled_tokens for c in self.completions], dtype=torch.float)
 
+    def images(self) -> list[tuple[bytes, ...]] | None:
+        """[P*G] each completion's prompt's images (what the learner's forward reads with it); None when no prompt
+        has any."""
+        if not any(prompt.images for prompt in self.prompts):
+            return None
+        return [self.prompts[completion.prompt_index].images for completion in self.completions]
+
     def select_groups(self, keep: list[bool]) -> Rollout:
         """The rollout restricted to the groups whose flag is set, prompts renumbered."""
         new_index = {}
