@@ -16,8 +16,9 @@ import torch
 import yaml
 from PIL import Image
 
+from grpo_dist.algo.scoring import without
 from grpo_dist.models.tiny_vision import AROUND_IMAGE, GLOBAL_IMAGE, IMAGE_TOKEN, build_tiny_vision_model
-from grpo_dist.models.vision import ImageError, encoded, model_inputs, opened
+from grpo_dist.models.vision import ImageError, encoded, model_inputs, opened, placeholder_ids
 
 RED, BLUE = (220, 30, 30), (30, 30, 220)
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "color?"}]}]
@@ -113,21 +114,29 @@ def test_the_engine_serves_a_prompts_images_with_the_models_own_log_probs(ray_cl
     finally:
         ray_cluster.kill(generator)
 
-    def forward(completion, image: bytes) -> list[float]:
+    banned = torch.tensor(placeholder_ids(vision_model))
+    assert banned.tolist() == [processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)]
+
+    def forward(completion, image: bytes, scored_out: torch.Tensor | None = banned) -> list[float]:
         ids, tensors = model_inputs(processor, text, [image])
         assert completion.prompt_token_ids == ids  # the engine expanded the placeholder as the processor does
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids + completion.token_ids]), **tensors).logits[0]
-        logprobs = torch.log_softmax(logits[len(ids) - 1 : -1], dim=-1)
+        logprobs = torch.log_softmax(without(logits[len(ids) - 1 : -1], scored_out), dim=-1)  # as the learner
         return [logprobs[at, token].item() for at, token in enumerate(completion.token_ids)]
+
+    def gap(completion, image: bytes, scored_out: torch.Tensor | None = banned) -> float:
+        return max(abs(a - b) for a, b in zip(forward(completion, image, scored_out), completion.logprobs, strict=True))
 
     for name, group in groups.items():
         other = images["blue" if name == "red" else "red"]
         assert len(group) == 4 and all(len(c.token_ids) == 4 for c in group)
-        gaps = [max(abs(a - b) for a, b in zip(forward(c, images[name]), c.logprobs, strict=True)) for c in group]
-        elsewhere = [max(abs(a - b) for a, b in zip(forward(c, other), c.logprobs, strict=True)) for c in group]
-        print(f"{name}: largest gap to the forward on its image {max(gaps):.2e}, on the other {max(elsewhere):.2e}")
-        assert max(gaps) < 1e-4 and min(elsewhere) > 1e-3, (gaps, elsewhere)
+        assert not any(set(c.token_ids) & set(banned.tolist()) for c in group)
+        gaps, elsewhere = [gap(c, images[name]) for c in group], [gap(c, other) for c in group]
+        whole = [gap(c, images[name], None) for c in group]  # the placeholder's share of the vocabulary left in
+        print(f"{name}: largest gap to the forward on its image {max(gaps):.2e}, on the other {max(elsewhere):.2e},"
+              f" with the placeholder left in {min(whole):.2e}")  # fmt: skip
+        assert max(gaps) < 1e-4 and min(elsewhere) > 1e-3 and min(whole) > 1e-3, (gaps, elsewhere, whole)
 
 
 def test_the_color_tasks_rows_carry_their_pictures_and_their_prompts_one_placeholder_each(tmp_path, vision_model):
