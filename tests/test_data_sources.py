@@ -5,6 +5,7 @@ bad inputs (`grpo-dist check` exits 2 naming what and where, before anything sta
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -245,6 +246,27 @@ DAPO_PROMPT = (
 )
 
 
+def diagram() -> bytes:
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (32, 24), "white")
+    ImageDraw.Draw(image).line((2, 20, 30, 4), fill="black")
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+DIAGRAM = diagram()
+
+
+def picture(image: Path | bytes) -> tuple:
+    """An image's size and pixels, however it is encoded."""
+    from PIL import Image
+
+    with Image.open(image if isinstance(image, Path) else io.BytesIO(image)) as opened:
+        return opened.size, opened.convert("RGB").tobytes()
+
+
 def dapo_row(problem: str, answer: str) -> dict:
     return {"data_source": "math_dapo", "prompt": [{"content": DAPO_PROMPT.format(problem), "role": "user"}],
             "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
@@ -281,6 +303,9 @@ SOURCES = [
     ("aime", "HuggingFaceH4/aime_2024", "default",
      {"train": [{"id": 60, "problem": "Find N.", "solution": "...", "answer": "204", "url": "u", "year": "2024"}]},
      [{"prompt": "Find N.", "answer": "204"}]),
+    ("geo3k", "hiyouga/geometry3k", "default",
+     {"train": [{"images": [{"bytes": DIAGRAM, "path": "d.png"}], "problem": "<image>Find x.", "answer": "3"}]},
+     [{"prompt": "Find x.", "answer": "3", "images": ["out-images/0-0.png"]}]),
     ("mbpp", "google-research-datasets/mbpp", "full", {"train": [MBPP_FULL], "test": [MBPP_FULL]},
      [{"prompt": "Write a function to add two numbers.\nYour code should pass these tests:\nassert add(1, 2) == 3\n"
                  "assert add(2, 2) == 4\nassert add(0, 0) == ZERO\nAnswer with the code in a ```python block.",
@@ -301,6 +326,8 @@ def test_each_recipes_dataset_is_prepared_from_its_layout_on_the_hub(tmp_path, l
     prepared = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert prepared.returncode == 0, prepared.stderr
     assert [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()] == expected
+    for row in expected:  # a row's images written beside the file, the source's pictures
+        assert all(picture(tmp_path / path) == picture(DIAGRAM) for path in row.get("images", []))
     repeated = len(splits["train"]) - len(expected)  # DAPO's hub copy repeats its problems
     assert (f"; {repeated} repeated prompts left out" in prepared.stdout) == (repeated > 0), prepared.stdout
 

@@ -29,8 +29,15 @@ SHAPES = {  # config.json of each recipe's model: the fields a plan reads, as pu
         "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 151936},
     "Qwen/Qwen2.5-32B": {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 152064},
+    "Qwen/Qwen2.5-VL-7B-Instruct": {"model_type": "qwen2_5_vl", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+        "image_token_id": 151655, "video_token_id": 151656, "rope_scaling": {"type": "mrope",
+        "mrope_section": [16, 24, 24]}, "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280,
+        "intermediate_size": 3420, "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+        "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2, "temporal_patch_size": 2}},
 }  # fmt: skip
-RECIPES = ["grpo", "dr_grpo", "gspo", "dapo", "code"]
+RECIPES = ["grpo", "dr_grpo", "gspo", "dapo", "code", "geo3k"]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +129,8 @@ def test_every_recipe_fits_the_gpus_it_names(said, recipe):
     result = said[plan_argv(recipe)]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "learner rank:" in result.stdout and "engine at bfloat16:" in result.stdout
+    if recipe == "geo3k":  # Qwen2.5-VL-7B as published: 8.29B parameters, 0.68B of them its vision tower
+        assert "(8.29B parameters, 0.68B of them the vision tower, 80 GB GPUs)" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(

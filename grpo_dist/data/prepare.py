@@ -11,6 +11,9 @@ the rows a run reads, each row's answer the one its reward compares with (not a 
 - mbpp (MBPP, subsets full and sanitized: a description (`text`, `prompt`), `code`, `test_list`, setup code or
   imports): a prompt that names the tests, `tests` for the `code_tests` reward (each with the setup before it),
   and the reference code as the answer, which the pre-flight check scores with `eval.reward: code_tests`.
+- geo3k (Geometry3K, as hiyouga/geometry3k: `images` (its diagram), `problem` (led by an `<image>` placeholder),
+  `answer`): the problem without its placeholder (the chat template places the image), the answer, and the image,
+  written as a PNG file in `OUT-images/` beside OUT (the row names it relative to OUT's folder).
 
 SOURCE is any layout `data.path` takes (a file, a `save_to_disk` directory, a hub id with --split, --subset and
 --revision). A row the layout cannot read is named with what it lacks, and nothing is written.
@@ -93,6 +96,13 @@ def _mbpp(row: Row) -> Row | str:
     }
 
 
+def _geo3k(row: Row) -> Row | str:
+    problem = str(row["prompt"]).replace("<image>", "").strip()
+    if not row.get("images") or not problem:
+        return "no image in 'images'" if not row.get("images") else "an empty 'problem'"
+    return {"prompt": problem, "answer": str(row["answer"]).strip(), "images": row["images"]}
+
+
 @dataclass(frozen=True)
 class Layout:
     """A public dataset's layout: where it lives, the columns read as prompt and answer, and the row it becomes."""
@@ -131,6 +141,9 @@ LAYOUTS: dict[str, Layout] = {
         _mbpp,
         subset_fields={"sanitized": FieldsConfig(prompt="prompt", answer=None)},
     ),
+    "geo3k": Layout(
+        "hiyouga/geometry3k", None, "train", FieldsConfig(prompt="problem", answer="answer", images="images"), _geo3k
+    ),
 }
 
 
@@ -160,7 +173,18 @@ def prepare(
         prepared.append(converted)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    pictures = out.with_name(f"{out.stem}-images")
+    for number, row in enumerate(prepared):
+        if "images" in row:  # PNG bytes (`grpo_dist.data.sources`), written beside OUT and named by their path
+            row["images"] = [_written(image, pictures / f"{number}-{at}.png") for at, image in enumerate(row["images"])]
     partial = out.with_name(out.name + ".partial")
     partial.write_text("".join(json.dumps(row) + "\n" for row in prepared))
     partial.rename(out)
     return out, len(rows) - len(prepared)
+
+
+def _written(image: bytes, path: Path) -> str:
+    """`image` (PNG bytes) written to `path`; its path relative to its dataset file's folder (`path`'s parent's)."""
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(image)
+    return str(path.relative_to(path.parent.parent))
