@@ -61,7 +61,7 @@ def test_the_serial_phase_collects_the_modules_that_mark_serial_tests_and_a_mark
     )
     collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "serial", "-p", "conftest", "-c",
                str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR), "PYTEST_ADDOPTS": ""}  # (a harness's plugins not asked for)
     seen = subprocess.run([*collect, "test_seen.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert seen.returncode == 0 and "1 test collected" in seen.stdout, seen.stdout + seen.stderr
