@@ -163,6 +163,7 @@ def test_the_color_tasks_rows_carry_their_pictures_and_their_prompts_one_placeho
         assert picture.size == (56, 56) and drawn & set(COLORS.values()) == {COLORS[record.fields["answer"]]}
         assert record.token_ids.count(image_id) == 1 and "images" not in record.fields
         assert record.text.startswith("<|user|><image>color:")
+        assert record.image_sources == (f"images/train-{record.index}-0.png",)  # as `check` names it
     answers = {record.fields["answer"] for record in records}
     assert answers == set(COLORS), answers  # every color drawn (24 rows, 3 colors)
     expanded = len(model_inputs(processor, records[0].text, records[0].images)[0])

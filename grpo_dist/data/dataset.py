@@ -46,6 +46,7 @@ class PromptRecord:
     index: int = 0  # 0-based position of the row in the dataset file
     messages: list[dict[str, Any]] | None = None  # the row's chat turns (its system prompt first), when templated
     images: tuple[bytes, ...] = ()  # the prompt's images as PNG bytes, one placeholder each in `token_ids`
+    image_sources: tuple[str, ...] = ()  # each image's name: its path, or its place in the row
 
     @property
     def row(self) -> dict[str, Any]:
@@ -233,12 +234,11 @@ def encode_prompts(
         if expanded_length(processor, text, images, token_ids) > max_prompt_tokens:
             num_skipped += 1
             continue
-        taken = ("prompt", "messages", "images") if processor is not None else ("prompt", "messages")
+        taken = ("prompt", "messages", "images", "image_sources") if processor is not None else ("prompt", "messages")
         fields = {key: value for key, value in row.items() if key not in taken}
         turns = prompt_turns(row, system_prompt) if templated else None
-        records.append(
-            PromptRecord(text=text, token_ids=token_ids, fields=fields, index=index, messages=turns, images=images)
-        )
+        sources = tuple(row.get("image_sources") or ()) if images else ()
+        records.append(PromptRecord(text, token_ids, fields, index, turns, images=images, image_sources=sources))
     if not records:
         raise DatasetError(
             f"encode_prompts: all {num_skipped} prompts are longer than max_prompt_tokens={max_prompt_tokens} "

@@ -50,13 +50,22 @@ def read_source(
     mapped = [_mapped(row, fields, named, number, key) for number, row in enumerate(rows, 1)]
     if fields.images is not None:
         for number, (row, source) in enumerate(zip(mapped, rows, strict=True), 1):
-            row["images"] = _images(source, fields.images, f"{named}: row {number}", base_dir, key)
+            where = f"{named}: row {number}"
+            row["images"], row[IMAGE_SOURCES] = _images(source, fields.images, where, base_dir, key)
     return mapped
 
 
-def _images(row: dict[str, Any], column: str, where: str, base_dir: Path | None, key: str) -> list[bytes]:
-    """The images in `row`'s column `column` (one, or a list of them) as PNG bytes (`grpo_dist.models.vision`)."""
-    from grpo_dist.models.vision import ImageError, encoded
+IMAGE_SOURCES = "image_sources"
+"""The key of a mapped row's images' names, beside `images` (where `data.fields.images` is set): what `grpo-dist
+check` shows of them."""
+
+
+def _images(
+    row: dict[str, Any], column: str, where: str, base_dir: Path | None, key: str
+) -> tuple[list[bytes], list[str]]:
+    """The images in `row`'s column `column` (one, or a list of them) as PNG bytes (`grpo_dist.models.vision`), and
+    each one's name: its path, or where it is in the row."""
+    from grpo_dist.models.vision import ImageError, encoded, source_name
 
     found = lookup(row, column)
     if found is MISSING:
@@ -66,9 +75,10 @@ def _images(row: dict[str, Any], column: str, where: str, base_dir: Path | None,
         )
     found = found if isinstance(found, list) else [] if found is None else [found]
     try:
-        return [encoded(image, f"{where}, {column}[{at}]", base_dir) for at, image in enumerate(found)]
+        images = [encoded(image, f"{where}, {column}[{at}]", base_dir) for at, image in enumerate(found)]
     except ImageError as err:
         raise DatasetError(f"{err} ({key})") from None
+    return images, [source_name(image, f"{column}[{at}]") for at, image in enumerate(found)]
 
 
 def _mapped(row: dict[str, Any], fields: FieldsConfig, named: str, number: int, key: str) -> dict[str, Any]:

@@ -51,6 +51,14 @@ def encoded(image: Any, where: str, base_dir: Path | None = None) -> bytes:
     return out.getvalue()
 
 
+def source_name(image: Any, where: str) -> str:
+    """What an image of a dataset row is called where it is shown: its path (a `datasets` value's too), else
+    `where` (its column and place in the row)."""
+    if isinstance(image, dict):
+        image = image.get("path") or where
+    return str(image) if isinstance(image, str | Path) else where
+
+
 def opened(images: Sequence[bytes]) -> list:
     """PNG bytes (`encoded`) as RGB PIL images."""
     from PIL import Image
@@ -67,12 +75,12 @@ def model_inputs(processor, text: str, images: Sequence[bytes]) -> tuple[list[in
     return ids, {name: found[name] for name in IMAGE_TENSORS if name in found}
 
 
-def describe(image: bytes) -> str:
-    """An image (`encoded`) as a check names it: its size and a short digest of its pixels."""
+def describe(image: bytes, name: str) -> str:
+    """An image (`encoded`) as a check names it: its name (`source_name`), its size and a digest of its pixels."""
     import hashlib
 
     (picture,) = opened([image])
-    return f"{picture.width}x{picture.height} ({hashlib.sha256(picture.tobytes()).hexdigest()[:8]})"
+    return f"{name} ({picture.width}x{picture.height}, {hashlib.sha256(picture.tobytes()).hexdigest()[:8]})"
 
 
 def is_vision_model(model_path: str | Path) -> bool:

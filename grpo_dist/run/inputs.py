@@ -181,7 +181,9 @@ def show_first_prompt(cfg: Config, record: PromptRecord, tokenizer: Any) -> None
     if record.images:
         from grpo_dist.models.vision import describe
 
-        print(f"  its images ({cfg.data.images_column}): {', '.join(describe(image) for image in record.images)}")
+        named = record.image_sources or [f"{cfg.data.images_column}[{at}]" for at in range(len(record.images))]
+        shown = ", ".join(describe(image, name) for image, name in zip(record.images, named, strict=True))
+        print(f"  its images ({cfg.data.images_column}): {shown}")
     lost = sorted(set(record.text) - set(read))
     if lost:
         where = " (model.tiny.characters)" if cfg.model.tiny is not None else ""
