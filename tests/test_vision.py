@@ -341,3 +341,50 @@ def test_the_vision_recipe_learns_the_color_in_its_pictures_with_the_engines_log
     assert AutoProcessor.from_pretrained(final).image_processor is not None
     tower = {name: p for name, p in initial.named_parameters() if "vision_model" in name}
     assert all(not torch.equal(tower[name], p) for name, p in trained.named_parameters() if name in tower)
+
+
+@pytest.mark.slow
+def test_an_image_run_killed_at_its_checkpoint_and_resumed_matches_the_whole_run(ray_cluster, capfd, tmp_path):
+    """A 4-step run of the vision recipe, whole and SIGKILLed once its step-2 checkpoint is written then resumed:
+    the same figures at every step (the images drawn, sampled and trained on as the whole run's were)."""
+    import os
+    import signal
+    import time
+
+    from conftest import train_here
+    from test_resume import COMPARED, grpo_dist, rows
+
+    raw = yaml.safe_load(VISION.read_text())
+    raw["run"].update(output_dir=str(tmp_path / "outputs"), steps=4)
+    raw["model"]["path"] = str(tmp_path / "model")  # built by the first run, read by the others
+    raw["data"]["task"].update(num_train=64, num_eval=8)
+    raw.update(eval={"every": 0, "sets": [{"name": "held_out"}]}, wandb={"enabled": False})
+    raw["checkpoint"] = {"every_steps": 2, "keep": 1}
+    configs = {}
+    for name in ("whole", "resumed"):
+        raw["run"]["name"] = name
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(raw))
+    code, out = train_here(capfd, configs["whole"])
+    assert code == 0, out[-3000:]
+
+    joined = f"ray.address={ray_cluster.get_runtime_context().gcs_address}"
+    interrupted = grpo_dist("train", str(configs["resumed"]), joined, start_new_session=True)
+    run_dir, deadline = tmp_path / "outputs" / "resumed", time.monotonic() + 600
+    while not (run_dir / "checkpoints" / "latest").exists():
+        assert interrupted.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
+        time.sleep(0.1)
+    os.kill(interrupted.pid, signal.SIGKILL)
+    interrupted.wait(timeout=60)
+    code, out = train_here(capfd, configs["resumed"], resume=True)
+    assert code == 0, out[-3000:]
+    assert "after step 2" in out, out[-3000:]
+
+    expected, got = rows(tmp_path / "outputs" / "whole"), rows(run_dir)
+    assert [row["step"] for row in got] == [1, 2, 3, 4]
+    compared = [key for key in COMPARED if key in expected[0]]  # (no KL: the recipe's beta is 0)
+    assert {"reward/mean", "loss", "grad_norm"} <= set(compared)
+    for want, have in zip(expected, got, strict=True):
+        for key in compared:
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
+    assert expected[-1]["grad_norm"] > 0  # training moved the weights
