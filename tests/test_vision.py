@@ -187,6 +187,9 @@ def test_a_rows_images_that_are_missing_or_unreadable_are_refused_naming_the_row
     fields = FieldsConfig(images="picture")
     with pytest.raises(DatasetError, match=r"rows.jsonl: row 2: no images column 'picture' \(data.fields.images"):
         read_source(str(data), "train", None, fields, "data.path")
+    data.write_text('{"prompt": "a", "answer": "1", "picture": []}\n')
+    with pytest.raises(DatasetError, match=r"rows.jsonl: row 1: no image in its column 'picture'"):
+        read_source(str(data), "train", None, fields, "data.path")
     data.write_text('{"prompt": "a", "answer": "1", "picture": ["red.png", "blue.png"]}\n')
     with pytest.raises(DatasetError, match=r"rows.jsonl: row 1, picture\[1\]: cannot read the image"):
         read_source(str(data), "train", None, fields, "data.path")
@@ -201,6 +204,12 @@ def test_a_rows_images_that_are_missing_or_unreadable_are_refused_naming_the_row
         pytest.param({"learner": {"packing": True}}, "learner.packing", id="packing"),
         pytest.param({"learner": {"packing": False, "lora": {"rank": 4}}}, "learner.lora", id="lora"),
         pytest.param({"data": {"chat_template": False}}, "data.chat_template: false", id="no-template"),
+        pytest.param(
+            {"reward": {"model": {"path": "org/rm"}, "functions": [{"name": "reward_model", "weight": 1}]}},
+            "reward.judge or reward.model",
+            id="reward-model",
+        ),
+        pytest.param({"sft": {"base": "base"}}, "an sft warm-up", id="sft"),
     ],
 )
 def test_images_are_refused_where_a_run_cannot_take_them(tmp_path, change, said):
@@ -210,18 +219,15 @@ def test_images_are_refused_where_a_run_cannot_take_them(tmp_path, change, said)
 
     raw = small_config(tmp_path, learner={"packing": False})
     raw["data"]["task"] = {"name": "color", "num_train": 8, "num_eval": 2}
-    for section, values in change.items():
-        raw[section] = {**raw[section], **values}
     path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    accepted = load_config(path)  # without the change, the run is taken
+    for section, values in change.items():
+        raw[section] = {**raw.get(section, {}), **values}
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(path)
-    raw["learner"], raw["data"] = (
-        {**raw["learner"], "packing": False, "lora": None},
-        {**raw["data"], "chat_template": None},
-    )
-    path.write_text(yaml.safe_dump(raw))
-    assert load_config(path).data.images_column == "images"  # with none of them, the run is taken
+    assert accepted.data.images_column == "images"
 
 
 def test_a_text_model_given_images_is_refused_before_any_actor_starts(tmp_path):
@@ -388,3 +394,20 @@ def test_an_image_run_killed_at_its_checkpoint_and_resumed_matches_the_whole_run
         for key in compared:
             assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
     assert expected[-1]["grad_norm"] > 0  # training moved the weights
+
+
+def test_images_of_other_sizes_are_padded_to_the_largest_with_their_mask_false_there():
+    from grpo_dist.models.vision import batch_pixels
+
+    def row(images: int, height: int, width: int) -> dict:
+        return {
+            "pixel_values": torch.ones(1, images, 3, height, width),
+            "pixel_attention_mask": torch.ones(1, images, height, width, dtype=torch.bool),
+        }
+
+    pixels = batch_pixels([row(1, 56, 42), {}, row(2, 40, 56)])
+    values, mask = pixels["pixel_values"], pixels["pixel_attention_mask"]
+    assert values.shape == (3, 2, 3, 56, 56) and mask.shape == (3, 2, 56, 56)
+    assert mask[0, 0].sum() == 56 * 42 and not mask[0, 0, :, 42:].any() and not mask[0, 1].any()
+    assert not mask[1].any() and mask[2, :, :40].all() and not mask[2, :, 40:].any()
+    assert values[0, 0, :, :, :42].eq(1).all() and values[0, 0, :, :, 42:].eq(0).all()

@@ -223,6 +223,9 @@ class Config(_Section):
             "learner.lora (adapters on a vision-language model are not supported yet)": self.learner.lora is not None,
             "algorithm.distill (the teacher scores the tokens without their images)": self.algorithm.distill
             is not None,
+            "reward.judge or reward.model (they read the prompt's text, not its images)": self.reward.judge is not None
+            or self.reward.model is not None,
+            "an sft warm-up (it trains on the text alone)": self.sft is not None,
         }
         for what, given in refused.items():
             if given:

@@ -190,6 +190,11 @@ class DataConfig(_Section):
             raise ValueError("set either data.path (a file, a directory, a hub dataset) or data.task (a bundled task)")
         if self.task is not None and self.path is not None:
             raise ValueError("set only one of data.path and data.task")
+        if self.task is not None and self.task.name != "color" and self.fields.images is not None:
+            raise ValueError(
+                f"data.fields.images names a column of data.path, and the {self.task.name} task's rows have no images"
+                " (the color task's do): set it to null, or train on data.path"
+            )
         if self.images_column is not None and self.chat_template is False:
             raise ValueError(
                 "data.fields.images: a prompt's images are placed by the model's chat template, which"

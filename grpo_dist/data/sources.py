@@ -74,6 +74,11 @@ def _images(
             f"column that holds the row's images, or set it to null for text prompts ({key})"
         )
     found = found if isinstance(found, list) else [] if found is None else [found]
+    if not found:  # every rank's forward must run the vision tower, as every other rank's does
+        raise DatasetError(
+            f"{where}: no image in its column {column!r} (data.fields.images): every row of a run on images needs"
+            f" one at least; drop the rows without ({key})"
+        )
     try:
         images = [encoded(image, f"{where}, {column}[{at}]", base_dir) for at, image in enumerate(found)]
     except ImageError as err:

@@ -26,8 +26,12 @@ TOKENIZER_FILES = CONFIG_FILES + [
     "*.tiktoken",
     "chat_template*",
     "*.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 ]
-"""What checking a config against a model reads (`grpo-dist check`): its config and its tokenizer, not its weights."""
+"""What checking a config against a model reads (`grpo-dist check`): its config, its tokenizer and (of a
+vision-language model) its processor, not its weights."""
 
 
 def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model", files: list[str] | None = None) -> str:

@@ -83,6 +83,22 @@ def describe(image: bytes, name: str) -> str:
     return f"{name} ({picture.width}x{picture.height}, {hashlib.sha256(picture.tobytes()).hexdigest()[:8]})"
 
 
+SUPPORTED = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
+"""The vision-language model types whose processors' pixel layouts `batch_pixels` combines: batched images with a
+mask (Idefics3, SmolVLM), or flat patches with an image grid (Qwen2-VL, Qwen2.5-VL)."""
+
+
+def model_type(model_path: str | Path) -> str | None:
+    """The `model_type` of the model at `model_path`'s config.json (None where it has none)."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
+
+
 def is_vision_model(model_path: str | Path) -> bool:
     """Whether the model at `model_path` is a vision-language model (its config.json has a vision tower)."""
     import json
@@ -114,9 +130,11 @@ def row_pixels(image_processor, images: Sequence[bytes]) -> dict:
 
 def batch_pixels(rows: Sequence[dict]) -> dict:
     """Rows' `row_pixels` as one micro-batch's: flat patches concatenated in row order (the order of the image
-    tokens in the batch), or batched tensors stacked with each row padded to the most images with all-zero images,
-    which such models skip; empty where no row has images."""
+    tokens in the batch: `image_grid_thw`), or batched tensors [1, images, ..., H, W] stacked, each row padded to the
+    most images with all-zero images (which such models skip) and each image to the largest height and width (its
+    mask false there); empty where no row has images."""
     import torch
+    import torch.nn.functional as F
 
     found = [row for row in rows if row]
     if not found:
@@ -124,12 +142,15 @@ def batch_pixels(rows: Sequence[dict]) -> dict:
     if "image_grid_thw" in found[0]:
         return {name: torch.cat([row[name] for row in found]) for name in found[0]}
     most = max(row["pixel_values"].shape[1] for row in found)
+    height = max(row["pixel_values"].shape[-2] for row in found)
+    width = max(row["pixel_values"].shape[-1] for row in found)
     out = {}
     for name, like in found[0].items():
         padded = []
         for row in rows:
             have = row[name] if row else like[:, :0]
-            padded.append(torch.cat([have, like.new_zeros((1, most - have.shape[1], *like.shape[2:]))], dim=1))
+            have = F.pad(have, (0, width - have.shape[-1], 0, height - have.shape[-2]))  # zeros: false in a mask
+            padded.append(torch.cat([have, have.new_zeros((1, most - have.shape[1], *have.shape[2:]))], dim=1))
         out[name] = torch.cat(padded)
     return out
 

@@ -460,6 +460,14 @@ def load_processor(cfg: Config, model_path: str) -> Any:
         return None
     from transformers import AutoProcessor
 
+    from grpo_dist.models.vision import SUPPORTED, is_vision_model, model_type
+
+    if is_vision_model(model_path) and (kind := model_type(model_path)) not in SUPPORTED:
+        raise ConfigError(
+            f"the prompts carry images, and model.path {model_path} is a {kind} model, whose processor's pixel layout"
+            f" the learner does not combine yet (it does for {', '.join(SUPPORTED)})"
+        )
+
     try:
         processor = AutoProcessor.from_pretrained(model_path)
     except (OSError, ValueError) as err:
