@@ -140,8 +140,9 @@ def agent_on_a_free_port():
     chooses. `ray.init` has no setting for it and Ray's default is a fixed port, 52365: where another cluster on the
     machine holds it (a run beside this one, a test suite's own cluster, or the agent of a cluster just stopped, which
     lingers), the new agent retries the bind for 4.4 s before giving up, and the raylet waits for it before the node
-    counts as started: `ray.init` took 6.8 s with the port taken and 3.9 s with this (`benchmarks/startup.py`,
-    docs/performance.md). A run's own cluster serves no job submission, the one thing that port is for."""
+    counts as started: the quick start's step 1 came at 16.5 s with the port taken and 14.0 s with this
+    (`benchmarks/startup.py --up`, docs/performance.md). A run's own cluster serves no job submission, the one thing
+    that port is for."""
     parameters = ray._private.parameter
     fixed = parameters.RayParams
 

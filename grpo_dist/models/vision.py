@@ -88,26 +88,25 @@ SUPPORTED = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
 mask (Idefics3, SmolVLM), or flat patches with an image grid (Qwen2-VL, Qwen2.5-VL)."""
 
 
-def model_type(model_path: str | Path) -> str | None:
-    """The `model_type` of the model at `model_path`'s config.json (None where it has none)."""
+def model_config(model_path: str | Path) -> dict:
+    """The model's config.json at `model_path` as a dict (empty where there is none or it is not JSON)."""
     import json
 
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    return config.get("model_type") if isinstance(config, dict) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def model_type(model_path: str | Path) -> str | None:
+    """The `model_type` of the model at `model_path` (None where its config names none)."""
+    return model_config(model_path).get("model_type")
 
 
 def is_vision_model(model_path: str | Path) -> bool:
     """Whether the model at `model_path` is a vision-language model (its config.json has a vision tower)."""
-    import json
-
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "vision_config" in config
+    return "vision_config" in model_config(model_path)
 
 
 def load_policy(model_path: str | Path, dtype):
@@ -164,11 +163,9 @@ def placeholder_ids(model_path: str | Path) -> list[int]:
     for a text model. A completion may not sample one: the learner's forward would take it for a slot to fill with
     image features the prompt does not have. The engines bias them away and the learner scores them out, so both
     sample from and score the same distribution (the vocabulary without them: `grpo_dist.algo.scoring.without`)."""
-    import json
-
-    if not is_vision_model(model_path):
+    config = model_config(model_path)
+    if "vision_config" not in config:
         return []
-    config = json.loads((Path(model_path) / "config.json").read_text())
     return sorted({config[key] for key in PLACEHOLDER_KEYS if isinstance(config.get(key), int)})
 
 
