@@ -19,6 +19,53 @@ TESTS_DIR = Path(__file__).parent
 REPO = TESTS_DIR.parent
 
 
+_session_warm: tuple[Path, subprocess.Popen] | None = None
+
+
+def session_warm_process() -> Path | None:
+    """The socket of this test process's warm process (`grpo_dist.cluster.warm`), started on first use and killed
+    with this process: the session's Ray cluster forks its actors from it, and so do the runs the tests start as
+    commands with clusters of their own (`warm_shared_env`), which would each import the stack once more in a warm
+    process of their own. None where workers cannot start warm."""
+    global _session_warm
+    from grpo_dist.cluster import warm
+
+    if not warm.available():
+        return None
+    if _session_warm is None or _session_warm[1].poll() is not None:
+        import atexit
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="grpo-dist-tests-warm-", dir="/tmp"))  # short: a socket path's limit
+        socket_path = directory / "warm.sock"
+        _session_warm = (socket_path, warm.start(socket_path, directory / "warm.log", detached=False))
+        atexit.register(_stop_session_warm)
+    return _session_warm[0]
+
+
+def _stop_session_warm() -> None:
+    global _session_warm
+    if _session_warm is not None:
+        socket_path, process = _session_warm
+        _session_warm = None
+        process.kill()
+        process.wait(timeout=30)
+        import shutil
+
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def warm_shared_env() -> dict[str, str]:
+    """Environment variables for a command whose run starts a local cluster of its own: its actors forked from the
+    session's warm process (`grpo_dist.cluster.warm.SHARED_ENV`) instead of one the command starts. A test that
+    finds a run's actors among its driver's descendants leaves them out: forked from the session's process, they
+    are not the driver's."""
+    from grpo_dist.cluster import warm
+
+    socket_path = session_warm_process()
+    return {warm.SHARED_ENV: str(socket_path)} if socket_path is not None else {}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py."""
@@ -30,18 +77,13 @@ def ray_cluster(tmp_path_factory):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     os.environ.setdefault("WANDB_MODE", "offline")
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    warm_process, only_this_cluster = None, contextlib.nullcontext()
-    if warm.available():  # the session's actors forked from one process that imported the stack once
-        socket_path = tmp_path_factory.mktemp("warm") / "warm.sock"
-        warm_process = warm.start(socket_path, socket_path.with_name("warm.log"), detached=False)
+    only_this_cluster = contextlib.nullcontext()
+    if (socket_path := session_warm_process()) is not None:  # the session's actors forked from one process
         only_this_cluster = warm.used_for_nodes_started_here(socket_path)  # a test's own nodes start cold
     with only_this_cluster:
         start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
-    if warm_process is not None:
-        warm_process.kill()
-        warm_process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

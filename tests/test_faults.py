@@ -104,7 +104,7 @@ def test_a_run_survives_its_actors_killed_and_hung(tmp_path):
         faults={"generate_timeout_s": 10, "score_timeout_s": 8, "train_timeout_s": 10},
     )
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, raw) as run:
+    with training(tmp_path, raw, warm_shared=False) as run:  # its actors found among the driver's descendants
         driver = psutil.Process(run.pid)
         timings, everything = [], []
         wait_for(lambda: (row := last_row(run_dir)) is not None and row["step"] >= 1, run, "first step")

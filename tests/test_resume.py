@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, injected, small_config, train_here, written_checkpoint
+from conftest import REPO, TESTS_DIR, injected, small_config, train_here, warm_shared_env, written_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -39,20 +39,26 @@ def write_config(tmp_path, name: str, k: int = 0, model: Path | None = None, lor
     return str(path)
 
 
-def grpo_dist(*args: str, **kwargs) -> subprocess.Popen:
+def grpo_dist(*args: str, warm_shared: bool = True, **kwargs) -> subprocess.Popen:
+    """`python -m grpo_dist ARGS` in a new process; a run it starts on a cluster of its own forks its actors from the
+    session's warm process unless `warm_shared` is false (`conftest.warm_shared_env`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
+    if warm_shared and args[:1] == ("train",):
+        env.update(warm_shared_env())
     return subprocess.Popen([sys.executable, "-m", "grpo_dist", *args], cwd=REPO, env=env, **kwargs)
 
 
 @contextmanager
-def training(tmp_path: Path, raw: dict) -> Iterator[subprocess.Popen]:
+def training(tmp_path: Path, raw: dict, warm_shared: bool = True) -> Iterator[subprocess.Popen]:
     """`grpo-dist train` on the config `raw`, in the background, its output in tmp_path/run.log; killed with its
-    whole session if it is still running when the block ends (a failed test leaves nothing behind)."""
+    whole session if it is still running when the block ends (a failed test leaves nothing behind). `warm_shared`:
+    as `grpo_dist`'s."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
     with (tmp_path / "run.log").open("w") as log:
-        run = grpo_dist("train", str(config), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        run = grpo_dist("train", str(config), warm_shared=warm_shared, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True)  # fmt: skip
         try:
             yield run
         finally:

@@ -244,15 +244,28 @@ def used_for_nodes_started_here(path: Path) -> Iterator[None]:
             os.environ[SOCKET_ENV] = socket_before
 
 
-_for_this_run: tuple[Path, subprocess.Popen] | None = None
+SHARED_ENV = "GRPO_DIST_WARM_PROCESS"
+"""The socket of a warm process already serving on this machine, which a run starting a local cluster of its own
+forks its actors from instead of starting one: runs one after another that each need a cluster of their own (a test
+suite's, a sweep's) pay for the stack's imports once. Start one with `python -m grpo_dist.cluster.warm SOCKET`; it
+must have imported the same code as the runs."""
+
+_for_this_run: tuple[Path, subprocess.Popen | None] | None = None
 
 
 def start_for_this_run() -> None:
     """Start a warm process for the local Ray cluster this run will start, early (importing beside the driver's own
-    start); `used_by_this_run` gives it to that cluster, `stop_for_this_run` (or this process's exit) stops it."""
+    start); `used_by_this_run` gives it to that cluster, `stop_for_this_run` (or this process's exit) stops it. Where
+    the environment names a warm process already serving (`SHARED_ENV`), that one is used and left running."""
     global _for_this_run
     if _for_this_run is not None or not available():
         return
+    if shared := os.environ.get(SHARED_ENV):
+        if Path(shared).is_socket():
+            _for_this_run = (Path(shared), None)
+            return
+        print(f"grpo-dist: {SHARED_ENV}={shared} names no socket: the run starts a warm process of its own",
+              file=sys.stderr)  # fmt: skip
     import atexit
     import tempfile
 
@@ -273,6 +286,8 @@ def stop_for_this_run() -> None:
         return
     path, process = _for_this_run
     _for_this_run = None
+    if process is None:  # shared with other runs (`SHARED_ENV`): theirs to stop
+        return
     process.kill()
     process.wait(timeout=30)
     import shutil
