@@ -59,6 +59,24 @@ def test_the_warm_up_learns_the_task_and_writes_a_model_training_starts_from(tmp
     assert prepare_model(cfg) == str(out_dir.resolve())
 
 
+def test_the_warm_up_takes_its_share_of_the_cores_where_runs_share_them(tmp_path, monkeypatch):
+    """With GRPO_DIST_CPU_SHARE=K, the warm-up's torch threads are the cores divided by K, as a learner rank's: all of
+    them, each spin-waiting for cores another run holds, made two runs side by side several times slower."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: nothing to share")
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    monkeypatch.setenv("GRPO_DIST_CPU_SHARE", str(cores))
+    try:
+        run_sft(load_config(sft_config(tmp_path, sft={"base": str(tmp_path / "base"), "steps": 2})))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_warm_up_refuses_to_overwrite_a_model_unless_asked(tmp_path, capsys):
     config = sft_config(tmp_path, sft={"base": str(tmp_path / "base"), "steps": 2, "batch_size": 4})
     (tmp_path / "model").mkdir()

@@ -159,6 +159,43 @@ def test_only_a_worker_needing_no_more_than_variables_is_forked_warm(tmp_path, c
         assert fake is None or fake.connections == 0
 
 
+@pytest.mark.parametrize("named", ["a warm process serving", "no socket"])
+def test_a_run_takes_the_warm_process_its_environment_names_and_leaves_it_running(tmp_path, monkeypatch, capfd, named):
+    """`GRPO_DIST_WARM_PROCESS` naming a warm process's socket: the run starts none of its own, and its end leaves that
+    one serving. Naming no socket: said, and the run starts its own (here a stand-in process), stopped at its end."""
+    if not warm.available():
+        pytest.skip("no warm processes on this machine (not Linux, or a GPU device)")
+    started = []
+
+    def start(path, log, detached):
+        started.append(subprocess.Popen(["sleep", "600"]))
+        return started[-1]
+
+    monkeypatch.setattr(warm, "start", start)
+    path = tmp_path / "warm.sock"
+    serving = socket.socket(socket.AF_UNIX)
+    if named == "a warm process serving":
+        serving.bind(str(path))
+        serving.listen(8)
+    monkeypatch.setenv(warm.SHARED_ENV, str(path))
+    warm.start_for_this_run()
+    try:
+        said = capfd.readouterr().err
+        if named == "a warm process serving":
+            assert started == [] and said == ""
+        else:
+            assert len(started) == 1 and f"{warm.SHARED_ENV}={path} names no socket" in said, said
+    finally:
+        warm.stop_for_this_run()
+    if named == "a warm process serving":  # its socket left where it was, still taking connections
+        probe = socket.socket(socket.AF_UNIX)
+        probe.connect(str(path))
+        probe.close()
+        serving.close()
+    else:
+        assert started[0].wait(timeout=10) == -signal.SIGKILL
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         return psutil.Process(pid).cmdline()

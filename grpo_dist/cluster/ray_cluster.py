@@ -124,7 +124,7 @@ def start_local_ray(**settings) -> None:
     system = {"worker_niceness": WORKER_NICENESS, **settings.pop("_system_config", {})}
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
-            with lean_local_node():
+            with agent_on_a_free_port():
                 ray.init(address="local", include_dashboard=False, _system_config=system, **settings)
             return
         except Exception as err:  # Ray raises a bare Exception for it
@@ -135,26 +135,22 @@ def start_local_ray(**settings) -> None:
 
 
 @contextlib.contextmanager
-def lean_local_node():
-    """Within the block, a local cluster `ray.init` starts leaves out what a run's own cluster never uses, which
-    `ray.init` has no setting for:
-    - its dashboard agent's HTTP server takes a port the system chooses. Ray's default is a fixed port, 52365: where
-      another cluster on the machine holds it (a run beside this one, a test suite's own cluster, or the agent of a
-      cluster just stopped, which lingers), the new agent retries the bind for 4.4 s before giving up, and the raylet
-      waits for it before the node counts as started: the quick start's step 1 came at 16.5 s with the port taken
-      and 14.0 s with this (`benchmarks/startup.py --up`, docs/performance.md). That port only serves job submission.
-    - no autoscaler monitor: a local cluster has no nodes to add, and the monitor is one more Python process importing
-      Ray while the run starts (the generators' requests for room, `rollout.autoscale`, are still written to the
-      cluster, where nothing reads them)."""
+def agent_on_a_free_port():
+    """Within the block, a local cluster `ray.init` starts gives its dashboard agent's HTTP server a port the system
+    chooses. `ray.init` has no setting for it and Ray's default is a fixed port, 52365: where another cluster on the
+    machine holds it (a run beside this one, a test suite's own cluster, or the agent of a cluster just stopped, which
+    lingers), the new agent retries the bind for 4.4 s before giving up, and the raylet waits for it before the node
+    counts as started: the quick start's step 1 came at 16.5 s with the port taken and 14.0 s with this
+    (`benchmarks/startup.py --up`, docs/performance.md). A run's own cluster serves no job submission, the one thing
+    that port is for."""
     parameters = ray._private.parameter
     fixed = parameters.RayParams
 
-    class LeanLocalNode(fixed):
-        def __init__(self, *args, dashboard_agent_listen_port: int = 0, no_monitor: bool = True, **kwargs):
-            super().__init__(*args, dashboard_agent_listen_port=dashboard_agent_listen_port, no_monitor=no_monitor,
-                             **kwargs)  # fmt: skip
+    class FreeAgentPort(fixed):
+        def __init__(self, *args, dashboard_agent_listen_port: int = 0, **kwargs):
+            super().__init__(*args, dashboard_agent_listen_port=dashboard_agent_listen_port, **kwargs)
 
-    parameters.RayParams = LeanLocalNode
+    parameters.RayParams = FreeAgentPort
     try:
         yield
     finally:

@@ -57,6 +57,7 @@ def serve(path: str) -> None:
     """Import the stack, then fork a worker for each launcher that connects to `path`, until killed."""
     started = time.monotonic()
     listener = socket.socket(socket.AF_UNIX)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).unlink(missing_ok=True)
     listener.bind(path)
     listener.listen(128)  # launchers that come before the imports end wait for their answer (READY_TIMEOUT_S)
