@@ -66,6 +66,16 @@ def warm_shared_env() -> dict[str, str]:
     return {warm.SHARED_ENV: str(socket_path)} if socket_path is not None else {}
 
 
+def warm_nodes() -> contextlib.AbstractContextManager:
+    """Within the block, the Ray nodes this process starts (`ray.cluster_utils.Cluster`, its head and `add_node`) fork
+    their workers from the session's warm process instead of starting them cold. For tests that look for no actor
+    among a node's processes: a forked worker is the warm process's child, not the raylet's."""
+    from grpo_dist.cluster import warm
+
+    socket_path = session_warm_process()
+    return warm.used_for_nodes_started_here(socket_path) if socket_path is not None else contextlib.nullcontext()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py."""

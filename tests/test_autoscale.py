@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TESTS_DIR, injected, small_config
+from conftest import TESTS_DIR, injected, small_config, warm_nodes
 from test_overlap import UNTIL_STOPPED, stop, wait_for_row
 from test_resume import training
 
@@ -89,8 +89,9 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
     slow = tmp_path / "slow_s"
     slow.write_text("1.0")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
-    cluster.add_node(num_cpus=4)
+    with warm_nodes():
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+        cluster.add_node(num_cpus=4)
     raw = small_config(
         tmp_path,
         run={"steps": UNTIL_STOPPED},
@@ -105,7 +106,8 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
         with training(tmp_path, raw) as run:
             wait_for_row(run_dir, run, lambda row: row["generators/joining"] == 1)
             asked = autoscaler_demand(cluster.address)
-            cluster.add_node(num_cpus=1)  # as an autoscaler would, for the demand it read
+            with warm_nodes():
+                cluster.add_node(num_cpus=1)  # as an autoscaler would, for the demand it read
             up = wait_for_row(run_dir, run, lambda row: row["generators/count"] == 2)
             slow.write_text("0")
             down = wait_for_row(run_dir, run, lambda row: row["step"] > up["step"] and row["generators/count"] == 1)
