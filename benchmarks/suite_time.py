@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--logs", type=Path, default=Path("/tmp"), help="where each run's output is kept")
     parser.add_argument("--cpu", action="store_true", help="where the CPU time went, by kind of process")
     args = parser.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
     checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
     checkouts["this"] = REPO
     found = {}

@@ -71,7 +71,12 @@ def test_the_warm_up_takes_its_share_of_the_cores_where_runs_share_them(tmp_path
     torch.set_num_threads(cores)
     monkeypatch.setenv("GRPO_DIST_CPU_SHARE", str(cores))
     try:
-        run_sft(load_config(sft_config(tmp_path, sft={"base": str(tmp_path / "base"), "steps": 2})))
+        small = {
+            "data": {"task": {"name": "last_digit", "num_train": 64, "num_eval": 4}, "max_prompt_tokens": 16},
+            "eval": {"max_prompts": 4},
+            "sft": {"base": str(tmp_path / "base"), "steps": 2, "batch_size": 4},
+        }
+        run_sft(load_config(sft_config(tmp_path, **small)))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
