@@ -36,9 +36,11 @@ def session_warm_process() -> Path | None:
         import atexit
         import tempfile
 
+        _stop_session_warm()  # one that died: its directory
         directory = Path(tempfile.mkdtemp(prefix="grpo-dist-tests-warm-", dir="/tmp"))  # short: a socket path's limit
         socket_path = directory / "warm.sock"
         _session_warm = (socket_path, warm.start(socket_path, directory / "warm.log", detached=False))
+        atexit.unregister(_stop_session_warm)
         atexit.register(_stop_session_warm)
     return _session_warm[0]
 
@@ -77,7 +79,7 @@ def warm_nodes() -> contextlib.AbstractContextManager:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     """One local Ray cluster for every integration test; its workers can import tests/reward_fixtures.py."""
     import ray
 
@@ -89,7 +91,7 @@ def ray_cluster(tmp_path_factory):
     env = {"TOKENIZERS_PARALLELISM": "false"}
     only_this_cluster = contextlib.nullcontext()
     if (socket_path := session_warm_process()) is not None:  # the session's actors forked from one process
-        only_this_cluster = warm.used_for_nodes_started_here(socket_path)  # a test's own nodes start cold
+        only_this_cluster = warm.used_for_nodes_started_here(socket_path)  # a test's own: cold, unless `warm_nodes`
     with only_this_cluster:
         start_local_ray(num_cpus=16, runtime_env={"env_vars": env})
     yield ray
