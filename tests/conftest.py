@@ -34,12 +34,9 @@ def session_warm_process() -> Path | None:
         return None
     if _session_warm is None or _session_warm[1].poll() is not None:
         import atexit
-        import tempfile
 
         _stop_session_warm()  # one that died: its directory
-        directory = Path(tempfile.mkdtemp(prefix="grpo-dist-tests-warm-", dir="/tmp"))  # short: a socket path's limit
-        socket_path = directory / "warm.sock"
-        _session_warm = (socket_path, warm.start(socket_path, directory / "warm.log", detached=False))
+        _session_warm = warm.start_in_new_dir("grpo-dist-tests-warm-")
         atexit.unregister(_stop_session_warm)
         atexit.register(_stop_session_warm)
     return _session_warm[0]
@@ -47,14 +44,11 @@ def session_warm_process() -> Path | None:
 
 def _stop_session_warm() -> None:
     global _session_warm
-    if _session_warm is not None:
-        socket_path, process = _session_warm
-        _session_warm = None
-        process.kill()
-        process.wait(timeout=30)
-        import shutil
+    from grpo_dist.cluster import warm
 
-        shutil.rmtree(socket_path.parent, ignore_errors=True)
+    if _session_warm is not None:
+        stopped, _session_warm = _session_warm, None
+        warm.stop_and_remove(*stopped)
 
 
 def warm_shared_env() -> dict[str, str]:

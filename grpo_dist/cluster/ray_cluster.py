@@ -55,6 +55,12 @@ def cpu_share() -> int:
     return int(value)
 
 
+def share_of_cores(sharers: int) -> int:
+    """This process's share of the cores it may run on, split among `sharers` (at least 1): a CPU process's torch
+    threads where several training processes share the machine (`cpu_share`)."""
+    return max(1, len(os.sched_getaffinity(0)) // sharers)
+
+
 def start_ray(cfg: Config) -> bool:
     """Join `ray.address`; else the local cluster `grpo-dist up` started, when it is up (`grpo_dist.cluster.standing`);
     else start a local cluster of this run's own big enough for its actors (even where another Ray cluster runs on

@@ -269,12 +269,28 @@ def start_for_this_run() -> None:
         print(f"grpo-dist: {SHARED_ENV}={shared} names no socket: the run starts a warm process of its own",
               file=sys.stderr)  # fmt: skip
     import atexit
+
+    _for_this_run = start_in_new_dir("grpo-dist-warm-")
+    atexit.register(stop_for_this_run)
+
+
+def start_in_new_dir(prefix: str) -> tuple[Path, subprocess.Popen]:
+    """A warm process killed with this one, serving in a new directory under /tmp named with `prefix` (short: a
+    socket path's limit); its socket's path and the process. `stop_and_remove` stops it."""
     import tempfile
 
-    directory = Path(tempfile.mkdtemp(prefix="grpo-dist-warm-", dir="/tmp"))  # short: a socket path's limit
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     path = directory / "warm.sock"
-    _for_this_run = (path, start(path, directory / "warm.log", detached=False))
-    atexit.register(stop_for_this_run)
+    return path, start(path, directory / "warm.log", detached=False)
+
+
+def stop_and_remove(path: Path, process: subprocess.Popen) -> None:
+    """Kill a warm process `start_in_new_dir` started, and remove its directory."""
+    import shutil
+
+    process.kill()
+    process.wait(timeout=30)
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def used_by_this_run() -> contextlib.AbstractContextManager:
@@ -288,13 +304,8 @@ def stop_for_this_run() -> None:
         return
     path, process = _for_this_run
     _for_this_run = None
-    if process is None:  # shared with other runs (`SHARED_ENV`): theirs to stop
-        return
-    process.kill()
-    process.wait(timeout=30)
-    import shutil
-
-    shutil.rmtree(path.parent, ignore_errors=True)
+    if process is not None:  # else shared with other runs (`SHARED_ENV`): theirs to stop
+        stop_and_remove(path, process)
 
 
 def ray_start(arguments: list[str]) -> None:

@@ -15,7 +15,6 @@ its share of them, as a learner rank does.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from grpo_dist.cluster.ray_cluster import cpu_share
+from grpo_dist.cluster.ray_cluster import cpu_share, share_of_cores
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.data import DatasetError, PromptRecord, encode_prompts
 from grpo_dist.data.sources import read_source
@@ -58,7 +57,7 @@ def run_sft(cfg: Config, overwrite: bool = False) -> Path:
     held_out = read_prompts(cfg, eval_path, tokenizer)[0][: cfg.eval.max_prompts] if eval_path else []
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and (runs_sharing := cpu_share()) > 1:  # its share of the cores, as a learner rank takes
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // runs_sharing))
+        torch.set_num_threads(share_of_cores(runs_sharing))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
     print(f"supervised warm-up of {base} on {len(examples)} solved rows of {train_path}")
     if cfg.environment is not None:  # held-out accuracy needs the episodes: `grpo-dist train`'s step-0 evaluation

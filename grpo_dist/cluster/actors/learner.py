@@ -31,6 +31,7 @@ from grpo_dist.algo.batch import TrainBatch, TrainShard
 from grpo_dist.algo.scoring import scores, token_logprobs, use_packed_attention
 from grpo_dist.algo.throughput import flop_params, peak_flops, step_flops
 from grpo_dist.cluster.actors.learner_weights import LearnerWeights
+from grpo_dist.cluster.ray_cluster import share_of_cores
 from grpo_dist.config import AlgorithmConfig, InjectConfig, LearnerConfig, RolloutConfig
 from grpo_dist.faults.inject import Injector
 from grpo_dist.models import lora, vision
@@ -193,7 +194,7 @@ class Learner(LearnerWeights):
             return self.cfg.threads
         if torch.cuda.is_available():
             return max(1, int(self.cfg.num_cpus))
-        return max(1, len(os.sched_getaffinity(0)) // (local_world_size * runs_sharing))
+        return share_of_cores(local_world_size * runs_sharing)
 
     def _init_distributed(
         self, rank: int, world_size: int, local_rank: int, master: tuple[str, int], timeout_s: float
