@@ -44,7 +44,7 @@ def grpo_dist(*args: str, warm_shared: bool = True, **kwargs) -> subprocess.Pope
     session's warm process unless `warm_shared` is false (`conftest.warm_shared_env`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
-    if warm_shared and args[:1] == ("train",):
+    if warm_shared and args[:1] in (("train",), ("eval",)):
         env.update(warm_shared_env())
     return subprocess.Popen([sys.executable, "-m", "grpo_dist", *args], cwd=REPO, env=env, **kwargs)
 

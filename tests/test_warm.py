@@ -201,3 +201,20 @@ def _cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.Error:
         return []
+
+
+def test_eval_on_a_cluster_of_its_own_takes_a_warm_process_as_train_does(tmp_path):
+    """`grpo-dist eval` starts a local cluster of its own as `train` does, and its actors start warm too: the command
+    asks for the warm process first thing (here one its environment names but that is not there, which it says)."""
+    if not warm.available():
+        pytest.skip("no warm processes on this machine (not Linux, or a GPU device)")
+    import yaml
+    from conftest import cli_batch, small_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path)))
+    missing = tmp_path / "gone.sock"
+    (evaluated,) = cli_batch([["eval", str(config), "--checkpoint", str(tmp_path / "no-checkpoint")]],
+                             env={warm.SHARED_ENV: str(missing)})  # fmt: skip
+    assert evaluated.returncode == 2, evaluated.stderr  # no such checkpoint: refused after the warm process started
+    assert f"{warm.SHARED_ENV}={missing} names no socket: the run starts a warm process of its own" in evaluated.stderr

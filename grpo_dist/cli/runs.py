@@ -114,9 +114,14 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 @bad_data_exits_2
 def _eval(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from grpo_dist.cluster import ray_cluster, warm
+
+    if ray_cluster.starts_a_cluster_of_its_own(cfg):
+        warm.start_for_this_run()  # as `train`'s: the actors forked from one process that imports the stack once
     from grpo_dist.run.evaluation import evaluate_checkpoint
 
-    evaluate_checkpoint(load_config(args.config, args.overrides), args.checkpoint, args.out, args.verbose)
+    evaluate_checkpoint(cfg, args.checkpoint, args.out, args.verbose)
     return 0
 
 
