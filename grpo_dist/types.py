@@ -22,6 +22,19 @@ unscored."""
 FAILURE_KINDS = FLOORED_KINDS + UNSCORED_KINDS
 """Why a reward call has no score of its own, as counted in `reward_failures/why/<kind>`."""
 
+RESERVED_FIELDS = {
+    "isolation": "reward.isolation",
+    "memory_mb": "reward.sandbox_memory_mb",
+    "budget_s": "reward.timeout_s",
+    "timeout_per_test_s": "reward.functions[].kwargs of code_tests",
+    "strict": "reward.functions[].kwargs of code_tests",
+}
+"""The names no field of a dataset row may have, each with the config key that sets it: the settings of the jail
+`code_tests` runs the model's code in, which it takes as keyword arguments. A row's fields are passed to the reward
+functions as keyword arguments, and a row must not set how its completions are judged (lift the memory cap, drop
+`require`, stretch the time), so `grpo_dist.run.inputs` refuses a row that carries one before a run starts, and a reward
+call never passes one on (`grpo_dist.rewards.registry.call_kwargs`)."""
+
 
 class Unscorable(Exception):
     """Raised by a reward function that cannot judge a completion for a reason that is not the completion's (a row

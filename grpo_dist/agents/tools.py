@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from grpo_dist.agents.protocol import ToolCall, resolve_named
-from grpo_dist.config import MODEL_CODE_TOOLS
 from grpo_dist.rewards.code import run_python
 from grpo_dist.sandbox import Sandbox
 from grpo_dist.sandbox.jail import Isolation
@@ -213,6 +212,8 @@ class ToolBox:
             call.seconds = time.monotonic() - started
 
     def _run(self, sandbox: Any, index: int, arguments: dict[str, Any]) -> tuple[Any, str | None, str | None]:
+        from grpo_dist.config import MODEL_CODE_TOOLS  # here: the sandbox's server imports this module without it
+
         if self.paths[index] in MODEL_CODE_TOOLS:
             isolation = Isolation.REQUIRE if self.limits.require else Isolation.BEST_EFFORT
             try:

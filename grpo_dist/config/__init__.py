@@ -57,6 +57,7 @@ from grpo_dist.config.uris import (
     uri_credentials,
     uri_join,
 )
+from grpo_dist.types import RESERVED_FIELDS  # re-exported: the config's checks name it
 
 
 class ConfigError(ValueError):
@@ -386,18 +387,6 @@ MODEL_CODE_REWARDS = ("code_tests",)
 """Built-in rewards that run the model's code, each run jailed (`grpo_dist.rewards.code`)."""
 MODEL_CODE_TOOLS = ("python",)
 """Built-in tools that run the model's code, each call jailed: run by the generator itself, not a tool sandbox."""
-RESERVED_FIELDS = {
-    "isolation": "reward.isolation",
-    "memory_mb": "reward.sandbox_memory_mb",
-    "budget_s": "reward.timeout_s",
-    "timeout_per_test_s": "reward.functions[].kwargs of code_tests",
-    "strict": "reward.functions[].kwargs of code_tests",
-}
-"""The names no field of a dataset row may have, each with the config key that sets it: the settings of the jail
-`code_tests` runs the model's code in, which it takes as keyword arguments. A row's fields are passed to the reward
-functions as keyword arguments, and a row must not set how its completions are judged (lift the memory cap, drop
-`require`, stretch the time), so `grpo_dist.run.inputs` refuses a row that carries one before a run starts, and a reward
-call never passes one on (`grpo_dist.rewards.registry.call_kwargs`)."""
 JAIL_SETTINGS = ("isolation", "memory_mb", "budget_s")
 """Those of `RESERVED_FIELDS` the reward runner passes `code_tests` from the `reward` section itself: not from a
 reward's kwargs either."""

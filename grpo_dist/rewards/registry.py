@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_dist.config import RESERVED_FIELDS
 from grpo_dist.rewards.builtin import (
     boxed_format,
     environment,
@@ -34,7 +33,7 @@ from grpo_dist.rewards.builtin import (
     tool_use,
 )
 from grpo_dist.rewards.code import code_tests
-from grpo_dist.types import REWARD_LIMIT, Failure, Unscorable
+from grpo_dist.types import RESERVED_FIELDS, REWARD_LIMIT, Failure, Unscorable
 
 RewardFn = Callable[..., float]
 """``(prompt: str, completion: str, **fields) -> float``."""
@@ -71,7 +70,7 @@ def call_kwargs(
 ) -> dict[str, Any]:
     """The keyword arguments of one reward call: the row's `fields`, the config's `kwargs` over them, and the jail's
     `settings` (`code_tests`: its isolation, memory and time budget) over both. A field named as a setting
-    (`config.RESERVED_FIELDS`) never reaches the call: the input checks refuse such a row before a run starts, and
+    (`types.RESERVED_FIELDS`) never reaches the call: the input checks refuse such a row before a run starts, and
     this keeps it from a call all the same."""
     kept = {name: value for name, value in fields.items() if name not in RESERVED_FIELDS}
     return {**kept, **kwargs, **(settings or {})}
