@@ -37,6 +37,21 @@ def private_mounts_work(path: Path) -> bool:
     return probe.returncode == 0
 
 
+def ray_start_in_shell(warm_dir: Path) -> str:
+    """A shell command, `ray start`'s arguments to follow it, that starts a Ray node whose workers are forked from a
+    warm process of the node's own (`grpo_dist.cluster.warm`, serving in `warm_dir`) started beside it in the same
+    shell: one that sees what the node sees (a node in a mount namespace of its own, its private disk). Plain `ray
+    start` where workers cannot start warm."""
+    from grpo_dist.cluster import warm, warm_launch
+
+    if not warm.available():
+        return f"exec {RAY} start"
+    warm_dir.mkdir(parents=True, exist_ok=True)
+    socket, python = warm_dir / "warm.sock", sys.executable
+    return (f"{{ {python} -m grpo_dist.cluster.warm {socket} >{warm_dir / 'warm.log'} 2>&1 </dev/null & }} && "
+            f"{warm_launch.SOCKET_ENV}={socket} exec {python} -m grpo_dist.cluster.warm ray-start")  # fmt: skip
+
+
 def node_root(name: str) -> Path:
     """A directory of its own for a test's Ray nodes, under /tmp: Ray puts its Unix sockets under a node's temp dir,
     and a socket's path holds at most 107 bytes, which pytest's directories under pytest-xdist leave no room for."""

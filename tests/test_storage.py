@@ -30,6 +30,7 @@ from ray_nodes import (
     node_root,
     own_ports,
     private_mounts_work,
+    ray_start_in_shell,
     stop_processes_under,
 )
 
@@ -87,7 +88,8 @@ def join_worker(address: str, private: Path, root: Path, env: dict, attempts: in
     for attempt in range(1, attempts + 1):
         log = root / f"worker-{attempt}.log"
         temp_dir, ports = root / f"worker-{attempt}", " ".join(own_ports())
-        worker = (f"mount -t tmpfs tmpfs {private} && exec {RAY} start --address={address} --num-cpus=4 "
+        warm_dir = root / f"warm-{attempt}"  # its workers forked from a warm process that sees its private disk
+        worker = (f"mount -t tmpfs tmpfs {private} && {ray_start_in_shell(warm_dir)} --address={address} --num-cpus=4 "
                   f"--temp-dir={temp_dir} --disable-usage-stats --block {ports}")  # fmt: skip
         with log.open("w") as out:
             node = subprocess.Popen(["unshare", "-m", "sh", "-c", worker], env=env, start_new_session=True,
