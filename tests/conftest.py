@@ -62,6 +62,11 @@ def warm_shared_env() -> dict[str, str]:
     return {warm.SHARED_ENV: str(socket_path)} if socket_path is not None else {}
 
 
+HEAD_NODE = {"num_cpus": 0, "include_dashboard": False}
+"""`ray.cluster_utils.Cluster`'s `head_node_args` for a test's own cluster whose head holds no actor: and no dashboard,
+which no test of those reads and which polls the cluster all along (Ray's dashboards took 4 % of a suite's CPU)."""
+
+
 def warm_nodes() -> contextlib.AbstractContextManager:
     """Within the block, the Ray nodes this process starts (`ray.cluster_utils.Cluster`, its head and `add_node`) fork
     their workers from the session's warm process instead of starting them cold. For tests that look for no actor
@@ -136,6 +141,17 @@ def train_here(capfd, config, *overrides: str, cluster=None, resume: bool | str 
         signal.signal(signal.SIGTERM, sigterm)
     out, err = capfd.readouterr()
     return code, out + err
+
+
+def train_config_here(capfd, tmp_path: Path, raw: dict) -> tuple[int, str]:
+    """`train_here` on the config `raw`, written to tmp_path/run.yaml: a run on the session's Ray cluster (the test
+    takes `ray_cluster`) with its own actors, for the runs whose exit code and console a test reads and that it
+    neither kills nor signals. Returns the exit code and everything printed."""
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    return train_here(capfd, config)
 
 
 @dataclass

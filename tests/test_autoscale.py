@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TESTS_DIR, injected, small_config, warm_nodes
+from conftest import HEAD_NODE, TESTS_DIR, injected, small_config, warm_nodes
 from test_overlap import UNTIL_STOPPED, stop, wait_for_row
 from test_resume import training
 
@@ -90,7 +90,7 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
     slow.write_text("1.0")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     with warm_nodes():
-        cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
         cluster.add_node(num_cpus=4)
     raw = small_config(
         tmp_path,

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import TESTS_DIR, injected, small_config
+from conftest import HEAD_NODE, TESTS_DIR, injected, small_config, train_config_here
 from test_resume import training
 
 from grpo_dist.storage import status
@@ -185,7 +185,7 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
 
     # The nodes' workers import the test's reward functions.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
     workers = [cluster.add_node(num_cpus=4) for _ in range(2)]  # either holds the whole run
     raw = small_config(
         tmp_path,
@@ -242,7 +242,7 @@ def test_a_generator_that_does_not_start_within_faults_start_timeout_s_is_named(
         placement.remove()
 
 
-def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(tmp_path):
+def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the_run(ray_cluster, capfd, tmp_path):
     """One run, two learner faults.
     - Training step 3 is slowed, as a machine shared with other work would slow it: an injected fault holds each of
       its 64 micro-batches back 0.15 s after its backward pass (`faults.inject.slow_training`), so the step lasts
@@ -264,9 +264,8 @@ def test_a_slow_step_is_not_a_hang_and_out_of_memory_twice_at_one_step_stops_the
     )
     raw = injected(raw, slow_training={"step": 3, "seconds": held_s}, fail_allocation_at_step=4)
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, raw) as run:
-        assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, raw)
+    assert code == 1, output[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]  # step 4 never finished
     assert rows[-1]["faults/learner_restarts"] == 0  # the slow steps: no restart

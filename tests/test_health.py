@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import cli_here, injected, small_config
-from test_resume import rows, training
+from conftest import cli_here, injected, small_config, train_config_here
+from test_resume import rows
 
 from grpo_dist.config import ConfigError, HealthConfig, InjectConfig, load_config, validate_config
 from grpo_dist.faults.inject import Injector, describe
@@ -309,7 +310,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_skipped(capfd, tmp_path):
+def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_skipped(ray_cluster, capfd, tmp_path):
     """Step 3's loss is NaN: its update is dropped (the learner leaves the weights alone) and the run goes on. Step
     6's loss is scaled a million times the first time it is trained: its gradient norm spikes against the median
     of the steps before, the learner and generators go back to the step-5 checkpoint, and step 6 is trained again on
@@ -320,9 +321,8 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
     raw = health_run(tmp_path, 8, grad_norm={"factor": 1000.0, "action": "rollback"})
     raw = injected(raw, scale_loss=[{"step": 3, "factor": math.nan}, {"step": 6, "factor": 1e6, "once": True}])
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, raw) as run:
-        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, raw)
+    assert code == 0, output[-3000:]
     assert "injecting faults (faults.inject): loss xnan at step 3; loss x1e+06 at step 6 once" in output
     logged = rows(run_dir)
     assert [row["step"] for row in logged] == list(range(1, 9))
@@ -367,15 +367,14 @@ def test_a_poisoned_step_is_dropped_and_a_spike_is_rolled_back_with_its_batch_sk
 
 
 @pytest.mark.slow
-def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and_figures(tmp_path):
+def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and_figures(ray_cluster, capfd, tmp_path):
     """Without checkpoints, a rollback from step 2 goes back to the initial model (steps 1 and 2 trained again),
     where step 2 spikes again."""
     run_dir = tmp_path / "outputs" / "test"
     raw = health_run(tmp_path, 5, every_steps=0, grad_norm={"factor": 1000.0, "action": "rollback"})
     raw = injected(raw, scale_loss=[{"step": 2, "factor": 1e6}])  # every time step 2 is trained
-    with training(tmp_path, raw) as run:
-        assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, raw)
+    assert code == 1, output[-3000:]
     assert [row["step"] for row in rows(run_dir)] == [1]
     rolled = "health: rolled back to the initial model (step 0: no checkpoint yet) in "
     assert rolled in output and "the batches of steps 1-2 (2 steps undone) skipped" in output
@@ -388,15 +387,14 @@ def test_the_same_spike_after_a_rollback_stops_the_run_naming_its_check_step_and
 
 
 @pytest.mark.slow
-def test_a_spike_injected_once_is_met_once_across_a_rollback_to_the_initial_model(tmp_path):
+def test_a_spike_injected_once_is_met_once_across_a_rollback_to_the_initial_model(ray_cluster, capfd, tmp_path):
     """The same run with step 2's spike injected `once`: the rollback to the initial model rebuilds the learner's
     engine in its process, and step 2, trained again, is healthy; the run trains all its steps."""
     run_dir = tmp_path / "outputs" / "test"
     raw = health_run(tmp_path, 4, every_steps=0, grad_norm={"factor": 1000.0, "action": "rollback"})
     raw = injected(raw, scale_loss=[{"step": 2, "factor": 1e6, "once": True}])
-    with training(tmp_path, raw) as run:
-        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, raw)
+    assert code == 0, output[-3000:]
     assert "health: rolled back to the initial model (step 0: no checkpoint yet)" in output
     assert len(re.findall(r"^step +2/4 ", output, re.M)) == 1  # the spiking step 2 never logged, the healthy one once
     logged = rows(run_dir)
@@ -405,7 +403,7 @@ def test_a_spike_injected_once_is_met_once_across_a_rollback_to_the_initial_mode
 
 
 @pytest.mark.slow
-def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(tmp_path):
+def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(ray_cluster, capfd, tmp_path):
     """One run, every check warning only, each cause injected at its own step:
     - the engines serve the initial weights labelled as version 2 (`faults.inject.drop_weights`, the sync check off):
       the batch of step 3 is sampled by other weights than the learner's, the log-prob gap check fires at step 3;
@@ -425,12 +423,16 @@ def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(tmp_pa
     raw["reward"]["functions"].append({"name": "reward_fixtures.flag_reward", "weight": 1.0,
                                        "kwargs": {"path": str(flag)}})  # fmt: skip
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, raw) as run:
-        while run.poll() is None and not any(row["step"] >= 3 for row in rows_so_far(run_dir)):
-            time.sleep(0.05)
-        flag.unlink()
-        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    ended = threading.Event()
+    remover = threading.Thread(target=unlink_after_step, args=(flag, run_dir, 3, ended), daemon=True)
+    remover.start()
+    try:
+        code, output = train_config_here(capfd, tmp_path, raw)
+    finally:
+        ended.set()
+        remover.join(timeout=5)
+    assert code == 0, output[-3000:]
+    assert not flag.exists()  # removed while the run went on
     health = [line for line in output.splitlines() if line.startswith("health: ")]
     print("\n".join(health))
     fired = {(int(line.split()[2].rstrip(":")), line.split("(health.")[1].split(")")[0]) for line in health}
@@ -439,6 +441,15 @@ def test_each_other_check_catches_its_injected_cause_at_the_step_it_shows(tmp_pa
     assert {(7, "kl"), (7, "entropy")} <= fired, fired
     assert all(line.endswith(": a warning") for line in health)
     assert [row["step"] for row in rows(run_dir)] == list(range(1, 9))
+
+
+def unlink_after_step(path: Path, run_dir: Path, step: int, ended: threading.Event) -> None:
+    """Remove `path` once the run in `run_dir` has logged `step`, unless it `ended` first."""
+    while not ended.is_set():
+        if any(row["step"] >= step for row in rows_so_far(run_dir)):
+            path.unlink()
+            return
+        time.sleep(0.05)
 
 
 def rows_so_far(run_dir) -> list[dict]:

@@ -1,7 +1,8 @@
-"""The quick start as a user runs it, with its defaults: it learns, and its divergence guard stays silent through the
-moment it starts to learn (the gradient norm jumps 10x and more as groups first get signal), at two seeds; and at
-learning rate 50 the guard stops the run at its second step naming divergence, not the engine. The guard's whole
-table, every recipe and every injected fault, is `benchmarks/guard.py`'s."""
+"""The quick start as a user runs it (`grpo-dist train`, here on the tests' Ray cluster), with its defaults: it
+learns, and its divergence guard stays silent through the moment it starts to learn (the gradient norm jumps 10x and
+more as groups first get signal), at two seeds; and at learning rate 50 the guard stops the run at its second step
+naming divergence, not the engine. The guard's whole table, every recipe and every injected fault, is
+`benchmarks/guard.py`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_resume import rows, training
+from conftest import train_config_here
+from test_resume import rows
 
 QUICKSTART = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 STEPS = 120  # seeds 0 and 1 pass a mean reward of 0.95 at steps 76 and 99 (benchmarks/guard.py)
@@ -36,11 +38,10 @@ def events(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_quick_start_learns_with_its_defaults_and_the_guard_stays_silent(tmp_path, seed):
+def test_the_quick_start_learns_with_its_defaults_and_the_guard_stays_silent(ray_cluster, capfd, tmp_path, seed):
     run_dir = tmp_path / "outputs" / "quickstart"
-    with training(tmp_path, quickstart(tmp_path, seed, STEPS)) as run:
-        assert run.wait(timeout=1200) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, quickstart(tmp_path, seed, STEPS))
+    assert code == 0, output[-3000:]
     logged = rows(run_dir)
     rewards = [row["reward/mean"] for row in logged]
     gain = statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10])
@@ -59,14 +60,15 @@ def test_the_quick_start_learns_with_its_defaults_and_the_guard_stays_silent(tmp
 
 
 @pytest.mark.slow
-def test_at_learning_rate_50_the_run_stops_at_its_second_step_naming_divergence_not_the_engine(tmp_path):
+def test_at_learning_rate_50_the_run_stops_at_its_second_step_naming_divergence_not_the_engine(
+    ray_cluster, capfd, tmp_path
+):
     """Step 1's update wrecks the weights: step 2's entropy is near 0. The guard rolls back to the initial model,
     step 2 collapses again, and the run stops: the same cause twice. The sync check leaves the engines alone: its
     gap on the wrecked policy's large logits is a fraction of the update's own move."""
     run_dir = tmp_path / "outputs" / "quickstart"
-    with training(tmp_path, quickstart(tmp_path, 0, 6, learner={"lr": 50.0})) as run:
-        assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, quickstart(tmp_path, 0, 6, learner={"lr": 50.0}))
+    assert code == 1, output[-3000:]
     health = [line for line in output.splitlines() if line.startswith("health: ")]
     print("\n".join(health))
     assert health[0].startswith("health: step 2: divergence (entropy collapse): entropy ")

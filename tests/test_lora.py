@@ -9,8 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import injected, small_config, written_checkpoint
-from test_resume import training
+from conftest import injected, small_config, train_config_here, written_checkpoint
 
 from grpo_dist.config import ConfigError, validate_config
 from grpo_dist.config.sections import LoraConfig
@@ -203,9 +202,9 @@ def test_export_merges_the_saved_adapter_into_a_model_transformers_loads_with_th
 
 @pytest.mark.slow
 def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and_if_it_persists_stops_the_run(
-    tmp_path,
+    ray_cluster, capfd, tmp_path
 ):
-    """A LoRA run (`grpo-dist train`, its own Ray cluster) whose engine serves the adapter itself: each sync sends the
+    """A LoRA run (`grpo-dist train` on the tests' cluster) whose engine serves the adapter itself: each sync sends the
     adapter alone (a small fraction of the model's bytes), and the check after it finds the engine's log-probabilities
     the learner's. Its generator, right after loading adapter version 2 the first time and version 4 every time,
     serves the base instead (the adapter dropped) while labelling what it serves with the new version
@@ -215,9 +214,8 @@ def test_an_engine_that_drops_the_adapter_is_caught_within_the_step_resynced_and
     raw = small_config(tmp_path, run={"steps": 6}, learner={"lr": 5e-2, "lora": {"rank": 4, "alpha": 16}})
     raw = injected(raw, drop_weights=[{"version": 2, "once": True}, {"version": 4}])
     run_dir = tmp_path / "outputs" / "test"
-    with training(tmp_path, raw) as run:
-        assert run.wait(timeout=600) == 1, (tmp_path / "run.log").read_text()[-3000:]
-    output = (tmp_path / "run.log").read_text()
+    code, output = train_config_here(capfd, tmp_path, raw)
+    assert code == 1, output[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3], output[-3000:]
     assert [row["faults/sync_mismatches"] for row in rows] == [0, 1, 1]

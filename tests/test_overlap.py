@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, cli_here, injected, small_config, warm_nodes
+from conftest import HEAD_NODE, REPO, TESTS_DIR, cli_here, injected, small_config, warm_nodes
 from test_resume import grpo_dist, training
 
 from grpo_dist.config import ConfigError, load_config, validate_config
@@ -459,7 +459,7 @@ def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypat
     # The nodes' workers import the test's reward functions.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     with warm_nodes():
-        cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+        cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
         cluster.add_node(num_cpus=4)  # the run as it starts: learner rank, one generator, two reward workers
     raw = small_config(tmp_path, run={"steps": UNTIL_STOPPED}, ray={"address": cluster.address})
     run_dir = tmp_path / "outputs" / "test"
