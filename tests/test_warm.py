@@ -27,6 +27,7 @@ def test_a_launcher_finds_no_warm_process_at_once(tmp_path):
 
 
 def _process(*_):
+    import gc
     import sys as modules
 
     import torch
@@ -41,6 +42,7 @@ def _process(*_):
         "setting": os.environ.get("WARM_TEST_SETTING"),
         "cwd": os.getcwd(),
         "worker_id": __import__("ray").get_runtime_context().get_worker_id(),
+        "frozen": gc.get_freeze_count(),  # objects the worker's collections leave out
     }
 
 
@@ -63,6 +65,7 @@ def test_the_session_s_actors_are_forked_warm_and_die_as_ray_kills_them(ray_clus
         assert seen["parent"] == warm_process.pid  # forked by the warm process, not started by the raylet
         assert seen["imported"] == ["deepspeed", "transformers", "vllm"]  # before this actor imported anything
         assert seen["preloaded"] == seen["imported"]  # and recorded as imported before the fork
+        assert seen["frozen"] > 100_000  # the imports' objects, frozen before the fork: no collection walks them
     # torch was imported before Ray set each actor's OMP_NUM_THREADS; the fork gives torch the actor's count
     assert [(seen["omp"], seen["torch_threads"]) for seen in found] == [("1", 1), ("3", 3)]
 

@@ -13,6 +13,7 @@ the weight version, so no new request reuses a prompt's cache from older weights
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import shutil
@@ -92,6 +93,7 @@ class Generator:
         self.stats = EngineStats()
         if not on_gpu and rollout.tensor_parallel_size == 1:
             fork_engine_core()
+            gc.freeze()  # the heap so far (vLLM, torch) left out of the forked engine core's collections (warm.serve)
         self.engine = AsyncLLM.from_engine_args(
             AsyncEngineArgs(
                 model=model_path,
