@@ -64,9 +64,9 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(128)  # launchers that come before the imports end wait for their answer (READY_TIMEOUT_S)
     _import_without_ray(STACK)
-    # What the imports made (about 640,000 objects) moves to the permanent generation: no collection in a forked
-    # worker walks it again, as vLLM's engine core does three times while it starts (1.2 s against 2.9 s to build the
-    # quick start's engine), nor writes to its pages, which the forks then share with this process unchanged.
+    # What the imports made moves to the permanent generation: no collection in a forked worker walks it again, as
+    # vLLM's engine core does three times while it starts (its CPU seconds to the quick start's step 1: 2.3 against
+    # 3.4, benchmarks/startup.py), nor writes to its pages, which the forks then share with this process unchanged.
     gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the workers are reaped as they exit
     print(f"warm in {time.monotonic() - started:.1f} s: {', '.join(STACK)}", flush=True)
