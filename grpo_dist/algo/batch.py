@@ -89,8 +89,7 @@ def collate(
     if len(completions) != advantages.shape[0]:
         raise ValueError(f"{len(completions)} completions but {advantages.shape[0]} advantages")
     length = max(len(c.prompt_token_ids) + len(c.token_ids) for c in completions)
-    # The rows padded as lists and each field made one tensor: four small tensors a row cost a step's driver twice
-    # the time for the quick start's 512 rows.
+    # The rows padded as lists and each field made one tensor, not four small tensors a row (a step has hundreds).
     ids, attended, masked, logprobs = [], [], [], []
     for completion in completions:
         prompt, sampled = len(completion.prompt_token_ids), len(completion.token_ids)

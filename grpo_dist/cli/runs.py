@@ -40,13 +40,19 @@ def resume_or_override(args: argparse.Namespace) -> None:
         args.resume = True
 
 
-@bad_data_exits_2
-def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+def _warm_if_own_cluster(cfg) -> None:
+    """Where the command will start a local cluster of its own (`train`, `eval`), start the warm process its actors
+    fork from first thing: it imports the stack while this process prepares the run."""
     from grpo_dist.cluster import ray_cluster, warm
 
     if ray_cluster.starts_a_cluster_of_its_own(cfg):
-        warm.start_for_this_run()  # imports the stack for the run's actors while this process prepares the run
+        warm.start_for_this_run()
+
+
+@bad_data_exits_2
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _warm_if_own_cluster(cfg)
     from grpo_dist.faults import RunFailed
     from grpo_dist.run.driver import train
     from grpo_dist.storage import StoreError
@@ -115,10 +121,7 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 @bad_data_exits_2
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from grpo_dist.cluster import ray_cluster, warm
-
-    if ray_cluster.starts_a_cluster_of_its_own(cfg):
-        warm.start_for_this_run()  # as `train`'s: the actors forked from one process that imports the stack once
+    _warm_if_own_cluster(cfg)
     from grpo_dist.run.evaluation import evaluate_checkpoint
 
     evaluate_checkpoint(cfg, args.checkpoint, args.out, args.verbose)
