@@ -36,6 +36,7 @@ from conftest import small_config  # noqa: E402
 ROLES = [  # (role, what its command line starts with or holds), first match wins
     ("generator", "ray::Generator"), ("engine core", "VLLM::EngineCore"), ("learner", "ray::Learner"),
     ("reward workers", "ray::RewardWorker"), ("sandboxes", "grpo_dist.sandbox_child"), ("driver", "grpo_dist train"),
+    ("driver", "grpo-dist train"),  # one forked warm (grpo_dist.cluster.warm_driver), titled as the command
     ("ray", "ray::"), ("ray", "/ray/"), ("compilers", "cc1plus"), ("compilers", "g++"),
 ]  # fmt: skip
 

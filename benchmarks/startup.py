@@ -18,7 +18,8 @@ the last line gives each figure's median here over the baseline's (under 1: fast
 Overrides apply to every run: with `ray.address=auto` after `ray start --head`, the runs join that cluster instead
 of starting their own (what a run pays for Ray). With `--up`, each repeat also runs this checkout on a cluster
 `grpo-dist up` started before the first run (its own start not counted; stopped at the end): the series `this-up`,
-whose ratios are over `this` (or over the baseline's, with `--baseline`). Prints one JSON line per run, then a
+whose ratios are over `this`; with `--baseline` too, the baseline's code also runs on a cluster its own `grpo-dist up`
+started (`baseline-up`), and `this-up`'s ratios are over that. Prints one JSON line per run, then a
 `median` line per series and a `ratios` line for each series but the first. Run it on an otherwise idle machine; CI
 never runs it.
 """
@@ -131,7 +132,11 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="startup-") as work,
         tempfile.TemporaryDirectory(prefix="su-", dir="/tmp") as up,
         tempfile.TemporaryDirectory(prefix="sc-", dir="/tmp") as up_cold,
+        tempfile.TemporaryDirectory(prefix="sb-", dir="/tmp") as up_base,
     ):
+        if args.up and args.baseline:  # the baseline's code on a cluster its own `grpo-dist up` started
+            series["baseline-up"] = (args.baseline.resolve(), up_base)
+            grpo_dist_up(up_base, "up", repo=args.baseline.resolve())
         if args.up:  # a temporary directory of its own, where only the runs of this-up find the cluster
             series["this-up"] = (REPO, up)
             grpo_dist_up(up, "up")
@@ -148,28 +153,33 @@ def main() -> None:
         finally:
             if args.up:
                 grpo_dist_up(up, "down")
+            if args.up and args.baseline:
+                grpo_dist_up(up_base, "down", repo=args.baseline.resolve())
             if args.up_cold:
                 grpo_dist_up(up_cold, "down")
     summary = {name: medians(found) for name, found in rows.items()}
     for name, figures in summary.items():
         print(json.dumps({"row": "median", "checkout": name, **figures}))
-    base_name = "baseline" if args.baseline else "this"
+    first = "baseline" if args.baseline else "this"
     for name in series:
-        if name != base_name:
-            base, this = summary[base_name], summary[name]
-            ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
-            print(json.dumps({"row": "ratios", f"{name}_over_{base_name}": ratios}))
+        if name in (first, "baseline-up"):
+            continue
+        base_name = "baseline-up" if name == "this-up" and args.baseline else first  # each on a cluster of `up`
+        base, this = summary[base_name], summary[name]
+        ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
+        print(json.dumps({"row": "ratios", f"{name}_over_{base_name}": ratios}))
     if args.up and args.up_cold:  # what the warm processes take off a run on `grpo-dist up`
         base, this = summary["this-up-cold"], summary["this-up"]
         ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
         print(json.dumps({"row": "ratios", "this-up_over_this-up-cold": ratios}))
 
 
-def grpo_dist_up(temp: str, command: str, *flags: str) -> None:
-    """`grpo-dist up` or `down` with `temp` as the temporary directory (where the cluster's record lives); `up` waits
-    for its warm process to have imported the stack, as a cluster kept up between runs has."""
-    env = {**os.environ, "TMPDIR": temp, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "grpo_dist", command, *flags], env=env, capture_output=True, text=True)
+def grpo_dist_up(temp: str, command: str, *flags: str, repo: Path = REPO) -> None:
+    """`grpo-dist up` or `down` of `repo`'s code with `temp` as the temporary directory (where the cluster's record
+    lives); `up` waits for its warm process to have imported the stack, as a cluster kept up between runs has."""
+    env = {**os.environ, "TMPDIR": temp, "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, "-m", "grpo_dist", command, *flags], env=env, capture_output=True, text=True,
+                          cwd=repo)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"grpo-dist {command} failed:\n{done.stdout}{done.stderr}")
     warm_socket = Path(temp) / f"grpo-dist-up-{os.getuid()}" / "ray" / "warm.sock"

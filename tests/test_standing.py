@@ -77,6 +77,11 @@ def test_runs_join_the_cluster_up_started_and_down_stops_it(tmp_path, machine_te
             assert actors_of(ray_dir) == [], actors_of(ray_dir)
             assert len(processes_naming(ray_dir)) >= ray_processes  # the cluster is still up
 
+        if warm.available():  # each run's driver forked from the warm process too (`warm_driver`), which says so
+            forked = [line.split(": ", 1)[1] for line in (Path(ray_dir) / "warm.log").read_text().splitlines()
+                      if line.startswith("driver ")]  # fmt: skip
+            assert forked == [f"grpo-dist train {config} run.name={run}" for run in ("first", "second")], forked
+
         # A run whose actors ask for more CPUs than it has is refused, naming both and what to do.
         small = grpo_dist(env, "train", str(config), "run.name=big", "rollout.num_cpus=9")
         assert small.returncode == 2, small.stdout + small.stderr

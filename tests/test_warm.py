@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -21,7 +22,7 @@ from grpo_dist.cluster import warm, warm_launch
 def test_a_launcher_finds_no_warm_process_at_once(tmp_path):
     """No warm process at the socket (never started, or gone): the launcher starts the worker as Ray does."""
     started = time.monotonic()
-    assert warm_launch._connect(str(tmp_path / "none.sock")) is None
+    assert warm_launch.connect(str(tmp_path / "none.sock")) is None
     assert time.monotonic() - started < 5
     assert not warm.ready(tmp_path / "none.sock", timeout_s=1)
 
@@ -221,3 +222,123 @@ def test_eval_on_a_cluster_of_its_own_takes_a_warm_process_as_train_does(tmp_pat
                              env={warm.SHARED_ENV: str(missing)})  # fmt: skip
     assert evaluated.returncode == 2, evaluated.stderr  # no such checkpoint: refused after the warm process started
     assert f"{warm.SHARED_ENV}={missing} names no socket: the run starts a warm process of its own" in evaluated.stderr
+
+
+def _up_record(temp: Path, socket_path: Path, forks_drivers: bool = True) -> None:
+    """The record of a cluster of `grpo-dist up` (`grpo_dist.cluster.standing`) under `temp`, whose warm process is
+    the one at `socket_path` (the session's): what a command looks for before it imports anything."""
+    home = temp / f"grpo-dist-up-{os.getuid()}"
+    home.mkdir(parents=True, exist_ok=True)
+    record = {"address": "127.0.0.1:9", "num_cpus": 8, "temp_dir": str(socket_path.parent), "started": 0.0}
+    (home / "cluster.json").write_text(json.dumps({**record, **({"forks_drivers": True} if forks_drivers else {})}))
+
+
+def _drivers_forked(socket_path: Path) -> list[str]:
+    """What the warm process at `socket_path` says it forked as drivers, in order."""
+    log = socket_path.parent / "warm.log"
+    return [line for line in log.read_text().splitlines() if line.startswith("driver ")]
+
+
+def _warm_driver_setting() -> tuple[Path, Path]:
+    from conftest import session_warm_process
+
+    socket_path = session_warm_process()
+    if socket_path is None:
+        pytest.skip("no warm processes on this machine (not Linux, or a GPU device)")
+    deadline = time.monotonic() + 300  # its socket comes a moment after it starts, its answer once it has imported
+    while not warm.ready(socket_path, timeout_s=10):
+        assert time.monotonic() < deadline, f"the session's warm process did not answer at {socket_path}"
+        time.sleep(0.2)
+    return socket_path, socket_path.parent
+
+
+def test_a_run_s_driver_is_forked_where_up_keeps_a_warm_process_and_exits_with_its_code(tmp_path):
+    """`grpo-dist train` on a machine whose `grpo-dist up` cluster has a warm process: its driver is forked from that
+    process (which says so in its log), with the command's streams and exit code. Another value of a variable read
+    at import, or the record of a cluster an older grpo-dist started: the driver starts in the command's own process."""
+    socket_path, _ = _warm_driver_setting()
+    _up_record(tmp_path / "temp", socket_path)
+    env = {**os.environ, "TMPDIR": str(tmp_path / "temp")}
+
+    def grpo_dist(*argv: str, **changes: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "grpo_dist", *argv], env={**env, **changes}, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+
+    before = len(_drivers_forked(socket_path))
+    helped = grpo_dist("train", "--help")
+    assert helped.returncode == 0 and "--resume" in helped.stdout, helped.stderr
+    missing = tmp_path / "missing.yaml"
+    refused = grpo_dist("train", str(missing))
+    assert refused.returncode == 2 and str(missing) in refused.stderr, refused.stderr
+    forked = _drivers_forked(socket_path)[before:]
+    assert [line.split(": ", 1)[1] for line in forked] == ["grpo-dist train --help", f"grpo-dist train {missing}"]
+    assert all(not psutil.pid_exists(int(line.split()[1].rstrip(":"))) for line in forked)  # each gone with its run
+
+    cold = grpo_dist("train", str(missing), HF_HUB_DISABLE_TELEMETRY="another value")
+    assert cold.returncode == 2 and str(missing) in cold.stderr, cold.stderr
+    assert "grpo-dist: the driver starts cold: HF_HUB_DISABLE_TELEMETRY differ(s)" in cold.stderr
+    (tmp_path / "temp" / f"grpo-dist-up-{os.getuid()}" / "cluster.json").unlink()
+    _up_record(tmp_path / "temp", socket_path, forks_drivers=False)
+    older = grpo_dist("train", str(missing))
+    assert older.returncode == 2 and "starts cold" not in older.stderr, older.stderr
+    assert len(_drivers_forked(socket_path)) == before + 2  # neither of the last two forked
+
+
+def _forked_run(tmp_path: Path, address: str, until: str, steps: int = 2) -> tuple[subprocess.Popen, psutil.Process]:
+    """`grpo-dist train` of a small run joining the Ray cluster at `address`, its driver forked from the session's
+    warm process (as `grpo-dist up`'s would be), read until a line starting with `until`; the command and its driver."""
+    import yaml
+    from conftest import TESTS_DIR, small_config
+
+    socket_path, _ = _warm_driver_setting()
+    _up_record(tmp_path / "temp", socket_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(small_config(tmp_path, run={"steps": steps}, ray={"address": address})))
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))  # the reward fixtures
+    env = {**os.environ, "TMPDIR": str(tmp_path / "temp"), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    before = len(_drivers_forked(socket_path))
+    command = subprocess.Popen([sys.executable, "-m", "grpo_dist", "train", str(config)], env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    said = []
+    for line in command.stdout:
+        said.append(line)
+        if line.startswith(until):
+            break
+    assert said[-1:] and said[-1].startswith(until), "".join(said) + command.stderr.read()
+    (forked,) = _drivers_forked(socket_path)[before:]
+    driver = psutil.Process(int(forked.split()[1].rstrip(":")))
+    assert psutil.Process(driver.ppid()).cmdline()[-1] == str(socket_path)  # the warm process's child
+    assert driver.cmdline()[0] == f"grpo-dist train {config}"  # titled as the command
+    return command, driver
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_command_stops_the_run_of_its_warm_driver(ray_cluster, tmp_path):
+    """SIGINT to the command (Ctrl-C) reaches the driver it asked the warm process for: the run stops as one in the
+    command's own process does, with a checkpoint of its last step, the stop's message and exit code 130."""
+    address = ray_cluster.get_runtime_context().gcs_address  # the session's cluster, which the run joins
+    command, driver = _forked_run(tmp_path, address, until="step ", steps=500)  # its first step
+    try:
+        command.send_signal(signal.SIGINT)
+        code = command.wait(timeout=120)
+        said = command.stderr.read()
+    finally:
+        command.kill()
+    assert code == 130 and "grpo-dist: stopped; the policy is in" in said, said
+    assert (tmp_path / "outputs" / "test" / "interrupted" / "model.safetensors").is_file()
+    driver.wait(timeout=30)  # gone with its run (raises if it is not)
+
+
+def test_killing_the_command_kills_its_warm_driver(tmp_path):
+    """The command killed (SIGKILL: nothing passed on) while its driver waits for a Ray cluster that never answers:
+    the driver goes too, at once, not when the wait ends."""
+    mute = socket.socket()  # takes the connection and never answers
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    try:
+        command, driver = _forked_run(tmp_path, f"127.0.0.1:{mute.getsockname()[1]}", until="== starting")
+        command.kill()
+        command.wait(timeout=30)
+        driver.wait(timeout=10)  # Ray's own wait for the cluster is 30 s
+    finally:
+        mute.close()

@@ -9,7 +9,7 @@
 - `learner_group`: the learner's DeepSpeed ranks as one group.
 - `standing`: a local Ray cluster kept up between runs (`grpo-dist up` / `down`).
 - `warm`, `warm_launch`: on the clusters grpo-dist starts here, actor processes forked from one that imported the
-  stack once.
+  stack once; `warm_driver`: on `grpo-dist up`'s, a run's driver forked from it too.
 - `actors`: the actor classes (a generator and its engine process, a learner rank and its weights, a reward
   worker) and vLLM's plugin.
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from grpo_dist.cluster import warm
 
+WARM_SOCKET = "warm.sock"
+"""The warm process's socket in the cluster's Ray directory (`Standing.temp_dir`): actors and drivers fork from it."""
 START_TIMEOUT_S = 120.0  # `ray start --head` on a busy machine
 STOP_GRACE_S = 10.0  # what Ray's processes get to end on SIGTERM before they are killed
 
@@ -37,6 +39,8 @@ class Standing:
     num_cpus: int
     temp_dir: str
     started: float
+    forks_drivers: bool = False
+    """Whether its warm process forks runs' drivers too (`warm_driver`; one an older grpo-dist started does not)."""
 
     def join_environment(self) -> None:
         """Set what this process needs to join the cluster: token authentication (the cluster's token is this
@@ -100,7 +104,7 @@ def up(num_cpus: int | None = None, warm_workers: bool = True) -> tuple[Standing
     _ensure_token()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token", "RAY_worker_niceness": "0"}
     if warm_workers and warm.available():  # its path names temp_dir: `down` stops it with Ray's processes
-        socket_path = temp_dir / "warm.sock"
+        socket_path = temp_dir / WARM_SOCKET
         warm.start(socket_path, temp_dir / "warm.log", detached=True)
         env[warm.SOCKET_ENV] = str(socket_path)
     try:
@@ -113,7 +117,9 @@ def up(num_cpus: int | None = None, warm_workers: bool = True) -> tuple[Standing
         raise StandingError(
             f"`ray start --head` failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}"
         )
-    standing = Standing(f"127.0.0.1:{port}", cpus, str(temp_dir), time.time())
+    standing = Standing(
+        f"127.0.0.1:{port}", cpus, str(temp_dir), time.time(), forks_drivers=env.get(warm.SOCKET_ENV) is not None
+    )
     record = _record().with_suffix(".tmp")
     record.write_text(json.dumps(asdict(standing)))
     record.replace(_record())

@@ -53,6 +53,13 @@ from grpo_dist.cluster.warm_launch import SOCKET_ENV
 LAUNCHER = Path(__file__).with_name("warm_launch.py")
 STACK = ("torch", "transformers", "deepspeed", "vllm", "vllm.v1.engine.async_llm", "safetensors.torch")
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
+IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
+              "TOKENIZERS_", "DS_", "DEEPSPEED_", "TRITON_", "XDG_CACHE_HOME", "PYTHONHASHSEED", "PYTHONIOENCODING",
+              "LD_PRELOAD", "LD_LIBRARY_PATH")  # fmt: skip
+"""Environment variables (by prefix) that torch, transformers, the hub, vLLM or DeepSpeed read once, at import: a
+driver forked from a process that imported them with other values would keep that process's."""
+FORKED_DRIVER = False
+"""True in a run's driver forked here (`grpo_dist.cluster.warm_driver`)."""
 
 
 def serve(path: str) -> None:
@@ -78,9 +85,16 @@ def serve(path: str) -> None:
             print(f"a launcher's request was not read: {err}", flush=True)
             connection.close()
             continue
-        if os.fork() == 0:
+        if "driver" in request and (refused := _cannot_drive(request)):
+            _refuse(connection, streams, refused)
+            continue
+        if (forked := os.fork()) == 0:
             listener.close()
+            if "driver" in request:
+                _become_driver(connection, request, streams)  # never returns
             _become_worker(connection, request, streams)  # never returns
+        if "driver" in request:
+            print(f"driver {forked}: grpo-dist {' '.join(request['argv'][1:])}", flush=True)
         for descriptor in streams:
             os.close(descriptor)
         connection.close()
@@ -163,6 +177,137 @@ def _become_worker(connection: socket.socket, request: dict, streams: list[int])
         print(f"the warm worker failed: {err!r}", file=sys.stderr, flush=True)
         os._exit(1)
     os._exit(0)
+
+
+def _cannot_drive(request: dict) -> str:
+    """Why a run's driver cannot be forked here (`warm_driver`), or "": this process imported the stack with another
+    interpreter or copy of grpo-dist, or with another value of a variable read at import."""
+    import grpo_dist
+
+    asked = request["driver"]
+    if os.path.realpath(asked.get("executable", "")) != os.path.realpath(sys.executable):
+        return f"the warm process of `grpo-dist up` runs {sys.executable}, the command {asked.get('executable')}"
+    if os.path.realpath(asked.get("package", "")) != os.path.realpath(os.path.dirname(grpo_dist.__file__)):
+        return f"the warm process of `grpo-dist up` imported grpo-dist from {os.path.dirname(grpo_dist.__file__)}"
+    theirs = {key: value for key, value in request["env"].items() if key.startswith(IMPORT_ENV)}
+    ours = {key: value for key, value in _IMPORTED_WITH.items() if key.startswith(IMPORT_ENV)}
+    if differ := sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)):
+        return (f"{', '.join(differ)} differ(s) from the environment the warm process of `grpo-dist up` imported "
+                "the stack with (`grpo-dist down`, then `grpo-dist up` with this one)")  # fmt: skip
+    return ""
+
+
+_IMPORTED_WITH = dict(os.environ)
+"""This process's environment when it imported the stack (it never changes it)."""
+
+
+def _refuse(connection: socket.socket, streams: list[int], why: str) -> None:
+    for descriptor in streams:
+        os.close(descriptor)
+    try:
+        connection.sendall(f"cold: {why}\n".encode())
+    except OSError:
+        pass
+    connection.close()
+
+
+def _become_driver(connection: socket.socket, request: dict, streams: list[int]) -> None:
+    """Run the command `request` names (`grpo_dist.cluster.warm_driver`) as a fresh interpreter would run it: its
+    streams, environment, directory and signals as the command's, and its exit code sent back at the end."""
+    code = 1
+    try:
+        os.setsid()
+        for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(number, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, descriptor in enumerate(streams):
+            os.dup2(descriptor, target)
+            os.close(descriptor)
+        _retitle(request["argv"])  # before the environment moves: the title is written where it was
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        sys.path[:0] = [os.path.abspath(entry) for entry in extra if os.path.abspath(entry) not in sys.path]
+        sys.argv = list(request["argv"])
+        _fresh_standard_streams()
+        import tempfile
+
+        tempfile.tempdir = None  # read again from this environment's TMPDIR
+        connection.settimeout(None)
+        connection.sendall(f"{os.getpid()}\n".encode())
+        threading.Thread(target=_watch, args=(connection,), name="warm-launcher-watch", daemon=True).start()
+        import importlib
+
+        importlib.import_module(__spec__.name).FORKED_DRIVER = True  # this module as the command imports it
+        code = _run_as_main()
+    except BaseException as err:  # noqa: BLE001 - a forked driver must never return into the warm process's loop
+        print(f"grpo-dist: the warm driver failed: {err!r}", file=sys.stderr, flush=True)
+    finally:
+        try:
+            connection.sendall(f"exit {code}\n".encode())
+        finally:
+            os._exit(code)
+
+
+def _run_as_main() -> int:
+    """`python -m grpo_dist`, then the interpreter's own end (other threads joined, exit functions run, streams
+    flushed); the exit code. An uncaught KeyboardInterrupt ends the process by SIGINT, as Python's own."""
+    import atexit
+    import traceback
+
+    interrupted = False
+    try:
+        runpy.run_module("grpo_dist", run_name="__main__", alter_sys=False)
+        code = 0
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = 130, True
+    except BaseException:  # noqa: BLE001 - as the interpreter: the traceback, then exit 1
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _fresh_standard_streams() -> None:
+    """Standard streams as a new interpreter opens them on these descriptors: this process's were opened on its log
+    file (block-buffered), and a terminal's output must come line by line."""
+    import io
+
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    encoding = sys.stdout.encoding
+    stdin = io.TextIOWrapper(open(0, "rb", closefd=False), encoding=encoding)
+    out = open(1, "wb", buffering=0 if unbuffered else -1, closefd=False)
+    err = open(2, "wb", buffering=0 if unbuffered else -1, closefd=False)
+    stdout = io.TextIOWrapper(out, encoding=encoding, line_buffering=os.isatty(1), write_through=unbuffered)
+    stderr = io.TextIOWrapper(err, encoding=encoding, errors="backslashreplace", line_buffering=True)
+    sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__ = stdin, stdout, stderr
+
+
+def _retitle(argv: list[str]) -> None:
+    """The process's title as `ps` shows it: the command's, not this warm process's (`setproctitle`, which vLLM
+    needs)."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(" ".join(["grpo-dist", *argv[1:]]))
 
 
 def _watch(connection: socket.socket) -> None:

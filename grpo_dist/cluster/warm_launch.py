@@ -39,7 +39,7 @@ def main() -> None:
         and runtime_env.get("py_executable") in (None, sys.executable)
         and not runtime_env.get("override_worker_entrypoint")
     )
-    connection = _connect(path) if plain and path and worker_args else None
+    connection = connect(path) if plain and path and worker_args else None
     if connection is None:
         _as_ray_does(worker_args)
     env = dict(os.environ)
@@ -49,7 +49,7 @@ def main() -> None:
     stdio = array.array("i", [0, 1, 2])
     connection.sendmsg([len(request).to_bytes(8, "big") + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, stdio)])
     connection.settimeout(None)
-    reply = _read_line(connection)
+    reply = read_line(connection)
     if not reply.isdigit():
         sys.exit(f"the warm process did not start the worker: {reply or 'no answer'}")
     worker = int(reply)
@@ -66,10 +66,11 @@ def main() -> None:
     sys.exit(0)
 
 
-def _connect(path: str) -> socket.socket | None:
-    """A connection to the warm process once it answers ready, or None (no socket there, or no answer in time)."""
+def connect(path: str, timeout_s: float = READY_TIMEOUT_S) -> socket.socket | None:
+    """A connection to the warm process once it answers ready, or None (no socket there, or no answer within
+    `timeout_s`)."""
     connection = socket.socket(socket.AF_UNIX)
-    connection.settimeout(READY_TIMEOUT_S)
+    connection.settimeout(timeout_s)
     try:
         connection.connect(path)
         if connection.recv(1) == b"R":
@@ -80,7 +81,7 @@ def _connect(path: str) -> socket.socket | None:
     return None
 
 
-def _read_line(connection: socket.socket) -> str:
+def read_line(connection: socket.socket) -> str:
     data = b""
     while not data.endswith(b"\n"):
         chunk = connection.recv(64)
