@@ -298,7 +298,7 @@ def _forked_run(tmp_path: Path, address: str, until: str, steps: int = 2) -> tup
     env = {**os.environ, "TMPDIR": str(tmp_path / "temp"), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     before = len(_drivers_forked(socket_path))
     command = subprocess.Popen([sys.executable, "-m", "grpo_dist", "train", str(config)], env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_umask_and_nice)  # fmt: skip
     said = []
     for line in command.stdout:
         said.append(line)
@@ -309,7 +309,13 @@ def _forked_run(tmp_path: Path, address: str, until: str, steps: int = 2) -> tup
     driver = psutil.Process(int(forked.split()[1].rstrip(":")))
     assert psutil.Process(driver.ppid()).cmdline()[-1] == str(socket_path)  # the warm process's child
     assert driver.cmdline()[0] == f"grpo-dist train {config}"  # titled as the command
+    assert driver.nice() == os.getpriority(os.PRIO_PROCESS, 0) + 3  # the command's priority (`_umask_and_nice`)
     return command, driver
+
+
+def _umask_and_nice() -> None:
+    os.umask(0o027)
+    os.nice(3)
 
 
 @pytest.mark.slow
@@ -326,6 +332,8 @@ def test_ctrl_c_to_the_command_stops_the_run_of_its_warm_driver(ray_cluster, tmp
         command.kill()
     assert code == 130 and "grpo-dist: stopped; the policy is in" in said, said
     assert (tmp_path / "outputs" / "test" / "interrupted" / "model.safetensors").is_file()
+    rows = tmp_path / "outputs" / "test" / "metrics.jsonl"  # the driver's own file, with the command's umask
+    assert rows.stat().st_mode & 0o777 == 0o640, oct(rows.stat().st_mode)
     driver.wait(timeout=30)  # gone with its run (raises if it is not)
 
 

@@ -227,6 +227,9 @@ def _become_driver(connection: socket.socket, request: dict, streams: list[int])
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        with contextlib.suppress(OSError):  # a command at a higher priority than this process's: kept at this one's
+            os.setpriority(os.PRIO_PROCESS, 0, request["niceness"])
         extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
         sys.path[:0] = [os.path.abspath(entry) for entry in extra if os.path.abspath(entry) not in sys.path]
         sys.argv = list(request["argv"])

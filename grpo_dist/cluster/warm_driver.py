@@ -3,10 +3,10 @@
 The driver of a run imports torch and transformers before it prints its first line (about 4 of the 5 s to it on 2
 cores). The warm process of `grpo-dist up`'s cluster (`grpo_dist.cluster.warm`) has them imported already, so the
 command, before importing anything of its own, asks that process to fork its driver, as the raylet's launcher asks it
-for an actor (`warm_launch`): the fork takes this process's arguments, environment, working directory and standard
-streams (the terminal itself: colours, bars, Ctrl-C), runs the command in it, and sends back its exit code, which
-this process exits with. Meanwhile this process passes on the signals it gets (SIGINT, SIGTERM, SIGHUP), and where it
-is killed, the driver kills itself (`warm._watch`).
+for an actor (`warm_launch`): the fork takes this process's arguments, environment, working directory, umask,
+priority and standard streams (the terminal itself: colours, bars, Ctrl-C), runs the command in it, and sends back
+its exit code, which this process exits with. Meanwhile this process passes on the signals it gets (SIGINT, SIGTERM,
+SIGHUP), and where it is killed, the driver kills itself (`warm._watch`).
 
 The command runs as it always does, in this process, where:
 - no cluster of `grpo-dist up` is up, or it was started `--cold`, or its warm process does not answer at once;
@@ -53,6 +53,8 @@ def run(argv: list[str]) -> int | None:
         "argv": [sys.argv[0], *argv],
         "env": dict(os.environ),
         "cwd": os.getcwd(),
+        "umask": _umask(),
+        "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }
     body = json.dumps(request).encode()
     streams = array.array("i", [0, 1, 2])
@@ -75,6 +77,12 @@ def _own_interpreter_options() -> bool:
     flags = sys.flags
     return bool(sys.warnoptions or sys._xoptions or flags.optimize or flags.dev_mode or flags.isolated
                 or flags.ignore_environment or flags.no_site or flags.safe_path)  # fmt: skip
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def socket_path() -> Path | None:
