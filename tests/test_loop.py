@@ -46,10 +46,16 @@ def vllm_imported(_actor) -> bool:
 
 
 def dynamo_off(_actor) -> bool:
-    """Whether torch.compile compiles nothing in this process and the processes it starts."""
+    """Whether vLLM's log-prob gather, which its sampler compiles with torch.compile, is a plain function in this
+    process (and in the engine core forked from it): torch.compile leaves a function as it is when TORCHDYNAMO_DISABLE
+    is set as its module is imported, which a warm process that imported it before (`grpo_dist.cluster.warm`) would
+    defeat. And whether the processes it starts are told so too (the variable)."""
     import os
 
-    return os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    compiled = hasattr(batched_count_greater_than, "_torchdynamo_orig_callable")
+    return not compiled and os.environ.get("TORCHDYNAMO_DISABLE") == "1"
 
 
 def test_loop_trains_every_parameter_and_generators_hold_the_new_weights(ray_cluster, tmp_path, monkeypatch):

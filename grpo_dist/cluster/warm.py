@@ -52,6 +52,9 @@ from grpo_dist.cluster.warm_launch import SOCKET_ENV
 
 LAUNCHER = Path(__file__).with_name("warm_launch.py")
 STACK = ("torch", "transformers", "deepspeed", "vllm", "vllm.v1.engine.async_llm", "safetensors.torch")
+"""What the warm process imports. Not vLLM's sampler (nor its CPU worker, which imports it): torch.compile decorates
+its log-prob gather as the module is imported, and a generator imports it only after it has set TORCHDYNAMO_DISABLE,
+which leaves that function uncompiled (`grpo_dist.cluster.actors.engine.engine_environment`; test_loop checks it)."""
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
               "TOKENIZERS_", "DS_", "DEEPSPEED_", "TRITON_", "XDG_CACHE_HOME", "PYTHONHASHSEED", "PYTHONIOENCODING",
