@@ -255,7 +255,8 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
     After each its log-probabilities are the ones PEFT computes with that adapter (and not the last one's); a group
     sampled while version 3 comes in finishes under version 2, its tokens' log-probabilities version 2's, and is
     labelled 2; only versions 2 and 3 stay loaded in the engine. The adapters' directory in shared memory is gone
-    once the generator closes, and one a dead generator left (its pid gone) is removed when the next one starts."""
+    once the generator closes, and one a dead generator left (its pid gone) is removed when the next one starts; so
+    is the directory of its engine's sockets."""
     import os
     import tempfile
 
@@ -271,11 +272,14 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
     assert adapter_slots(cfg) == (8, 3)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     left = tempfile.mkdtemp(prefix="grpo-dist-adapters-999999999-", dir=shm)  # no such pid
+    sockets_left = tempfile.mkdtemp(prefix="grpo-dist-engine-sockets-999999999-")  # and of its engine's sockets
     generator = ray_cluster.remote(Generator).options(num_cpus=1)
     generator = generator.remote(model_dir, cfg.rollout, 0, None, None, ("best_effort", []), adapter_slots(cfg))
     ray_cluster.get(generator.start.remote())
-    assert not os.path.exists(left)
+    assert not os.path.exists(left) and not os.path.exists(sockets_left)
     pid = ray_cluster.get(generator.__ray_call__.remote(lambda self: os.getpid()))
+    sockets = ray_cluster.get(generator.__ray_call__.remote(lambda self: os.environ["VLLM_RPC_BASE_PATH"]))
+    assert os.path.basename(sockets).startswith(f"grpo-dist-engine-sockets-{pid}-") and os.listdir(sockets)
     (made,) = [name for name in os.listdir(shm) if name.startswith(f"grpo-dist-adapters-{pid}-")]
     sequence = [5, 9, 12, 7, 30, 3, 8, 11, 14, 2, 6, 13]
     policies, previous = {}, None
@@ -303,4 +307,5 @@ def test_an_engine_serving_adapters_holds_the_newest_versions_and_each_request_k
     assert sorted(os.listdir(os.path.join(shm, made))) == ["v2.2", "v3.3"]  # version.load
     ray_cluster.get(generator.close.remote())
     assert not os.path.exists(os.path.join(shm, made))
+    assert not os.path.exists(sockets)  # the engine's sockets went with it, not left in the temporary directory
     ray_cluster.kill(generator)

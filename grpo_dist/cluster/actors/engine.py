@@ -84,18 +84,31 @@ def shm_dir() -> str | None:
 
 
 def adapter_dir() -> str:
-    """A new directory in shared memory for this process's adapters (`Generator.load_adapter`), named by its pid;
-    those of generators that died without closing (their pid gone) are removed first."""
+    """A new directory in shared memory for this process's adapters (`Generator.load_adapter`)."""
+    return own_dir("adapters", shm_dir())
+
+
+def sockets_dir() -> str:
+    """A new directory for the sockets between this process and its engine core (vLLM's `VLLM_RPC_BASE_PATH`): vLLM
+    leaves them where it makes them, six files an engine in the machine's temporary directory otherwise, after its
+    engine has shut down."""
+    return own_dir("engine-sockets")
+
+
+def own_dir(kind: str, parent: str | None = None) -> str:
+    """A new directory named by this process's pid for its `kind` of files, in `parent` (the machine's temporary
+    directory by default); those of processes that died without removing theirs (their pid gone) are removed
+    first."""
     import glob
 
     import psutil
 
-    prefix = os.path.join(shm_dir() or tempfile.gettempdir(), "grpo-dist-adapters-")
+    prefix = os.path.join(parent or tempfile.gettempdir(), f"grpo-dist-{kind}-")
     for stale in glob.glob(f"{prefix}*"):
         pid = stale.removeprefix(prefix).split("-")[0]
         if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"grpo-dist-adapters-{os.getpid()}-", dir=shm_dir())
+    return tempfile.mkdtemp(prefix=f"grpo-dist-{kind}-{os.getpid()}-", dir=parent)
 
 
 def engine_core_child() -> None:

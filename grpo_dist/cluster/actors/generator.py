@@ -29,6 +29,7 @@ from grpo_dist.cluster.actors.engine import (
     fork_engine_core,
     kv_cache_bytes,
     shm_dir,
+    sockets_dir,
 )
 from grpo_dist.config import EnvironmentConfig, InjectConfig, RolloutConfig
 from grpo_dist.faults.inject import Injector
@@ -89,6 +90,7 @@ class Generator:
         self.held_back = asyncio.Lock()  # one group at a time under `faults.inject.slow_generation_file`
         self.salt = "0"  # the prefix cache's key of what is served: the version (and with adapters, which load)
         self.adapter_dir = adapter_dir() if adapters else None
+        self.sockets_dir = os.environ["VLLM_RPC_BASE_PATH"] = sockets_dir()  # read as the engine is made
         self.request_ids = itertools.count()
         self.stats = EngineStats()
         if not on_gpu and rollout.tensor_parallel_size == 1:
@@ -137,12 +139,13 @@ class Generator:
 
     async def close(self) -> None:
         """End the engine's process and the tools' sandboxes, and wait until they are gone (the pool calls it before
-        killing the generator)."""
+        killing the generator); remove the engine's sockets and adapters."""
         if self.agent is not None:
             self.agent.close()
         self.engine.shutdown(timeout=10)
-        if self.adapter_dir is not None:
-            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        for directory in (self.adapter_dir, self.sockets_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
     async def generate(
         self,
