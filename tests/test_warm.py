@@ -239,7 +239,10 @@ def _drivers_forked(socket_path: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.startswith("driver ")]
 
 
-def _warm_driver_setting() -> tuple[Path, Path]:
+def _warm_driver_setting() -> tuple[Path, dict[str, str]]:
+    """The session's warm process, once it answers: its socket, and an environment for a command, this process's with
+    the variables read at import (`warm.IMPORT_ENV`) as the warm process has them, as a shell's match the `grpo-dist
+    up` it started (this process's may have moved on since: a run in it sets HF_HUB_DISABLE_PROGRESS_BARS)."""
     from conftest import session_warm_process
 
     socket_path = session_warm_process()
@@ -249,16 +252,23 @@ def _warm_driver_setting() -> tuple[Path, Path]:
     while not warm.ready(socket_path, timeout_s=10):
         assert time.monotonic() < deadline, f"the session's warm process did not answer at {socket_path}"
         time.sleep(0.2)
-    return socket_path, socket_path.parent
+    import conftest
+
+    imported_with = psutil.Process(conftest._session_warm[1].pid).environ()
+    env = {key: value for key, value in os.environ.items() if not key.startswith(warm.IMPORT_ENV)}
+    return socket_path, {
+        **env,
+        **{key: value for key, value in imported_with.items() if key.startswith(warm.IMPORT_ENV)},
+    }
 
 
 def test_a_run_s_driver_is_forked_where_up_keeps_a_warm_process_and_exits_with_its_code(tmp_path):
     """`grpo-dist train` on a machine whose `grpo-dist up` cluster has a warm process: its driver is forked from that
     process (which says so in its log), with the command's streams and exit code. Another value of a variable read
     at import, or the record of a cluster an older grpo-dist started: the driver starts in the command's own process."""
-    socket_path, _ = _warm_driver_setting()
+    socket_path, shell = _warm_driver_setting()
     _up_record(tmp_path / "temp", socket_path)
-    env = {**os.environ, "TMPDIR": str(tmp_path / "temp")}
+    env = {**shell, "TMPDIR": str(tmp_path / "temp")}
 
     def grpo_dist(*argv: str, **changes: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "grpo_dist", *argv], env={**env, **changes}, capture_output=True,
@@ -266,7 +276,7 @@ def test_a_run_s_driver_is_forked_where_up_keeps_a_warm_process_and_exits_with_i
 
     before = len(_drivers_forked(socket_path))
     helped = grpo_dist("train", "--help")
-    assert helped.returncode == 0 and "--resume" in helped.stdout, helped.stderr
+    assert helped.returncode == 0 and "--resume" in helped.stdout and "starts cold" not in helped.stderr, helped.stderr
     missing = tmp_path / "missing.yaml"
     refused = grpo_dist("train", str(missing))
     assert refused.returncode == 2 and str(missing) in refused.stderr, refused.stderr
@@ -290,12 +300,12 @@ def _forked_run(tmp_path: Path, address: str, until: str, steps: int = 2) -> tup
     import yaml
     from conftest import TESTS_DIR, small_config
 
-    socket_path, _ = _warm_driver_setting()
+    socket_path, shell = _warm_driver_setting()
     _up_record(tmp_path / "temp", socket_path)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path, run={"steps": steps}, ray={"address": address})))
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))  # the reward fixtures
-    env = {**os.environ, "TMPDIR": str(tmp_path / "temp"), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    env = {**shell, "TMPDIR": str(tmp_path / "temp"), "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     before = len(_drivers_forked(socket_path))
     command = subprocess.Popen([sys.executable, "-m", "grpo_dist", "train", str(config)], env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_umask_and_nice)  # fmt: skip
