@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -33,6 +34,7 @@ RUNS = ("train", "eval", "sft")
 """The commands whose driver is forked warm."""
 READY_TIMEOUT_S = 2.0  # a warm process still importing (just after `grpo-dist up`): the command imports for itself
 PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+END_TIMEOUT_S = 10.0  # a driver that sent its exit code has only its process's end left
 
 
 def run(argv: list[str]) -> int | None:
@@ -95,8 +97,13 @@ def socket_path() -> Path | None:
 
 
 def _follow(connection: socket.socket, driver: int) -> int:
-    """Pass this process's signals on to the driver until it sends its exit code; that code. A driver gone without
-    one (killed) ends this process as the signal passed on would have, or with 1."""
+    """Pass this process's signals on to the driver until it sends its exit code, and wait for its process to end
+    (at most `END_TIMEOUT_S`: the command must not return while its driver still tears down); that code. A driver
+    gone without one (killed) ends this process as the signal passed on would have, or with 1."""
+    try:
+        ended = os.pidfd_open(driver)  # before it can end: a number reused later is not mistaken for it
+    except OSError:  # gone already
+        ended = None
     passed: list[int] = []
 
     def pass_on(number: int, _frame) -> None:
@@ -117,6 +124,9 @@ def _follow(connection: socket.socket, driver: int) -> int:
         except OSError:
             said = ""
             break
+    if ended is not None:
+        select.select([ended], [], [], END_TIMEOUT_S)  # readable once the process has ended
+        os.close(ended)
     if said.startswith("exit ") and said.removeprefix("exit ").lstrip("-").isdigit():
         return int(said.removeprefix("exit "))
     if passed:
