@@ -309,14 +309,20 @@ STARTED_LATE = textwrap.dedent("""
     import ray._private.services as services
     from grpo_dist.cluster.ray_cluster import start_local_ray
 
-    registered, asked = services.get_node, []
+    registered, asked, waited = services.get_node, [], [0.0]
     def late(gcs_address, node_id):  # the first node's raylet never registers: Ray gives up on it after 30 s
         asked.append(node_id)
         if node_id == asked[0]:
-            time.sleep(1)
+            waited[0] += 10  # each try seen by Ray's clock as 10 s later (its wait is for 30 s of them)
             raise RuntimeError("not registered yet")
         return registered(gcs_address, node_id)
     services.get_node = late
+    class Clock:  # the module `time`, as the node's start-up reads it: its clock moved on by the tries
+        def __getattr__(self, name):
+            return getattr(time, name)
+        def monotonic(self):
+            return time.monotonic() + waited[0]
+    ray._private.node.time = Clock()
     start_local_ray(num_cpus=1)
     package = os.path.dirname(ray.__file__)
     servers = [p for p in psutil.Process().children(recursive=True) if any(

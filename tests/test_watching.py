@@ -185,20 +185,30 @@ def test_a_run_whose_reader_left_trains_to_its_end_and_resuming_it_finds_it_fini
 
 def test_train_runs_twice_in_one_process(tmp_path):
     """`train()` called again in the same Python process (a notebook cell run a second time): each call starts its
-    own Ray and ends it, and both runs finish."""
+    own Ray and ends it, and both runs finish. Each forks its actors warm as the command's run does: the first from
+    a warm process of its own (the one its environment names is not there, which it says), the second from the
+    session's, named as the first's was."""
+    from conftest import session_warm_process
+
+    from grpo_dist.cluster import warm
+
     raw = small_config(tmp_path, run={"steps": 1})
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
+    missing, shared = tmp_path / "gone.sock", session_warm_process()
     script = (
-        "import sys\n"
+        "import os, sys\n"
         "from grpo_dist.config import load_config\n"
         "from grpo_dist.run.driver import train\n"
-        "for name in ('first', 'second'):\n"
+        "for name, warm in (('first', sys.argv[2]), ('second', sys.argv[3])):\n"
+        f"    os.environ[{warm.SHARED_ENV!r}] = warm\n"
         "    print('ran', train(load_config(sys.argv[1], [f'run.name={name}'])), flush=True)\n"
     )
-    process = grpo_dist_python(script, str(config))
+    process = grpo_dist_python(script, str(config), str(missing), str(shared or missing))
     out, _ = process.communicate(timeout=900)
     assert process.returncode == 0, out[-4000:]
     for name in ("first", "second"):
         assert f"ran {tmp_path / 'outputs' / name}" in out
         assert [row["step"] for row in jsonl(tmp_path / "outputs" / name / "metrics.jsonl")] == [1]
+    said = f"{warm.SHARED_ENV}={missing} names no socket: the run starts a warm process of its own"
+    assert out.count(said) == (1 if shared else 2), out[-4000:]

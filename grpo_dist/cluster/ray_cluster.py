@@ -95,7 +95,8 @@ def start_ray(cfg: Config) -> bool:
         ray.init(address=standing.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return True
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
-    with warm.used_by_this_run():  # where the command started one (`grpo_dist.cluster.warm.start_for_this_run`)
+    warm.start_for_this_run()  # the command started it already; `train()` called from Python starts it here
+    with warm.used_by_this_run():
         start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)
     return True
 

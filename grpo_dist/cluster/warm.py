@@ -3,9 +3,9 @@
 Each of a run's actors is a Python process of its own, and most of a small run's start-up is those processes
 importing torch, transformers, DeepSpeed and vLLM again (about 13 CPU seconds for vLLM alone on a 2-core machine).
 On the Ray clusters grpo-dist starts on this machine (`grpo-dist up`'s; a run's own local one, whose warm process
-the command starts before its own heavy imports, `start_for_this_run`, unless the environment names one already
-serving, `SHARED_ENV`; the tests' own), a warm process imports them once, and every Python worker the raylet starts
-is forked from it instead:
+the command starts before its own heavy imports, `start_for_this_run`, or `train()` called from Python as it starts
+the cluster, unless the environment names one already serving, `SHARED_ENV`; the tests' own), a warm process
+imports them once, and every Python worker the raylet starts is forked from it instead:
 
 - the raylet runs `warm_launch.py` in place of Ray's `setup_worker.py` (`ray_constants.SETUP_WORKER_FILENAME`, read
   when a node starts); it asks the warm process, over a Unix socket, to fork the worker with the launcher's
