@@ -262,6 +262,7 @@ def _warm_driver_setting() -> tuple[Path, dict[str, str]]:
     }
 
 
+@pytest.mark.slow  # the session's warm process imports vLLM: not in `make test-fast`
 def test_a_run_s_driver_is_forked_where_up_keeps_a_warm_process_and_exits_with_its_code(tmp_path):
     """`grpo-dist train` on a machine whose `grpo-dist up` cluster has a warm process: its driver is forked from that
     process (which says so in its log), with the command's streams and exit code. Another value of a variable read
@@ -347,6 +348,7 @@ def test_ctrl_c_to_the_command_stops_the_run_of_its_warm_driver(ray_cluster, tmp
     driver.wait(timeout=30)  # gone with its run (raises if it is not)
 
 
+@pytest.mark.slow  # the session's warm process imports vLLM: not in `make test-fast`
 def test_killing_the_command_kills_its_warm_driver(tmp_path):
     """The command killed (SIGKILL: nothing passed on) while its driver waits for a Ray cluster that never answers:
     the driver goes too, at once, not when the wait ends."""
