@@ -102,7 +102,7 @@ def _follow(connection: socket.socket, driver: int) -> int:
     gone without one (killed) ends this process as the signal passed on would have, or with 1."""
     try:
         ended = os.pidfd_open(driver)  # before it can end: a number reused later is not mistaken for it
-    except OSError:  # gone already
+    except (OSError, AttributeError):  # gone already, or a kernel without pidfds (Linux before 5.3)
         ended = None
     passed: list[int] = []
 
