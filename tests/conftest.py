@@ -42,6 +42,15 @@ def session_warm_process() -> Path | None:
     return _session_warm[0]
 
 
+def session_warm_environ() -> dict[str, str]:
+    """The environment the session's warm process started with (`session_warm_process` started it): the values of
+    the variables read at import that it imported the stack under."""
+    import psutil
+
+    assert _session_warm is not None, "no session warm process: call session_warm_process first"
+    return psutil.Process(_session_warm[1].pid).environ()
+
+
 def _stop_session_warm() -> None:
     global _session_warm
     from grpo_dist.cluster import warm

@@ -252,14 +252,11 @@ def _warm_driver_setting() -> tuple[Path, dict[str, str]]:
     while not warm.ready(socket_path, timeout_s=10):
         assert time.monotonic() < deadline, f"the session's warm process did not answer at {socket_path}"
         time.sleep(0.2)
-    import conftest
+    from conftest import session_warm_environ
 
-    imported_with = psutil.Process(conftest._session_warm[1].pid).environ()
     env = {key: value for key, value in os.environ.items() if not key.startswith(warm.IMPORT_ENV)}
-    return socket_path, {
-        **env,
-        **{key: value for key, value in imported_with.items() if key.startswith(warm.IMPORT_ENV)},
-    }
+    env.update((key, value) for key, value in session_warm_environ().items() if key.startswith(warm.IMPORT_ENV))
+    return socket_path, env
 
 
 @pytest.mark.slow  # the session's warm process imports vLLM: not in `make test-fast`

@@ -64,7 +64,8 @@ def share_of_cores(sharers: int) -> int:
 def start_ray(cfg: Config) -> bool:
     """Join `ray.address`; else the local cluster `grpo-dist up` started, when it is up (`grpo_dist.cluster.standing`);
     else start a local cluster of this run's own big enough for its actors (even where another Ray cluster runs on
-    the machine: that one is joined only when named in `ray.address`). Returns whether it did: a process already
+    the machine: that one is joined only when named in `ray.address`), its actors forked from a warm process
+    (`grpo_dist.cluster.warm.start_for_this_run`, which `stop_ray` stops). Returns whether it did: a process already
     connected to Ray (the caller's own `ray.init`) keeps that connection."""
     cpu_share()  # a bad value is refused before any cluster starts
     if cfg.ray.address and (problem := unreachable(cfg.ray.address)):
@@ -95,7 +96,7 @@ def start_ray(cfg: Config) -> bool:
         ray.init(address=standing.address, runtime_env={"env_vars": quiet}, log_to_driver=True)
         return True
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(actor_cpus(cfg) + 0.999))
-    warm.start_for_this_run()  # the command started it already; `train()` called from Python starts it here
+    warm.start_for_this_run()  # the command started it already, first thing; `train()` from Python starts it here
     with warm.used_by_this_run():
         start_local_ray(num_cpus=num_cpus, runtime_env={"env_vars": quiet}, log_to_driver=True)
     return True
