@@ -330,12 +330,14 @@ off pytest-xdist's own order (most tests first), which would put these behind mo
 def pytest_configure(config):
     """Refuse to run beside a cluster `grpo-dist up` started: the runs the tests start without a cluster of their
     own would join it, and the tests that count the machine's processes would count its. The clusters the tests
-    start themselves (`ray start`, `ray.cluster_utils`) run their actors at grpo-dist's priority. Under pytest-xdist
-    each worker and its runs take their share of the machine's cores (`GRPO_DIST_CPU_SHARE`): two workers' torch
-    threads each spin-waiting for cores the other holds make both several times slower."""
-    from grpo_dist.cluster import standing
+    start themselves (`ray start`, `ray.cluster_utils`) run their actors at grpo-dist's priority, without Ray's
+    metrics. Under pytest-xdist each worker and its runs take their share of the machine's cores
+    (`GRPO_DIST_CPU_SHARE`): two workers' torch threads each spin-waiting for cores the other holds make both several
+    times slower."""
+    from grpo_dist.cluster import ray_settings, standing
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # the clusters the tests start by hand, as grpo-dist's own
+    for name, value in ray_settings.cluster_environment().items():  # the clusters the tests start by hand
+        os.environ.setdefault(name, value)  # as grpo-dist's own
     if (workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")).isdigit():  # side by side on the cores
         import torch
 

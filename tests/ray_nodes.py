@@ -15,6 +15,7 @@ from conftest import TESTS_DIR
 
 # The tests' Ray nodes listen on ports drawn as the learner group's are.
 from grpo_dist.cluster.actors.learner import free_port as free_port
+from grpo_dist.cluster.ray_settings import cluster_environment
 
 RAY = str(Path(sys.executable).parent / "ray")
 
@@ -25,7 +26,7 @@ TOKEN = uuid.uuid4().hex + uuid.uuid4().hex  # the cluster runs with token auth,
 def node_env() -> dict[str, str]:
     """The environment of the test's Ray nodes and drivers: token auth, and tests/ importable (reward fixtures)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN, RAY_worker_niceness="0")  # as grpo-dist's own clusters
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN, **cluster_environment())  # as grpo-dist's own clusters
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # `python`: this one
     env.pop("RAY_ADDRESS", None)
     return env

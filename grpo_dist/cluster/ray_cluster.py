@@ -10,8 +10,8 @@ import socket
 
 import ray
 
+from grpo_dist.cluster import ray_settings, warm
 from grpo_dist.cluster import standing as standing_cluster
-from grpo_dist.cluster import warm
 from grpo_dist.config import Config, ConfigError
 from grpo_dist.storage.console import section
 
@@ -117,19 +117,16 @@ def stop_ray() -> None:
 LOCAL_START_ATTEMPTS = 2
 
 
-WORKER_NICENESS = 0
-"""The scheduling priority of the actors' processes on a cluster grpo-dist starts (a run's local one, `grpo-dist up`):
-the driver's own. Ray's default, 15, lets any other busy process on the machine take the CPU from a run's
-actors (a nice-0 process gets about 30 times their share): with one core kept busy beside it, the quick start's steps
-took 3.90 s each, and 0.80 s at 0 (`benchmarks/contention.py --busy 1`)."""
-
-
 def start_local_ray(**settings) -> None:
     """`ray.init` of a local cluster of this process's own, started again once where Ray gave up on it: Ray gives a
     new node's raylet a fixed 30 s to register, which a machine busy with another run's start-up can exceed. What the
     failed start left running (its GCS, raylet and agents, children of this process) is stopped first. Its actors
-    run at the driver's priority (`WORKER_NICENESS`)."""
-    system = {"worker_niceness": WORKER_NICENESS, **settings.pop("_system_config", {})}
+    run at the driver's priority and it collects no Ray metrics (`grpo_dist.cluster.ray_settings`)."""
+    system = {
+        "worker_niceness": ray_settings.WORKER_NICENESS,
+        "enable_metrics_collection": ray_settings.METRICS_COLLECTION,
+        **settings.pop("_system_config", {}),
+    }
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             with agent_on_a_free_port():

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from grpo_dist.cluster import warm
+from grpo_dist.cluster import ray_settings, warm
 
 WARM_SOCKET = "warm.sock"
 """The warm process's socket in the cluster's Ray directory (`Standing.temp_dir`): actors and drivers fork from it."""
@@ -89,9 +89,9 @@ cores (the quick start's actors ask for 2.5), and a run that starts a cluster of
 
 def up(num_cpus: int | None = None, warm_workers: bool = True) -> tuple[Standing, bool]:
     """Start the cluster (`num_cpus` logical CPUs; by default the machine's count, at least `DEFAULT_CPUS`; its actors
-    at the priority of the processes that start them, as `grpo_dist.cluster.ray_cluster.WORKER_NICENESS` says) unless
-    one is up already. Returns it and whether it was started now. Raises `StandingError` with Ray's own output when it
-    cannot start."""
+    at the priority of the processes that start them and without Ray's metrics, as
+    `grpo_dist.cluster.ray_settings` says) unless one is up already. Returns it and whether it
+    was started now. Raises `StandingError` with Ray's own output when it cannot start."""
     if (standing := find()) is not None:
         return standing, False
     cpus = num_cpus or max(DEFAULT_CPUS, os.cpu_count() or 1)
@@ -102,7 +102,8 @@ def up(num_cpus: int | None = None, warm_workers: bool = True) -> tuple[Standing
         f"--temp-dir={temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
     ]  # fmt: skip
     _ensure_token()
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token", "RAY_worker_niceness": "0"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token"}
+    env.update(ray_settings.cluster_environment())
     if warm_workers and warm.available():  # its path names temp_dir: `down` stops it with Ray's processes
         socket_path = temp_dir / WARM_SOCKET
         warm.start(socket_path, temp_dir / "warm.log", detached=True)
