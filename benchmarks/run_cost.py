@@ -1,6 +1,6 @@
 """What a small run costs the machine, and which of its processes spends it: where `make test`'s time goes.
 
-    .venv/bin/python benchmarks/run_cost.py [--steps 1 6] [--interval 0.2]
+    .venv/bin/python benchmarks/run_cost.py [--steps 1 6] [--interval 0.2] [--repeat 1] [--baseline DIR]
 
 Runs `grpo-dist train` on the tests' small config (`tests/conftest.py`'s `small_config`: a tiny model, one learner
 rank, one generator, two reward workers, 4 prompts x 4 completions a step, an evaluation before and after) once per
@@ -11,13 +11,17 @@ the learner, the reward workers, their sandboxes, Ray's own processes, and compi
 that end between two samples lose their last interval; `other` is the rest of the machine in the meantime.
 
 Prints one JSON line per run: wall seconds, CPU seconds machine-wide (from /proc/stat) and by role; then a
-`ratios` line: each run's CPU seconds over the first run's. Run it on an otherwise idle machine; CI never runs it.
+`ratios` line: each run's CPU seconds over the first run's. With `--baseline DIR` (another checkout of the repository,
+e.g. `git worktree add /tmp/base <commit>`), each repeat runs the baseline's code and then this one's, with the same
+interpreter and packages, and a last line gives the medians here over the baseline's, machine-wide and by role (under
+1: cheaper here). Run it on an otherwise idle machine; CI never runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,11 +76,12 @@ def sample(roles_of: dict) -> dict[tuple[int, float], tuple[str, float]]:
     return now
 
 
-def measure(config: Path, steps: int, interval: float) -> dict:
+def measure(config: Path, steps: int, interval: float, repo: Path = REPO) -> dict:
+    """One run of `steps` steps with the code of the checkout `repo`, first on the path of it and its actors."""
     before, busy, started = cpu_by_process(), busy_seconds(), time.monotonic()
     command = [sys.executable, "-m", "grpo_dist", "train", str(config), f"run.steps={steps}", f"run.name=s{steps}"]
-    env = {**psutil.os.environ, "PYTHONPATH": str(REPO / "tests")}
-    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**psutil.os.environ, "PYTHONPATH": psutil.os.pathsep.join([str(repo), str(repo / "tests")])}
+    run = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     last, roles_of = dict(before), {}
     while run.poll() is None:
         last.update(sample(roles_of))
@@ -97,15 +102,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 6])
     parser.add_argument("--interval", type=float, default=0.2)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--baseline", type=Path, help="another checkout of the repository, run side by side")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="run-cost-"))
     config = work / "run.yaml"
     config.write_text(yaml.safe_dump(small_config(work)))
-    rows = [measure(config, steps, args.interval) for steps in args.steps]
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    ratios = {f"steps_{row['steps']}": round(row["cpu_s"] / rows[0]["cpu_s"], 3) for row in rows}
+    checkouts = ([("baseline", args.baseline.resolve())] if args.baseline else []) + [("this", REPO)]
+    rows = []
+    for repeat in range(args.repeat):
+        for name, repo in checkouts:
+            for steps in args.steps:
+                rows.append({"checkout": name, "repeat": repeat, **measure(config, steps, args.interval, repo)})
+                print(json.dumps(rows[-1]), flush=True)
+    this = [row for row in rows if row["checkout"] == "this" and row["repeat"] == 0]
+    ratios = {f"steps_{row['steps']}": round(row["cpu_s"] / this[0]["cpu_s"], 3) for row in this}
     print(json.dumps({"row": "ratios", "cpu_s_over_first": ratios}))
+    if args.baseline:
+        print(json.dumps({"row": "this over baseline, medians", **over_baseline(rows, args.steps)}))
+
+
+def over_baseline(rows: list[dict], steps: list[int]) -> dict:
+    """For each step count: this checkout's median wall and CPU seconds (machine-wide and by role) over the
+    baseline's."""
+    out = {}
+    for count in steps:
+        runs = {name: [row for row in rows if row["checkout"] == name and row["steps"] == count]
+                for name in ("baseline", "this")}  # fmt: skip
+
+        def median(name: str, read, runs=runs) -> float:
+            return statistics.median(read(row) for row in runs[name])
+
+        figures = {"wall_s": lambda row: row["wall_s"], "cpu_s": lambda row: row["cpu_s"]}
+        roles = {role for row in runs["baseline"] + runs["this"] for role in row["by_role"]}
+        figures.update({role: (lambda row, role=role: row["by_role"].get(role, 0.0)) for role in sorted(roles)})
+        out[f"steps_{count}"] = {
+            name: round(median("this", read) / median("baseline", read), 3)
+            for name, read in figures.items()
+            if median("baseline", read) > 0
+        }
+    return out
 
 
 if __name__ == "__main__":
