@@ -3,6 +3,7 @@
 - `cluster`: the run's actors by role (`Cluster`): started together, handed to a run, weights synced, the learner
   group restarted, the generator pool scaled.
 - `ray_cluster`: joining Ray (`ray.address`, or the cluster `grpo-dist up` keeps) or starting it for the run.
+- `ray_settings`: how the clusters grpo-dist starts differ from Ray's defaults (actors' priority, no Ray metrics).
 - `placement`: the placement groups the config asks for, checked against what the cluster has.
 - `generator_pool`, `reward_pool`, `teacher_pool`, `judge_pool`: the pools of vLLM engines, reward workers,
   distillation teachers and judge models, each replacing a faulty member.
