@@ -1,6 +1,7 @@
 """How long the test suite takes, and how it compares with another checkout side by side.
 
     .venv/bin/python benchmarks/suite_time.py [--target test|test-fast] [--baseline DIR] [--slowest 25] [--cpu]
+        [--accounting]
 
 Runs `make TARGET` (the README's test commands) in this checkout and, with `--baseline DIR` (another checkout, e.g.
 `git worktree add /tmp/base <commit>`), in that one first, one after the other on the same machine, both with this
@@ -10,13 +11,15 @@ the serial ones, from pytest's own summary lines), whether it passed, its slowes
 where the time went by module: the sum of each module's tests' durations, setup and teardown included
 (`benchmarks/suite_durations.py`, a pytest plugin; two workers on two cores: the modules' sum is about twice the
 first phase's wall time); with `--cpu`, where the machine's CPU time went by kind of process and how much was left
-idle (`benchmarks/cpu_by_process.py`); then the ratios (under 1: faster here). A suite is an hour of both cores: run
-it on an otherwise idle machine; CI never runs it.
+idle (`benchmarks/cpu_by_process.py`); with `--accounting` (root), the CPU time of every process of the suite by the
+test it was started for (`benchmarks/process_accounting.py`); then the ratios (under 1: faster here). A suite is an
+hour of both cores: run it on an otherwise idle machine; CI never runs it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -25,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import process_accounting
 from cpu_by_process import Sampler, print_table
 
 HERE = Path(__file__).resolve().parent
@@ -34,9 +38,10 @@ SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s")  # pytest's
 DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?:call|setup|teardown) +(?P<test>\S+)")
 
 
-def run_suite(repo: Path, target: str, log: Path, cpu: bool = False) -> dict:
+def run_suite(repo: Path, target: str, log: Path, cpu: bool = False, accounting: bool = False) -> dict:
     """`make TARGET` in `repo`: its wall time, its phases' times and counts, and its exit code; output to `log`;
-    with `cpu`, the machine's CPU time by kind of process while it ran (`cpu_by_process.Sampler`)."""
+    with `cpu`, the machine's CPU time by kind of process while it ran (`cpu_by_process.Sampler`); with
+    `accounting`, every process's CPU time by the test it was started for (`process_accounting`)."""
     phase_log = log.with_suffix(".durations.jsonl")  # every test phase's seconds (suite_durations.py)
     phase_log.unlink(missing_ok=True)
     addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS"), "-p suite_durations"]))
@@ -47,7 +52,8 @@ def run_suite(repo: Path, target: str, log: Path, cpu: bool = False) -> dict:
     if sampler is not None:
         sampler.start()
     started = time.monotonic()
-    with log.open("w") as out:
+    records = log.with_suffix(".acct")
+    with log.open("w") as out, process_accounting.recording(records) if accounting else contextlib.nullcontext():
         code = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     wall = time.monotonic() - started
     table = sampler.stop() if sampler is not None else None
@@ -62,7 +68,16 @@ def run_suite(repo: Path, target: str, log: Path, cpu: bool = False) -> dict:
         "modules": by_module(phase_log),
         "failed": failed(phase_log),
         "cpu": table,
+        "by_test": by_test(records, phase_log) if accounting else None,
     }
+
+
+def by_test(records: Path, durations: Path) -> dict:
+    """The suite's processes' CPU by test (`process_accounting.by_test`), its workers named by `durations`."""
+    lines = [json.loads(line) for line in durations.read_text().splitlines()] if durations.exists() else []
+    workers = {line["worker"]: line["pid"] for line in lines if "pid" in line and line["worker"] != "controller"}
+    phases = [line for line in lines if "test" in line]
+    return process_accounting.by_test(process_accounting.read(records), phases, workers)
 
 
 def by_module(durations: Path) -> list[tuple[float, str]]:
@@ -70,6 +85,8 @@ def by_module(durations: Path) -> list[tuple[float, str]]:
     modules: dict[str, float] = {}
     lines = durations.read_text().splitlines() if durations.exists() else []
     for phase in map(json.loads, lines):
+        if "test" not in phase:  # a process's pid (`suite_durations.py`)
+            continue
         module = phase["test"].split("::")[0]
         modules[module] = modules.get(module, 0.0) + phase["seconds"]
     return sorted(((round(seconds, 1), module) for module, seconds in modules.items()), reverse=True)
@@ -78,7 +95,7 @@ def by_module(durations: Path) -> list[tuple[float, str]]:
 def failed(durations: Path) -> list[str]:
     """The tests in `durations` with a phase that failed (an error in setup or teardown counts), in the order seen."""
     lines = durations.read_text().splitlines() if durations.exists() else []
-    found = [phase["test"] for phase in map(json.loads, lines) if phase.get("outcome") == "failed"]
+    found = [phase["test"] for phase in map(json.loads, lines) if phase.get("outcome") == "failed" and "test" in phase]
     return list(dict.fromkeys(found))
 
 
@@ -90,14 +107,18 @@ def main() -> None:
     parser.add_argument("--modules", type=int, default=15, help="how many of the costliest modules to print")
     parser.add_argument("--logs", type=Path, default=Path("/tmp"), help="where each run's output is kept")
     parser.add_argument("--cpu", action="store_true", help="where the CPU time went, by kind of process")
+    parser.add_argument(
+        "--accounting", action="store_true", help="every process's CPU time, by the test it was started for (root)"
+    )
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
     checkouts = {"baseline": args.baseline.resolve()} if args.baseline else {}
     checkouts["this"] = REPO
     found = {}
     for name, repo in checkouts.items():
-        found[name] = run_suite(repo, args.target, args.logs / f"suite-{name}.log", args.cpu)
-        figures = {key: value for key, value in found[name].items() if key not in ("slowest", "modules", "cpu")}
+        found[name] = run_suite(repo, args.target, args.logs / f"suite-{name}.log", args.cpu, args.accounting)
+        figures = {key: value for key, value in found[name].items()
+                   if key not in ("slowest", "modules", "cpu", "by_test")}  # fmt: skip
         print(json.dumps({"checkout": name, "repo": str(repo), "target": args.target, **figures}), flush=True)
         for seconds, test in found[name]["slowest"][: args.slowest]:
             print(f"  {seconds:8.1f} s  {test}")
@@ -107,6 +128,8 @@ def main() -> None:
             print(f"  {seconds:8.1f} s  {module}")
         if found[name]["cpu"] is not None:
             print_table(found[name]["cpu"], args.modules)
+        if found[name]["by_test"] is not None:
+            process_accounting.print_by_test(found[name]["by_test"], args.slowest)
     if args.baseline:
         base, this = found["baseline"], found["this"]
         ratios = {"wall": round(this["wall_s"] / base["wall_s"], 3)}
