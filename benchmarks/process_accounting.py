@@ -95,14 +95,21 @@ def by_test(processes: list[Process], phases: list[dict], workers: dict[str, int
                     return test
         return ""
 
+    traced: dict[int, str | None] = dict(worker_of)  # a process's index -> the worker it descends from (None: none)
+
+    def worker_above(process: Process) -> str | None:
+        chain, node = [], process
+        while node is not None and node.index not in traced and len(chain) < 64:
+            chain.append(node.index)
+            node = parent(node)
+        found = traced.get(node.index) if node is not None else None
+        traced.update(dict.fromkeys(chain, found))  # each ancestor walked once for every process below it
+        return found
+
     tests, names = Counter(), defaultdict(Counter)
     totals = Counter()
     for process in processes:
-        node, worker = process, None
-        for _ in range(64):
-            if node is None or (worker := worker_of.get(node.index)) is not None:
-                break
-            node = parent(node)
+        worker = worker_above(process)
         if worker is None:
             totals["outside the workers (a parent ended first)"] += process.cpu_s
         elif process.index in worker_of:

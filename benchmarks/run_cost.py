@@ -127,20 +127,14 @@ def over_baseline(rows: list[dict], steps: list[int]) -> dict:
     baseline's."""
     out = {}
     for count in steps:
-        runs = {name: [row for row in rows if row["checkout"] == name and row["steps"] == count]
-                for name in ("baseline", "this")}  # fmt: skip
-
-        def median(name: str, read, runs=runs) -> float:
-            return statistics.median(read(row) for row in runs[name])
-
-        figures = {"wall_s": lambda row: row["wall_s"], "cpu_s": lambda row: row["cpu_s"]}
-        roles = {role for row in runs["baseline"] + runs["this"] for role in row["by_role"]}
-        figures.update({role: (lambda row, role=role: row["by_role"].get(role, 0.0)) for role in sorted(roles)})
-        out[f"steps_{count}"] = {
-            name: round(median("this", read) / median("baseline", read), 3)
-            for name, read in figures.items()
-            if median("baseline", read) > 0
-        }
+        medians = {}
+        for name in ("baseline", "this"):
+            figures = [{"wall_s": row["wall_s"], "cpu_s": row["cpu_s"], **row["by_role"]}
+                       for row in rows if row["checkout"] == name and row["steps"] == count]  # fmt: skip
+            keys = {key for figure in figures for key in figure}
+            medians[name] = {key: statistics.median(figure.get(key, 0.0) for figure in figures) for key in keys}
+        base, this = medians["baseline"], medians["this"]
+        out[f"steps_{count}"] = {key: round(this.get(key, 0.0) / base[key], 3) for key in sorted(base) if base[key] > 0}
     return out
 
 

@@ -60,43 +60,40 @@ def run_suite(repo: Path, target: str, log: Path, cpu: bool = False, accounting:
     text = log.read_text().splitlines()
     phases = [match.groupdict() for line in text if (match := SUMMARY.match(line))]
     durations = sorted(((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True)
+    lines = [json.loads(line) for line in phase_log.read_text().splitlines()] if phase_log.exists() else []
+    tests = [line for line in lines if "test" in line]  # the rest: each pytest process's pid
     return {
         "wall_s": round(wall, 1),
         "phases": [{"seconds": float(phase["seconds"]), "counts": phase["counts"]} for phase in phases],
         "exit": code,
         "slowest": durations,
-        "modules": by_module(phase_log),
-        "failed": failed(phase_log),
+        "modules": by_module(tests),
+        "failed": failed(tests),
         "cpu": table,
-        "by_test": by_test(records, phase_log) if accounting else None,
+        "by_test": by_test(records, lines) if accounting else None,
     }
 
 
-def by_test(records: Path, durations: Path) -> dict:
-    """The suite's processes' CPU by test (`process_accounting.by_test`), its workers named by `durations`."""
-    lines = [json.loads(line) for line in durations.read_text().splitlines()] if durations.exists() else []
+def by_test(records: Path, lines: list[dict]) -> dict:
+    """The suite's processes' CPU by test (`process_accounting.by_test`), its workers named by the pid `lines` of
+    `suite_durations.py`."""
     workers = {line["worker"]: line["pid"] for line in lines if "pid" in line and line["worker"] != "controller"}
     phases = [line for line in lines if "test" in line]
     return process_accounting.by_test(process_accounting.read(records), phases, workers)
 
 
-def by_module(durations: Path) -> list[tuple[float, str]]:
-    """The sum of each test module's phases' seconds in `durations` (`suite_durations.py`'s lines), largest first."""
+def by_module(phases: list[dict]) -> list[tuple[float, str]]:
+    """The sum of each test module's phases' seconds (`suite_durations.py`'s lines), largest first."""
     modules: dict[str, float] = {}
-    lines = durations.read_text().splitlines() if durations.exists() else []
-    for phase in map(json.loads, lines):
-        if "test" not in phase:  # a process's pid (`suite_durations.py`)
-            continue
+    for phase in phases:
         module = phase["test"].split("::")[0]
         modules[module] = modules.get(module, 0.0) + phase["seconds"]
     return sorted(((round(seconds, 1), module) for module, seconds in modules.items()), reverse=True)
 
 
-def failed(durations: Path) -> list[str]:
-    """The tests in `durations` with a phase that failed (an error in setup or teardown counts), in the order seen."""
-    lines = durations.read_text().splitlines() if durations.exists() else []
-    found = [phase["test"] for phase in map(json.loads, lines) if phase.get("outcome") == "failed" and "test" in phase]
-    return list(dict.fromkeys(found))
+def failed(phases: list[dict]) -> list[str]:
+    """The tests with a phase that failed (an error in setup or teardown counts), in the order seen."""
+    return list(dict.fromkeys(phase["test"] for phase in phases if phase.get("outcome") == "failed"))
 
 
 def main() -> None:
