@@ -42,6 +42,11 @@ def session_warm_process() -> Path | None:
     return _session_warm[0]
 
 
+def session_warm_pid() -> int | None:
+    """The pid of this test process's warm process, None where `session_warm_process` started none."""
+    return _session_warm[1].pid if _session_warm is not None else None
+
+
 def session_warm_environ() -> dict[str, str]:
     """The environment the session's warm process started with (`session_warm_process` started it): the values of
     the variables read at import that it imported the stack under."""

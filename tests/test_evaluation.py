@@ -178,11 +178,18 @@ def test_grpo_dist_eval_builds_its_own_config_and_leaves_the_users_as_it_was(tmp
 
 
 @pytest.mark.parametrize("kind", ["missing", "not-a-checkpoint"])
-def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, tmp_path, kind):
+def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, monkeypatch, tmp_path, kind):
     """`grpo-dist eval --checkpoint PATH` with nothing usable at PATH: one line naming --checkpoint (not --resume,
-    which eval has not), exit 2, before any cluster starts."""
+    which eval has not), exit 2, before any cluster starts; nothing left behind: not the log file eval names as it
+    starts (removed where nothing was written to it), nor the warm process it started for its cluster."""
+    import tempfile
+
     import yaml
     from conftest import REPO, cli_here
+
+    temporary = tmp_path / "temporary"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(small_config(tmp_path)))
@@ -195,6 +202,24 @@ def test_eval_of_a_checkpoint_that_is_not_there_names_its_own_flag(capfd, tmp_pa
     assert f"--checkpoint: {target} is not a complete checkpoint" in result.stderr, result.stderr
     assert "--resume" not in result.stderr and "Traceback" not in result.stderr
     assert not result.started_ray
+    assert "the libraries' and actors' output: " + str(temporary) in result.stdout  # where it would have gone
+    assert not list(temporary.iterdir())
+    assert not warm_processes_started_here()  # the one it started for its cluster, stopped with the command
+
+
+def warm_processes_started_here() -> list[int]:
+    """The warm processes (`grpo_dist.cluster.warm`) this process started and that still run, but the session's."""
+    import psutil
+    from conftest import session_warm_pid
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "grpo_dist.cluster.warm" in child.cmdline() and child.pid != session_warm_pid():
+                found.append(child.pid)
+        except psutil.Error:
+            pass
+    return found
 
 
 def test_eval_runs_with_no_injected_fault_and_injections_alone_rebuild_no_reward_worker(tmp_path):

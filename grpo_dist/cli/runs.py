@@ -4,8 +4,10 @@ down)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from grpo_dist.cli.common import Command, bad_data_exits_2, config_and_overrides
@@ -40,19 +42,30 @@ def resume_or_override(args: argparse.Namespace) -> None:
         args.resume = True
 
 
-def _warm_if_own_cluster(cfg) -> None:
+@contextlib.contextmanager
+def _warm_if_own_cluster(cfg) -> Iterator[None]:
     """Where the command will start a local cluster of its own (`train`, `eval`), start the warm process its actors
-    fork from first thing: it imports the stack while this process prepares the run."""
+    fork from first thing: it imports the stack while this process prepares the run. It is stopped as the command
+    ends, however it ends: a run refused before its cluster started leaves none behind in a process that goes on
+    (`grpo_dist.cli.main` called from Python)."""
     from grpo_dist.cluster import ray_cluster, warm
 
     if ray_cluster.starts_a_cluster_of_its_own(cfg):
         warm.start_for_this_run()
+    try:
+        yield
+    finally:
+        warm.stop_for_this_run()
 
 
 @bad_data_exits_2
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    _warm_if_own_cluster(cfg)
+    with _warm_if_own_cluster(cfg):
+        return _train_on(cfg, args)
+
+
+def _train_on(cfg, args: argparse.Namespace) -> int:
     from grpo_dist.faults import RunFailed
     from grpo_dist.run.driver import train
     from grpo_dist.storage import StoreError
@@ -121,10 +134,10 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 @bad_data_exits_2
 def _eval(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    _warm_if_own_cluster(cfg)
-    from grpo_dist.run.evaluation import evaluate_checkpoint
+    with _warm_if_own_cluster(cfg):
+        from grpo_dist.run.evaluation import evaluate_checkpoint
 
-    evaluate_checkpoint(cfg, args.checkpoint, args.out, args.verbose)
+        evaluate_checkpoint(cfg, args.checkpoint, args.out, args.verbose)
     return 0
 
 

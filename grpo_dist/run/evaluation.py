@@ -196,7 +196,9 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None, verbose:
     Hugging Face model directory),
     on a cluster of its own started in a scratch directory (the run's directory is not touched). The metrics are
     printed, and written as JSON to `out` when given. What the libraries and actors print goes to a verbose.log of
-    its own, kept and named on the console (and to the console too when `verbose`), as a run's does."""
+    its own, kept and named on the console (and to the console too when `verbose`), as a run's does; where nothing
+    was printed there (an eval refused before it started anything), its directory is removed."""
+    import shutil
     import tempfile
 
     from grpo_dist.storage.console import LOG_NAME, Console
@@ -209,6 +211,8 @@ def evaluate_checkpoint(cfg: Config, path: str, out: str | None = None, verbose:
         return _evaluate_checkpoint(cfg, path, out, console)
     finally:
         console.close()
+        if not (logs / LOG_NAME).stat().st_size:
+            shutil.rmtree(logs, ignore_errors=True)
 
 
 def _evaluate_checkpoint(cfg: Config, path: str, out: str | None, console) -> dict[str, float]:
