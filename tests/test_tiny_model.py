@@ -90,3 +90,20 @@ def test_chat_template_is_saved(tmp_path: Path) -> None:
 def test_head_dim_must_be_64(tmp_path: Path, hidden_size: int, num_heads: int, fix: str) -> None:
     with pytest.raises(ValueError, match=f"num_heads={num_heads} does not give head_dim 64.*{fix}"):
         build_tiny_model(tmp_path, hidden_size=hidden_size, num_heads=num_heads)
+
+
+def test_a_build_without_weights_writes_the_same_tokenizer_and_config(model_dir: Path, tmp_path: Path) -> None:
+    """What a dry run reads (`grpo-dist check`): the tokenizer's files as a build with weights writes them, and a
+    config.json transformers reads as the same config; no weights, nor the generation config that goes with them."""
+    from transformers import AutoConfig
+
+    light = build_tiny_model(tmp_path / "light", seed=0, weights=False)
+    assert sorted(path.name for path in light.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (light / name).read_bytes() == (model_dir / name).read_bytes(), name
+    read = [AutoConfig.from_pretrained(path).to_dict() for path in (light, model_dir)]
+    for each in read:
+        each.pop("_name_or_path")
+    assert read[0] == read[1]
+    with pytest.raises(ValueError, match="built with its weights"):
+        build_tiny_model(tmp_path / "classifier", num_labels=1, weights=False)

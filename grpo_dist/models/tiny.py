@@ -15,6 +15,8 @@ Choices that matter to callers:
 - ``head_dim`` is fixed at 64 (``hidden_size == 64 * num_heads``): vLLM's CPU attention backend rejects smaller
   head sizes such as 16.
 - Weights are float32 and depend only on ``seed``; the global torch RNG state is left untouched.
+- ``weights=False`` writes the tokenizer and ``config.json`` alone, importing neither torch nor transformers' model
+  classes (about 3 of a dry run's 6 s on 2 cores): what `grpo-dist check` and `plan` read of a model they throw away.
 
 Usage from a shell: ``python -m grpo_dist.models.tiny OUT_DIR [--seed 0]``.
 """
@@ -22,12 +24,16 @@ Usage from a shell: ``python -m grpo_dist.models.tiny OUT_DIR [--seed 0]``.
 from __future__ import annotations
 
 import argparse
+import json
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from tokenizers import pre_tokenizers
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import Qwen2Tokenizer
+
+if TYPE_CHECKING:  # torch and the model classes: imported where weights are built (`_random_init_model`)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
 HEAD_DIM = 64
 """Attention head size; vLLM's CPU attention backend needs 64 or more (it rejects 16)."""
@@ -104,8 +110,9 @@ def _check_sizes(hidden_size: int, num_heads: int) -> None:
     )
 
 
-def _tiny_config(tokenizer: Qwen2Tokenizer, **sizes: int) -> Qwen2Config:
-    config = Qwen2Config(
+def _tiny_config_fields(tokenizer: Qwen2Tokenizer, **sizes: int) -> dict:
+    """The `Qwen2Config` settings of a tiny model (the rest are Qwen2's defaults)."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"],
@@ -118,6 +125,13 @@ def _tiny_config(tokenizer: Qwen2Tokenizer, **sizes: int) -> Qwen2Config:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def _tiny_config(fields: dict) -> Qwen2Config:
+    import torch
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**fields)
     config.dtype = torch.float32  # written to config.json; vLLM reads it for dtype="auto"
     return config
 
@@ -125,7 +139,8 @@ def _tiny_config(tokenizer: Qwen2Tokenizer, **sizes: int) -> Qwen2Config:
 def _random_init_model(config: Qwen2Config, seed: int, num_labels: int | None = None) -> Qwen2ForCausalLM:
     """Initialise the weights from ``seed`` alone, leaving the caller's global RNG state as it was: a causal LM, or
     with ``num_labels`` a sequence classifier."""
-    from transformers import Qwen2ForSequenceClassification
+    import torch
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     if num_labels is not None:
         config.num_labels = num_labels
@@ -147,9 +162,12 @@ def build_tiny_model(
     chat_template: str | None = None,
     characters: str = CHARACTERS,
     num_labels: int | None = None,
+    weights: bool = True,
 ) -> Path:
     """Write a random-init Qwen2 model and its character tokenizer to ``out_dir``; return the directory. With
-    ``num_labels`` the model is a sequence classifier of that many labels (`build_tiny_reward_model`).
+    ``num_labels`` the model is a sequence classifier of that many labels (`build_tiny_reward_model`). Without
+    ``weights``, only the tokenizer and ``config.json`` (the settings a build with weights writes, the rest left to
+    Qwen2's defaults as it does), for a dry run: torch is not imported.
 
     The defaults give about 0.34M parameters. The same arguments always produce the same weights.
     ``chat_template`` (a Jinja string) is stored on the tokenizer so ``apply_chat_template`` works.
@@ -162,7 +180,17 @@ def build_tiny_model(
     tokenizer = build_tiny_tokenizer(chat_template, model_max_length=max_position_embeddings, characters=characters)
     sizes = dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads)
     sizes.update(intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
-    model = _random_init_model(_tiny_config(tokenizer, **sizes), seed, num_labels)
+    fields = _tiny_config_fields(tokenizer, **sizes)
+    if not weights:
+        if num_labels is not None:
+            raise ValueError("build_tiny_model: a sequence classifier (num_labels) is built with its weights")
+        architecture = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "dtype": "float32"}
+        (out_dir / "config.json").write_text(json.dumps({**architecture, **fields}, indent=2) + "\n")
+        tokenizer.save_pretrained(out_dir)
+        return out_dir
+    from transformers import GenerationConfig
+
+    model = _random_init_model(_tiny_config(fields), seed, num_labels)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

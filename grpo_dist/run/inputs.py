@@ -536,26 +536,32 @@ def prepare_model(cfg: Config, scratch: Path | None = None, files: list[str] | N
         return model_directory(cfg, found, "model.path")
     if cfg.model.revision is not None:
         raise ConfigError(f"model.revision applies to a hub id; model.path {cfg.model.path} is a directory")
-    return model_directory(cfg, path, "model.path", scratch)
+    return model_directory(cfg, path, "model.path", scratch, files)
 
 
-def model_directory(cfg: Config, path: Path, key: str, scratch: Path | None = None) -> str:
+def model_directory(
+    cfg: Config, path: Path, key: str, scratch: Path | None = None, files: list[str] | None = None
+) -> str:
     """The Hugging Face model at `path` (config key `key`), built there first (under `scratch` when given) when
-    `model.tiny` asks for one."""
+    `model.tiny` asks for one: without its weights in a dry run's `scratch` where `files` names what it reads (a
+    check or plan throws the model away; a vision model is always built whole, its processor read with it)."""
     if cfg.model.tiny is not None and not path.exists():
         from grpo_dist.models import build_tiny_model
         from grpo_dist.models.tiny import CHAT_TEMPLATE
 
         path = path if scratch is None else scratch / "model"
+        dry = files if scratch is not None else None  # a model that stays (model.path) has its weights
         sizes = cfg.model.tiny.model_dump(exclude_none=True, exclude={"chat_template", "vision"})
         if cfg.model.tiny.vision:  # its own chat template places a prompt's images
             from grpo_dist.models.tiny_vision import build_tiny_vision_model
 
             build_tiny_vision_model(path, seed=cfg.run.seed, **sizes)
+            kind = "vision-language model"
         else:
             template = CHAT_TEMPLATE if cfg.model.tiny.chat_template else None
-            build_tiny_model(path, seed=cfg.run.seed, chat_template=template, **sizes)
-        print(f"built a random-init tiny {'vision-language ' if cfg.model.tiny.vision else ''}model at {path}")
+            build_tiny_model(path, seed=cfg.run.seed, chat_template=template, weights=dry is None, **sizes)
+            kind = "model" if dry is None else "model's tokenizer and config (what a dry run reads)"
+        print(f"built a random-init tiny {kind} at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
     return str(path.resolve())
