@@ -109,7 +109,8 @@ FORGERIES = {
 @pytest.mark.parametrize("completion", FORGERIES.values(), ids=FORGERIES.keys())
 def test_code_that_forges_its_verdict_gets_the_score_of_what_it_solves(completion, isolation):
     """Each of these fails two tests of three; no way out of the protocol passes them."""
-    total, error = score(completion, isolation)
+    blocks = "stdin.read()" in completion  # each test waits out its bound: 1 s of it is as telling as 2
+    total, error = score(completion, isolation, **({"timeout_per_test_s": 1.0} if blocks else {}))
     assert total in (0.0, pytest.approx(1 / 3)) and error is None, (total, error)
     assert score(solves_if("True"), isolation) == (1.0, None)  # the honest answer is scored as ever
 
@@ -254,9 +255,9 @@ def test_require_stops_a_run_before_anything_starts_where_namespaces_are_refused
 # The python tool: the model's code as a tool call, run by the generator's ToolBox.
 
 
-def run_tool(code: str, isolation: str) -> ToolCall:
-    limits = SandboxLimits(1024, 5.0, False, False, isolation == "require")
-    box = ToolBox([tool_spec("python")], limits, workers=1, timeout_s=5.0)
+def run_tool(code: str, isolation: str, timeout_s: float = 5.0) -> ToolCall:
+    limits = SandboxLimits(1024, timeout_s, False, False, isolation == "require")
+    box = ToolBox([tool_spec("python")], limits, workers=1, timeout_s=timeout_s)
     call = ToolCall(name="python", arguments={"code": code})
     try:
         import asyncio
@@ -316,7 +317,7 @@ def test_the_python_tool_runs_the_models_code_and_reaches_nothing_else(isolation
     assert SECRET not in said and said.split() == ["None", "ProcessLookupError" if isolation == "require"
                                                    else "PermissionError"]  # fmt: skip
     assert bystander.poll() is None
-    assert "stopped: ran past 5s" in run_tool("while True:\n    pass\n", isolation).result
+    assert "stopped: ran past 1s" in run_tool("while True:\n    pass\n", isolation, timeout_s=1.0).result
     flooded = run_tool("import time\nprint('é' * 100_000, flush=True)\ntime.sleep(30)\n", isolation).result
     assert flooded.endswith("[output cut]") and "ran past" not in flooded  # counted in bytes, not characters
 
