@@ -16,7 +16,8 @@ Choices that matter to callers:
   head sizes such as 16.
 - Weights are float32 and depend only on ``seed``; the global torch RNG state is left untouched.
 - ``weights=False`` writes the tokenizer and ``config.json`` alone, importing neither torch nor transformers' model
-  classes (about 3 of a dry run's 6 s on 2 cores): what `grpo-dist check` and `plan` read of a model they throw away.
+  classes (most of a dry run's time, docs/performance.md): what `grpo-dist check` and `plan` read of a model they
+  throw away.
 
 Usage from a shell: ``python -m grpo_dist.models.tiny OUT_DIR [--seed 0]``.
 """

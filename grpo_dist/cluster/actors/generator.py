@@ -150,7 +150,7 @@ class Generator:
 
         if self.agent is not None:
             self.agent.close()
-        engine = psutil.Process().children()  # the engine's process, forked by this one
+        engine = [child for child in psutil.Process().children() if "EngineCore" in " ".join(_title(child))]
         self.engine.shutdown(timeout=ENGINE_STOP_S if self.on_gpu else 0)  # 0: vLLM kills its process tree
         await _ended(engine, ENGINE_STOP_S)
         for directory in (self.adapter_dir, self.sockets_dir):
@@ -476,8 +476,8 @@ def _logprobs(sample) -> list[float]:
 
 
 async def _ended(processes: list, timeout_s: float) -> None:
-    """Until each of `processes` has ended (a zombie has: its memory is freed; it is left for its owner to reap), at
-    most `timeout_s`."""
+    """Wait until each of `processes` has ended, at most `timeout_s` in all (a zombie has ended: what it held is freed,
+    and its owner reaps it)."""
     import psutil
 
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -489,3 +489,13 @@ async def _ended(processes: list, timeout_s: float) -> None:
             except psutil.NoSuchProcess:
                 break
             await asyncio.sleep(0.02)
+
+
+def _title(process) -> list[str]:
+    """A process's title (vLLM titles its engine's `VLLM::EngineCore`), empty once it has ended."""
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
