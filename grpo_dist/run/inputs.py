@@ -556,12 +556,12 @@ def model_directory(
             from grpo_dist.models.tiny_vision import build_tiny_vision_model
 
             build_tiny_vision_model(path, seed=cfg.run.seed, **sizes)
-            kind = "vision-language model"
+            kind = "random-init tiny vision-language model"
         else:
             template = CHAT_TEMPLATE if cfg.model.tiny.chat_template else None
             build_tiny_model(path, seed=cfg.run.seed, chat_template=template, weights=dry is None, **sizes)
-            kind = "model" if dry is None else "model's tokenizer and config (what a dry run reads)"
-        print(f"built a random-init tiny {kind} at {path}")
+            kind = "random-init tiny model" if dry is None else "tiny model's tokenizer and config (no weights)"
+        print(f"built a {kind} at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
     return str(path.resolve())

@@ -38,7 +38,8 @@ from grpo_dist.sandbox.privileges import die_with_parent
 from grpo_dist.types import Completion, Sampling
 
 ENGINE_STOP_S = 10.0
-"""How long the engine's process has to stop itself on GPUs (`Generator.close`), and to be gone anywhere."""
+"""How long a generator's close waits for its engine's process to stop itself (on GPUs) and be gone (anywhere): within
+the bound on a whole close (`grpo_dist.faults.CLOSE_S`)."""
 
 
 class Generator:
@@ -150,9 +151,10 @@ class Generator:
 
         if self.agent is not None:
             self.agent.close()
-        engine = [child for child in psutil.Process().children() if "EngineCore" in " ".join(_title(child))]
+        engine_processes = [child for child in psutil.Process().children() if "EngineCore" in " ".join(_title(child))]
+        deadline = asyncio.get_running_loop().time() + ENGINE_STOP_S  # one bound for both waits
         self.engine.shutdown(timeout=ENGINE_STOP_S if self.on_gpu else 0)  # 0: vLLM kills its process tree
-        await _ended(engine, ENGINE_STOP_S)
+        await _ended(engine_processes, deadline - asyncio.get_running_loop().time())
         for directory in (self.adapter_dir, self.sockets_dir):
             if directory is not None:
                 shutil.rmtree(directory, ignore_errors=True)
