@@ -550,7 +550,7 @@ def model_directory(
         from grpo_dist.models.tiny import CHAT_TEMPLATE
 
         path = path if scratch is None else scratch / "model"
-        dry = files if scratch is not None else None  # a model that stays (model.path) has its weights
+        weights = scratch is None or files is None  # a model that stays (model.path) has them; a dry run's need not
         sizes = cfg.model.tiny.model_dump(exclude_none=True, exclude={"chat_template", "vision"})
         if cfg.model.tiny.vision:  # its own chat template places a prompt's images
             from grpo_dist.models.tiny_vision import build_tiny_vision_model
@@ -559,8 +559,8 @@ def model_directory(
             kind = "random-init tiny vision-language model"
         else:
             template = CHAT_TEMPLATE if cfg.model.tiny.chat_template else None
-            build_tiny_model(path, seed=cfg.run.seed, chat_template=template, weights=dry is None, **sizes)
-            kind = "random-init tiny model" if dry is None else "tiny model's tokenizer and config (no weights)"
+            build_tiny_model(path, seed=cfg.run.seed, chat_template=template, weights=weights, **sizes)
+            kind = "random-init tiny model" if weights else "tiny model's tokenizer and config (no weights)"
         print(f"built a {kind} at {path}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
