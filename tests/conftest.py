@@ -65,15 +65,46 @@ def _stop_session_warm() -> None:
         warm.stop_and_remove(*stopped)
 
 
-def warm_shared_env() -> dict[str, str]:
-    """Environment variables for a command whose run starts a local cluster of its own: its actors forked from the
-    session's warm process (`grpo_dist.cluster.warm.SHARED_ENV`) instead of one the command starts. A test that
-    finds a run's actors among its driver's descendants leaves them out: forked from the session's process, they
-    are not the driver's."""
+def warm_shared_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a command that starts a run (`train`, `eval`, `sft`): its driver forked from the session's warm
+    process (`grpo_dist.cluster.warm_driver`), and a run on a local cluster of its own forks its actors from it too
+    (`grpo_dist.cluster.warm.SHARED_ENV`), where each would import the stack once more. The variables read at import
+    (`warm.IMPORT_ENV`) are given the values that process imported the stack with (a run in this process may have set
+    some since), else the driver would start cold. A test that finds a run's actors among its driver's descendants
+    leaves them out: forked from the session's process, they are not the driver's; `driver_of` finds a forked driver."""
     from grpo_dist.cluster import warm
 
     socket_path = session_warm_process()
-    return {warm.SHARED_ENV: str(socket_path)} if socket_path is not None else {}
+    if socket_path is None:
+        return env
+    imported = {key: value for key, value in session_warm_environ().items() if key.startswith(warm.IMPORT_ENV)}
+    return {**{key: value for key, value in env.items() if not key.startswith(warm.IMPORT_ENV)}, **imported,
+            warm.SHARED_ENV: str(socket_path)}  # fmt: skip
+
+
+def driver_of(command: subprocess.Popen, timeout_s: float = 60.0):
+    """The process that runs `command`'s run (a `python -m grpo_dist train ...` started with `warm_shared_env`): the
+    driver the session's warm process forked for it (its child, titled as the command), or the command's own process
+    where it runs its driver itself. A test that kills the driver kills this one: killing the command ends its
+    forked driver too, but a moment later."""
+    import time
+
+    import psutil
+
+    title = " ".join(["grpo-dist", *command.args[3:]])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        warm_pid = session_warm_pid()
+        children = psutil.Process(warm_pid).children() if warm_pid is not None and psutil.pid_exists(warm_pid) else []
+        for child in children:
+            with contextlib.suppress(OSError):  # its title, as `ps` shows it (psutil splits it at its spaces)
+                if Path(f"/proc/{child.pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode() == title:
+                    return child
+        with contextlib.suppress(OSError):
+            if "libtorch" in Path(f"/proc/{command.pid}/maps").read_text():  # it imports the stack: its own driver
+                return psutil.Process(command.pid)
+        assert command.poll() is None and time.monotonic() < deadline, f"no driver found for {title}"
+        time.sleep(0.05)
 
 
 HEAD_NODE = {"num_cpus": 0, "include_dashboard": False}

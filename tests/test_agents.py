@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from agent_fixtures import NAP_DIR, NAP_MARK, NAP_S
-from conftest import small_config, train_here
+from conftest import small_config, train_here, warm_shared_env
 
 from grpo_dist.agents.episode import TURN_SEED_STRIDE
 from grpo_dist.agents.parsers import hermes
@@ -420,7 +420,7 @@ def warmed_up(tmp_path_factory) -> Path:
     config = directory / "agent.yaml"
     config.write_text(yaml.safe_dump(task_config(directory)))
     done = subprocess.run([sys.executable, "-m", "grpo_dist", "sft", str(config)], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          env=warm_shared_env(dict(os.environ)), timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return directory
 

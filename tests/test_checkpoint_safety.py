@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import small_config, train_here
+from conftest import driver_of, small_config, train_here
 from test_resume import grpo_dist, rows
 
 from grpo_dist.config import load_config
@@ -74,6 +74,7 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
     files = RunFiles(runs.store, "killed")
     writing_in = staging / "killed" / "checkpoints" if store_run else tmp_path / "outputs" / "killed" / "checkpoints"
     process = grpo_dist("train", str(path), "--resume", "auto", start_new_session=True)
+    driver = driver_of(process)
     caught, whole = None, False
     deadline = time.monotonic() + 600
     try:
@@ -84,7 +85,7 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
             whole = whole or bool(files.read("checkpoints/latest"))
             writing = list(writing_in.glob(".step-*.tmp")) if whole and writing_in.is_dir() else []
             if writing:
-                os.killpg(process.pid, signal.SIGKILL)  # the driver and everything in its process group, at once
+                os.killpg(driver.pid, signal.SIGKILL)  # the driver and everything in its process group, at once
                 caught = writing[0].name
             else:
                 time.sleep(0.001)

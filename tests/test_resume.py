@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TESTS_DIR, injected, small_config, train_here, warm_shared_env, written_checkpoint
+from conftest import (
+    REPO,
+    TESTS_DIR,
+    driver_of,
+    injected,
+    small_config,
+    train_here,
+    warm_shared_env,
+    written_checkpoint,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,12 +49,13 @@ def write_config(tmp_path, name: str, k: int = 0, model: Path | None = None, lor
 
 
 def grpo_dist(*args: str, warm_shared: bool = True, **kwargs) -> subprocess.Popen:
-    """`python -m grpo_dist ARGS` in a new process; a run it starts on a cluster of its own forks its actors from the
-    session's warm process unless `warm_shared` is false (`conftest.warm_shared_env`)."""
+    """`python -m grpo_dist ARGS` in a new process; a run it starts has its driver, and on a cluster of its own its
+    actors, forked from the session's warm process unless `warm_shared` is false (`conftest.warm_shared_env`; a
+    test that kills the driver finds it with `conftest.driver_of`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     if warm_shared and args[:1] in (("train",), ("eval",)):
-        env.update(warm_shared_env())
+        env = warm_shared_env(env)
     return subprocess.Popen([sys.executable, "-m", "grpo_dist", *args], cwd=REPO, env=env, **kwargs)
 
 
@@ -114,7 +124,9 @@ def killed_at_its_checkpoint_and_resumed(tmp_path: Path, k: int, capfd, actors, 
     while not (run_dir / "checkpoints" / "latest").exists():
         assert interrupted.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
         time.sleep(0.1)
-    os.kill(interrupted.pid, signal.SIGKILL)  # the driver only: the cluster has to notice by itself
+    driver = driver_of(interrupted)
+    driver.kill()  # the driver only: the cluster has to notice by itself
+    driver.wait(timeout=60)
     interrupted.wait(timeout=60)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000003"
     for name in ("metrics.jsonl", "eval.jsonl", "completions.jsonl"):  # as a kill in the middle of a row leaves them

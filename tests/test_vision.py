@@ -353,11 +353,9 @@ def test_the_vision_recipe_learns_the_color_in_its_pictures_with_the_engines_log
 def test_an_image_run_killed_at_its_checkpoint_and_resumed_matches_the_whole_run(ray_cluster, capfd, tmp_path):
     """A 4-step run of the vision recipe, whole and SIGKILLed once its step-2 checkpoint is written then resumed:
     the same figures at every step (the images drawn, sampled and trained on as the whole run's were)."""
-    import os
-    import signal
     import time
 
-    from conftest import train_here
+    from conftest import driver_of, train_here
     from test_resume import COMPARED, grpo_dist, rows
 
     raw = yaml.safe_load(VISION.read_text())
@@ -380,7 +378,9 @@ def test_an_image_run_killed_at_its_checkpoint_and_resumed_matches_the_whole_run
     while not (run_dir / "checkpoints" / "latest").exists():
         assert interrupted.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
         time.sleep(0.1)
-    os.kill(interrupted.pid, signal.SIGKILL)
+    driver = driver_of(interrupted)
+    driver.kill()
+    driver.wait(timeout=60)
     interrupted.wait(timeout=60)
     code, out = train_here(capfd, configs["resumed"], resume=True)
     assert code == 0, out[-3000:]

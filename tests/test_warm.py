@@ -292,6 +292,30 @@ def test_a_run_s_driver_is_forked_where_up_keeps_a_warm_process_and_exits_with_i
     assert len(_drivers_forked(socket_path)) == before + 2  # neither of the last two forked
 
 
+@pytest.mark.slow  # the session's warm process imports vLLM: not in `make test-fast`
+def test_a_run_s_driver_is_forked_from_the_warm_process_its_environment_names(tmp_path):
+    """Without `grpo-dist up`, a command whose environment names a warm process that runs share (`warm.SHARED_ENV`)
+    has its driver forked from it, with the command's streams and exit code; without the variable, it runs its
+    driver itself."""
+    socket_path, shell = _warm_driver_setting()
+    env = {**shell, "TMPDIR": str(tmp_path / "temp")}  # no record of a cluster of `grpo-dist up` there
+    (tmp_path / "temp").mkdir()
+    missing = tmp_path / "missing.yaml"
+
+    def grpo_dist(**changes: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "grpo_dist", "train", str(missing)], env={**env, **changes},
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    before = len(_drivers_forked(socket_path))
+    refused = grpo_dist(**{warm.SHARED_ENV: str(socket_path)})
+    assert refused.returncode == 2 and str(missing) in refused.stderr and "starts cold" not in refused.stderr
+    (forked,) = _drivers_forked(socket_path)[before:]
+    assert forked.split(": ", 1)[1] == f"grpo-dist train {missing}"
+    alone = grpo_dist()
+    assert alone.returncode == 2 and str(missing) in alone.stderr, alone.stderr
+    assert len(_drivers_forked(socket_path)) == before + 1  # the second ran its driver itself
+
+
 def _forked_run(tmp_path: Path, address: str, until: str, steps: int = 2) -> tuple[subprocess.Popen, psutil.Process]:
     """`grpo-dist train` of a small run joining the Ray cluster at `address`, its driver forked from the session's
     warm process (as `grpo-dist up`'s would be), read until a line starting with `until`; the command and its driver."""

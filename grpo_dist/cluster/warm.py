@@ -189,14 +189,14 @@ def _cannot_drive(request: dict) -> str:
 
     asked = request["driver"]
     if os.path.realpath(asked.get("executable", "")) != os.path.realpath(sys.executable):
-        return f"the warm process of `grpo-dist up` runs {sys.executable}, the command {asked.get('executable')}"
+        return f"the warm process runs {sys.executable}, the command {asked.get('executable')}"
     if os.path.realpath(asked.get("package", "")) != os.path.realpath(os.path.dirname(grpo_dist.__file__)):
-        return f"the warm process of `grpo-dist up` imported grpo-dist from {os.path.dirname(grpo_dist.__file__)}"
+        return f"the warm process imported grpo-dist from {os.path.dirname(grpo_dist.__file__)}"
     theirs = {key: value for key, value in request["env"].items() if key.startswith(IMPORT_ENV)}
     ours = {key: value for key, value in _IMPORTED_WITH.items() if key.startswith(IMPORT_ENV)}
     if differ := sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)):
-        return (f"{', '.join(differ)} differ(s) from the environment the warm process of `grpo-dist up` imported "
-                "the stack with (`grpo-dist down`, then `grpo-dist up` with this one)")  # fmt: skip
+        return (f"{', '.join(differ)} differ(s) from the environment the warm process imported the stack with "
+                "(start it again with this one; for `grpo-dist up`'s: `grpo-dist down`, `grpo-dist up`)")  # fmt: skip
     return ""
 
 
@@ -404,9 +404,9 @@ def used_for_nodes_started_here(path: Path) -> Iterator[None]:
 
 SHARED_ENV = "GRPO_DIST_WARM_PROCESS"
 """The socket of a warm process already serving on this machine, which a run starting a local cluster of its own
-forks its actors from instead of starting one: runs one after another that each need a cluster of their own (a test
-suite's, a sweep's) pay for the stack's imports once. Start one with `python -m grpo_dist.cluster.warm SOCKET`; it
-must have imported the same code as the runs."""
+forks its actors from instead of starting one, and `train`, `eval` and `sft` their driver (`warm_driver`): runs one
+after another that each need a cluster of their own (a test suite's, a sweep's) pay for the stack's imports once.
+Start one with `python -m grpo_dist.cluster.warm SOCKET`; it must have imported the same code as the runs."""
 
 _for_this_run: tuple[Path, subprocess.Popen | None] | None = None
 

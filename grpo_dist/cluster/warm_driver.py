@@ -1,15 +1,17 @@
-"""A run's driver forked warm: `grpo-dist train`, `eval` and `sft` on a machine where `grpo-dist up` keeps a cluster.
+"""A run's driver forked warm: `grpo-dist train`, `eval` and `sft` on a machine where `grpo-dist up` keeps a cluster,
+or where the environment names a warm process that runs share (`warm.SHARED_ENV`).
 
 The driver of a run imports torch and transformers before it prints its first line (about 4 of the 5 s to it on 2
-cores). The warm process of `grpo-dist up`'s cluster (`grpo_dist.cluster.warm`) has them imported already, so the
-command, before importing anything of its own, asks that process to fork its driver, as the raylet's launcher asks it
-for an actor (`warm_launch`): the fork takes this process's arguments, environment, working directory, umask,
-priority and standard streams (the terminal itself: colours, bars, Ctrl-C), runs the command in it, and sends back
-its exit code, which this process exits with. Meanwhile this process passes on the signals it gets (SIGINT, SIGTERM,
-SIGHUP), and where it is killed, the driver kills itself (`warm._watch`).
+cores). The warm process of `grpo-dist up`'s cluster (`grpo_dist.cluster.warm`), or one that runs share, has them
+imported already, so the command, before importing anything of its own, asks that process to fork its driver, as
+the raylet's launcher asks it for an actor (`warm_launch`): the fork takes this process's arguments, environment,
+working directory, umask, priority and standard streams (the terminal itself: colours, bars, Ctrl-C), runs the
+command in it, and sends back its exit code, which this process exits with. Meanwhile this process passes on the
+signals it gets (SIGINT, SIGTERM, SIGHUP), and where it is killed, the driver kills itself (`warm._watch`).
 
 The command runs as it always does, in this process, where:
-- no cluster of `grpo-dist up` is up, or it was started `--cold`, or its warm process does not answer at once;
+- no cluster of `grpo-dist up` is up, or it was started `--cold`, and no shared warm process is named; or the warm
+  process does not answer at once;
 - the command is not a run, or this interpreter was started with options of its own (`-X`, `-W`, `-O`, ...);
 - the warm process imported the stack with another interpreter, another copy of grpo-dist, or another value of an
   environment variable the stack reads when it is imported (`warm.IMPORT_ENV`): it says which, and the command says so.
@@ -88,12 +90,16 @@ def _umask() -> int:
 
 
 def socket_path() -> Path | None:
-    """The socket of the warm process of `grpo-dist up`'s cluster, where its record names one."""
+    """The socket of the warm process of `grpo-dist up`'s cluster, where its record names one; else the one the
+    environment names for runs that share it (`warm.SHARED_ENV`), where that is a socket."""
     try:
         record = json.loads(standing._record().read_text())
-        return Path(record["temp_dir"]) / standing.WARM_SOCKET if record.get("forks_drivers") is True else None
+        if record.get("forks_drivers") is True:
+            return Path(record["temp_dir"]) / standing.WARM_SOCKET
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        pass
+    shared = os.environ.get(warm.SHARED_ENV)
+    return Path(shared) if shared else None
 
 
 def _follow(connection: socket.socket, driver: int) -> int:
