@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import small_config
+from conftest import cli_here, small_config
 from test_sandbox import runner_of, sandboxed_processes
 
 from grpo_dist.agents.protocol import ToolCall
@@ -227,10 +227,11 @@ def test_a_row_without_tests_leaves_its_completion_unscored_saying_why(isolation
     assert math.isnan(total) and "holds no test" in error.reason and error.kind == "unscorable"
 
 
-def test_require_stops_a_run_before_anything_starts_where_namespaces_are_refused(tmp_path, monkeypatch):
+def test_require_stops_a_run_before_anything_starts_where_namespaces_are_refused(tmp_path, capfd):
     """`grpo-dist train` with `code_tests` on a machine that refuses namespaces: exit 2, one line saying what was
     refused and what to do, before Ray or an engine starts; `best_effort` lets the same config through the
-    pre-flight, saying what isolation is in force."""
+    pre-flight, saying what isolation is in force. (`check`, in this process: what isolation is in force is probed
+    once a process, so the probe is forgotten before and after.)"""
     fake = tmp_path / "bin" / "bwrap"
     fake.parent.mkdir()
     fake.write_text(f"#!/bin/sh\nprintf '{REFUSED}' >&2\nexit 1\n")
@@ -240,16 +241,18 @@ def test_require_stops_a_run_before_anything_starts_where_namespaces_are_refused
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
-    cli = [sys.executable, "-m", "grpo_dist", "check", str(config)]
-    done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "reward.isolation=require" in done.stderr and "bwrap: No permissions" in done.stderr
-    assert "securityContext.seccompProfile" in done.stderr
-    allowed = subprocess.run([*cli, "reward.isolation=best_effort"], capture_output=True, text=True, env=env,
-                             timeout=300)  # fmt: skip
-    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
-    assert "runs WITHOUT namespaces (bubblewrap was refused" in allowed.stdout
+    env = {"PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
+    jail.status.cache_clear()
+    try:
+        done = cli_here(capfd, "check", str(config), env=env)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "reward.isolation=require" in done.stderr and "bwrap: No permissions" in done.stderr
+        assert "securityContext.seccompProfile" in done.stderr
+        allowed = cli_here(capfd, "check", str(config), "reward.isolation=best_effort", env=env)
+        assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+        assert "runs WITHOUT namespaces (bubblewrap was refused" in allowed.stdout
+    finally:
+        jail.status.cache_clear()  # this machine's own, probed again by the next test
 
 
 # The python tool: the model's code as a tool call, run by the generator's ToolBox.

@@ -196,10 +196,15 @@ def test_sizing_or_checking_a_hub_model_downloads_its_config_not_its_weights(tmp
     env.pop("HF_HUB_CACHE", None)
 
     def train_offline() -> str:
-        run = subprocess.run([sys.executable, "-m", "grpo_dist", "train", str(config)], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
-        return run.stderr
+        """The refusal, which comes before the driver imports torch (`-X importtime` lists what was imported)."""
+        run = subprocess.run([sys.executable, "-X", "importtime", "-m", "grpo_dist", "train", str(config)], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        lines = run.stderr.splitlines()
+        imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time")}
+        told = "\n".join(line for line in lines if not line.startswith("import time"))
+        assert run.returncode == 2 and "Traceback" not in told, told
+        assert "huggingface_hub" in imported and "torch" not in imported
+        return told
 
     assert "the Hugging Face cache" in (told := train_offline()) and "holds only part of acme/tiny@main" in told, told
     # A cache filled by another client keeps no file list: the snapshot is returned as it is, and found weightless.

@@ -34,10 +34,12 @@ TOKENIZER_FILES = CONFIG_FILES + [
 vision-language model) its processor, not its weights."""
 
 
-def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model", files: list[str] | None = None) -> str:
+def snapshot(
+    repo_id: str, revision: str | None, key: str, kind: str = "model", files: list[str] | None = None, say: bool = True
+) -> str:
     """The local snapshot of `repo_id` (a `kind`: model or dataset) at `revision` (a branch, tag or commit; main when
     None); only the files matching the patterns `files` when given (`CONFIG_FILES`, `TOKENIZER_FILES`). Its path
-    names the commit, so every process that reads it reads the same files."""
+    names the commit, so every process that reads it reads the same files. `say`: print where it is."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -74,7 +76,8 @@ def snapshot(repo_id: str, revision: str | None, key: str, kind: str = "model", 
             f"{''.join(f' --include {pattern!r}' for pattern in files or [])}`) into an HF_HOME every "
             "node shares, or name a local path"
         ) from None
-    print(f"{key}: {named} is {path}")
+    if say:
+        print(f"{key}: {named} is {path}")
     return path
 
 

@@ -524,19 +524,31 @@ def prepare_model(cfg: Config, scratch: Path | None = None, files: list[str] | N
             f"model.path: {path} does not exist yet: this config starts from a warmed-up model, which "
             "`grpo-dist sft CONFIG` writes there (see its sft section)"
         )
-    if not path.exists() and cfg.model.tiny is None and HUB_ID.fullmatch(cfg.model.path):
-        found = Path(snapshot(cfg.model.path, cfg.model.revision, "model.path", files=files))
-        if files is None and not any(found.glob("*.safetensors")) and not any(found.glob("*.bin")):
-            raise ConfigError(
-                f"model.path: {cfg.model.path}@{cfg.model.revision or 'main'} in the Hugging Face cache holds no "
-                f"weights ({found} has {', '.join(sorted(p.name for p in found.iterdir())) or 'nothing'}: what "
-                "`grpo-dist plan` or `check` fetched): run where the hub can be reached, or download it "
-                f"(`hf download {cfg.model.path}`)"
-            )
+    if (found := hub_model(cfg, files)) is not None:
         return model_directory(cfg, found, "model.path")
     if cfg.model.revision is not None:
         raise ConfigError(f"model.revision applies to a hub id; model.path {cfg.model.path} is a directory")
     return model_directory(cfg, path, "model.path", scratch, files)
+
+
+def hub_model(cfg: Config, files: list[str] | None = None, say: bool = True) -> Path | None:
+    """The snapshot of the hub model `model.path` names (only the files matching `files` when given, else one with
+    its weights), downloaded or found in the Hugging Face cache; None where `model.path` is a directory, a tiny model
+    or where the config's `grpo-dist sft` writes. Needs neither torch nor transformers: `train` calls it before its
+    driver's imports, so that a model it cannot have is refused before anything starts. `say`: print where it is."""
+    if cfg.model.tiny is not None or cfg.sft is not None or not HUB_ID.fullmatch(cfg.model.path):
+        return None
+    if Path(cfg.model.path).expanduser().exists():
+        return None
+    found = Path(snapshot(cfg.model.path, cfg.model.revision, "model.path", files=files, say=say))
+    if files is None and not any(found.glob("*.safetensors")) and not any(found.glob("*.bin")):
+        raise ConfigError(
+            f"model.path: {cfg.model.path}@{cfg.model.revision or 'main'} in the Hugging Face cache holds no "
+            f"weights ({found} has {', '.join(sorted(p.name for p in found.iterdir())) or 'nothing'}: what "
+            "`grpo-dist plan` or `check` fetched): run where the hub can be reached, or download it "
+            f"(`hf download {cfg.model.path}`)"
+        )
+    return found
 
 
 def model_directory(
