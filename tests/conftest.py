@@ -397,8 +397,6 @@ def pytest_collection_modifyitems(config, items):
     trained model) the longest modules go first (`LONGEST`), then those with the most real-stack tests, so that no
     long one is left to run alone at the end. A test marked serial in a module the Makefile's serial phase would
     not collect (its text lacks `SERIAL_MARK`) is refused: it would run in neither phase."""
-    import torch
-
     hidden = sorted({item.nodeid for item in items if item.get_closest_marker("serial") is not None
                      and SERIAL_MARK not in item.path.read_text()})  # fmt: skip
     if hidden:
@@ -416,6 +414,10 @@ def pytest_collection_modifyitems(config, items):
         return first, -slow[module]
 
     items.sort(key=order)  # stable: each module's own order kept
+
+    if not any(item.get_closest_marker("gpu") is not None for item in items):
+        return  # torch not imported for nothing (a collection of a few modules, as test_readme's)
+    import torch
 
     present = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
