@@ -1,6 +1,7 @@
 """How long a run takes to start, where the time goes, and how it compares with another checkout side by side.
 
-    .venv/bin/python benchmarks/startup.py [--config CONFIG] [--repeat 3] [--baseline DIR] [key=value ...]
+    .venv/bin/python benchmarks/startup.py [--config CONFIG] [--repeat 3] [--baseline DIR] [--up] [--shared-warm]
+        [key=value ...]
 
 Runs `grpo-dist train CONFIG run.steps=2` `--repeat` times, each starting its own local Ray cluster, and reads the
 time from the command to each line the run prints on the way: its first `==` line (the driver has imported and
@@ -19,7 +20,10 @@ Overrides apply to every run: with `ray.address=auto` after `ray start --head`, 
 of starting their own (what a run pays for Ray). With `--up`, each repeat also runs this checkout on a cluster
 `grpo-dist up` started before the first run (its own start not counted; stopped at the end): the series `this-up`,
 whose ratios are over `this`; with `--baseline` too, the baseline's code also runs on a cluster its own `grpo-dist up`
-started (`baseline-up`), and `this-up`'s ratios are over that. Prints one JSON line per run, then a
+started (`baseline-up`), and `this-up`'s ratios are over that. With `--shared-warm`, each repeat also runs this
+checkout on a cluster of its own with a warm process started before the first run named in
+`GRPO_DIST_WARM_PROCESS` (its own start not counted: a script of runs pays for it once): the series
+`this-shared-warm`, its driver and its actors forked from that process. Prints one JSON line per run, then a
 `median` line per series and a `ratios` line for each series but the first. Run it on an otherwise idle machine; CI
 never runs it.
 """
@@ -27,6 +31,7 @@ never runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,6 +41,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +49,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from run_cost import cpu_by_process, sample  # noqa: E402
 
-from grpo_dist.cluster.warm import ready  # noqa: E402
+from grpo_dist.cluster.warm import SHARED_ENV, ready  # noqa: E402
 
 MARKS = [  # (figure, what the line starts with), in the order a run prints them
     ("first_line_s", "== "),
@@ -55,11 +61,13 @@ MARKS = [  # (figure, what the line starts with), in the order a run prints them
 
 
 def run_once(repo: Path, config: str, out_dir: Path, overrides: list[str], interval: float = 0.2,
-             temp: str | None = None) -> dict:  # fmt: skip
+             temp: str | None = None, extra_env: dict[str, str] | None = None) -> dict:  # fmt: skip
     """One `grpo-dist train` of 2 steps from `repo`'s code (with `temp` its temporary directory, where it finds a
-    cluster `grpo-dist up` started): when each mark's line came, and the CPU seconds by role until step 1's line."""
+    cluster `grpo-dist up` started; `extra_env` added to its environment): when each mark's line came, and the CPU
+    seconds by role until step 1's line."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")]), "PYTHONUNBUFFERED": "1"}
     env.update({"TMPDIR": temp} if temp else {})
+    env.update(extra_env or {})
     command = [
         sys.executable, "-m", "grpo_dist", "train", config, "run.steps=2", "run.name=startup",
         f"run.output_dir={out_dir}", "wandb.enabled=false", "checkpoint.every_steps=0", *overrides,
@@ -124,16 +132,28 @@ def main() -> None:
         help="also run this checkout on a cluster `grpo-dist up --cold` started (series this-up-cold: each actor's"
         " process imports the stack itself)",
     )
+    parser.add_argument(
+        "--shared-warm",
+        action="store_true",
+        help="also run this checkout on a cluster of its own with a warm process already up, named in "
+        "GRPO_DIST_WARM_PROCESS (series this-shared-warm)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings for every run")
     args = parser.parse_args()
     series = {"baseline": (args.baseline.resolve(), None)} if args.baseline else {}
     series["this"] = (REPO, None)
+    extra_env: dict[str, dict[str, str]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="startup-") as work,
         tempfile.TemporaryDirectory(prefix="su-", dir="/tmp") as up,
         tempfile.TemporaryDirectory(prefix="sc-", dir="/tmp") as up_cold,
         tempfile.TemporaryDirectory(prefix="sb-", dir="/tmp") as up_base,
+        tempfile.TemporaryDirectory(prefix="sw-", dir="/tmp") as shared,
+        shared_warm_process(Path(shared) / "warm.sock") if args.shared_warm else contextlib.nullcontext() as socket,
     ):
+        if socket is not None:
+            series["this-shared-warm"] = (REPO, None)
+            extra_env["this-shared-warm"] = {SHARED_ENV: str(socket)}
         if args.up and args.baseline:  # the baseline's code on a cluster its own `grpo-dist up` started
             series["baseline-up"] = (args.baseline.resolve(), up_base)
             grpo_dist_up(up_base, "up", repo=args.baseline.resolve())
@@ -147,7 +167,8 @@ def main() -> None:
         try:
             for attempt in range(args.repeat):
                 for name, (repo, temp) in series.items():
-                    row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}", args.overrides, temp=temp)
+                    row = run_once(repo, args.config, Path(work) / f"{name}-{attempt}", args.overrides, temp=temp,
+                                   extra_env=extra_env.get(name))  # fmt: skip
                     rows[name].append(row)
                     print(json.dumps({"checkout": name, "repeat": attempt, **row}), flush=True)
         finally:
@@ -172,6 +193,28 @@ def main() -> None:
         base, this = summary["this-up-cold"], summary["this-up"]
         ratios = {key: round(this[key] / base[key], 3) for key in this if base.get(key)}
         print(json.dumps({"row": "ratios", "this-up_over_this-up-cold": ratios}))
+
+
+@contextlib.contextmanager
+def shared_warm_process(socket: Path) -> Iterator[Path]:
+    """A warm process of this checkout's code serving at `socket` (`python -m grpo_dist.cluster.warm`), once it has
+    imported the stack, as one a script of runs started first would be; killed at the end."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with (socket.parent / "warm.log").open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "grpo_dist.cluster.warm", str(socket)], env=env, cwd=REPO,
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (socket.is_socket() and ready(socket, timeout_s=10)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(
+                    f"the warm process at {socket} did not answer:\n{(socket.parent / 'warm.log').read_text()}"
+                )
+            time.sleep(0.2)
+        yield socket
+    finally:
+        process.kill()
+        process.wait(timeout=30)
 
 
 def grpo_dist_up(temp: str, command: str, *flags: str, repo: Path = REPO) -> None:
