@@ -91,20 +91,41 @@ def driver_of(command: subprocess.Popen, timeout_s: float = 60.0):
 
     import psutil
 
-    title = " ".join(["grpo-dist", *command.args[3:]])
     deadline = time.monotonic() + timeout_s
     while True:
-        warm_pid = session_warm_pid()
-        children = psutil.Process(warm_pid).children() if warm_pid is not None and psutil.pid_exists(warm_pid) else []
-        for child in children:
-            with contextlib.suppress(OSError):  # its title, as `ps` shows it (psutil splits it at its spaces)
-                if Path(f"/proc/{child.pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode() == title:
-                    return child
+        if (forked := _forked_driver(command)) is not None:
+            return forked
         with contextlib.suppress(OSError):
             if "libtorch" in Path(f"/proc/{command.pid}/maps").read_text():  # it imports the stack: its own driver
                 return psutil.Process(command.pid)
-        assert command.poll() is None and time.monotonic() < deadline, f"no driver found for {title}"
+        assert command.poll() is None and time.monotonic() < deadline, f"no driver found for {command.args}"
         time.sleep(0.05)
+
+
+def kill_run(command: subprocess.Popen) -> None:
+    """SIGKILL to `command`'s process group (started with `start_new_session`) and to its forked driver's, if any (in
+    a session of its own): what a failed test leaves is gone at once, not when the driver notices."""
+    forked = _forked_driver(command)
+    for group in [command.pid] + ([forked.pid] if forked is not None else []):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
+def _forked_driver(command: subprocess.Popen):
+    """The driver the session's warm process forked for `command`, while it lives; else None."""
+    import psutil
+
+    title = " ".join(["grpo-dist", *map(str, command.args[3:])])
+    warm_pid = session_warm_pid()
+    try:
+        children = psutil.Process(warm_pid).children() if warm_pid is not None else []
+    except psutil.Error:
+        return None
+    for child in children:
+        with contextlib.suppress(OSError, UnicodeDecodeError):  # its title, as `ps` shows it (psutil splits it)
+            if Path(f"/proc/{child.pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode() == title:
+                return child
+    return None
 
 
 HEAD_NODE = {"num_cpus": 0, "include_dashboard": False}

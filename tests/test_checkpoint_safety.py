@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import driver_of, small_config, train_here
+from conftest import driver_of, kill_run, small_config, train_here
 from test_resume import grpo_dist, rows
 
 from grpo_dist.config import load_config
@@ -91,7 +91,7 @@ def test_a_run_killed_while_writing_a_checkpoint_goes_on_when_submitted_again(tm
                 time.sleep(0.001)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_run(process)
         process.wait(timeout=60)
     assert caught, "no checkpoint was caught being written within 10 minutes"
     assert (writing_in / caught).exists()  # the kill landed mid-write: the partial checkpoint is still there

@@ -21,6 +21,7 @@ from conftest import (
     TESTS_DIR,
     driver_of,
     injected,
+    kill_run,
     small_config,
     train_here,
     warm_shared_env,
@@ -62,7 +63,8 @@ def grpo_dist(*args: str, warm_shared: bool = True, **kwargs) -> subprocess.Pope
 @contextmanager
 def training(tmp_path: Path, raw: dict, warm_shared: bool = True) -> Iterator[subprocess.Popen]:
     """`grpo-dist train` on the config `raw`, in the background, its output in tmp_path/run.log; killed with its
-    whole session if it is still running when the block ends (a failed test leaves nothing behind). `warm_shared`:
+    whole session (and its forked driver's) if it is still running when the block ends (a failed test leaves nothing
+    behind). `warm_shared`:
     as `grpo_dist`'s."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -73,7 +75,7 @@ def training(tmp_path: Path, raw: dict, warm_shared: bool = True) -> Iterator[su
             yield run
         finally:
             if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
+                kill_run(run)
 
 
 def rows(run_dir) -> list[dict]:
@@ -234,7 +236,7 @@ def test_sigterm_while_a_step_is_scored_checkpoints_the_last_finished_step(tmp_p
             run.wait(timeout=300)
         finally:
             if run.poll() is None:
-                os.killpg(run.pid, signal.SIGKILL)
+                kill_run(run)
     out, err = (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
     assert run.returncode == 130, err[-3000:]
     assert "Traceback" not in err, err[-3000:]

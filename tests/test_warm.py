@@ -221,7 +221,30 @@ def test_eval_on_a_cluster_of_its_own_takes_a_warm_process_as_train_does(tmp_pat
     (evaluated,) = cli_batch([["eval", str(config), "--checkpoint", str(tmp_path / "no-checkpoint")]],
                              env={warm.SHARED_ENV: str(missing)})  # fmt: skip
     assert evaluated.returncode == 2, evaluated.stderr  # no such checkpoint: refused after the warm process started
-    assert f"{warm.SHARED_ENV}={missing} names no socket: the run starts a warm process of its own" in evaluated.stderr
+    assert (
+        f"{warm.SHARED_ENV}={missing} names no socket of this user's: the run starts a warm process of its own"
+        in evaluated.stderr
+    )
+
+
+def test_a_shared_warm_socket_is_used_only_where_it_is_this_users(tmp_path, monkeypatch):
+    """A run sends the warm process `GRPO_DIST_WARM_PROCESS` names its whole environment and its standard streams:
+    a socket there of another user's is used neither for its actors nor for its driver."""
+    if not warm.available() or os.geteuid() != 0:
+        pytest.skip("needs warm processes and root (to give the socket to another user)")
+    from grpo_dist.cluster import warm_driver
+
+    path = tmp_path / "warm.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    monkeypatch.setenv(warm.SHARED_ENV, str(path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # no cluster of `grpo-dist up` recorded there
+    try:
+        assert warm.shared_socket() == path and warm_driver.socket_path() == path
+        os.chown(path, 65534, 65534)  # nobody's
+        assert warm.shared_socket() is None and warm_driver.socket_path() is None
+    finally:
+        listener.close()
 
 
 def _up_record(temp: Path, socket_path: Path, forks_drivers: bool = True) -> None:

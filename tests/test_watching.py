@@ -210,5 +210,5 @@ def test_train_runs_twice_in_one_process(tmp_path):
     for name in ("first", "second"):
         assert f"ran {tmp_path / 'outputs' / name}" in out
         assert [row["step"] for row in jsonl(tmp_path / "outputs" / name / "metrics.jsonl")] == [1]
-    said = f"{warm.SHARED_ENV}={missing} names no socket: the run starts a warm process of its own"
+    said = f"{warm.SHARED_ENV}={missing} names no socket of this user's: the run starts a warm process of its own"
     assert out.count(said) == (1 if shared else 0), out[-4000:]  # none where no process starts warm (`shared`)

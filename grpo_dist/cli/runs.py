@@ -68,7 +68,7 @@ def _train(args: argparse.Namespace) -> int:
 def _train_on(cfg, args: argparse.Namespace) -> int:
     from grpo_dist.run.inputs import hub_model
 
-    hub_model(cfg, say=False)  # a hub model it cannot have: refused before the driver's imports, a sandbox or Ray
+    hub_model(cfg, say=False, offline_only=True)  # offline, one it cannot have: refused before the driver's imports
     from grpo_dist.faults import RunFailed
     from grpo_dist.run.driver import train
     from grpo_dist.storage import StoreError

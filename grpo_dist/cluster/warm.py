@@ -40,6 +40,7 @@ import os
 import runpy
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -411,6 +412,19 @@ Start one with `python -m grpo_dist.cluster.warm SOCKET`; it must have imported 
 _for_this_run: tuple[Path, subprocess.Popen | None] | None = None
 
 
+def shared_socket() -> Path | None:
+    """The socket `SHARED_ENV` names, where workers here can start warm (`available`) and it is a socket this user
+    owns: a run sends it its whole environment (credentials too) and its standard streams."""
+    shared = os.environ.get(SHARED_ENV)
+    if not shared or not available():
+        return None
+    try:
+        found = Path(shared).stat()
+    except OSError:
+        return None
+    return Path(shared) if stat.S_ISSOCK(found.st_mode) and found.st_uid == os.getuid() else None
+
+
 def start_for_this_run() -> None:
     """Start a warm process for the local Ray cluster this run will start, early (importing beside the driver's own
     start); `used_by_this_run` gives it to that cluster, `stop_for_this_run` (or this process's exit) stops it. Where
@@ -419,11 +433,11 @@ def start_for_this_run() -> None:
     if _for_this_run is not None or not available():
         return
     if shared := os.environ.get(SHARED_ENV):
-        if Path(shared).is_socket():
-            _for_this_run = (Path(shared), None)
+        if (found := shared_socket()) is not None:
+            _for_this_run = (found, None)
             return
-        print(f"grpo-dist: {SHARED_ENV}={shared} names no socket: the run starts a warm process of its own",
-              file=sys.stderr)  # fmt: skip
+        print(f"grpo-dist: {SHARED_ENV}={shared} names no socket of this user's: the run starts a warm process of "
+              "its own", file=sys.stderr)  # fmt: skip
     import atexit
 
     _for_this_run = start_in_new_dir("grpo-dist-warm-")

@@ -91,15 +91,14 @@ def _umask() -> int:
 
 def socket_path() -> Path | None:
     """The socket of the warm process of `grpo-dist up`'s cluster, where its record names one; else the one the
-    environment names for runs that share it (`warm.SHARED_ENV`), where that is a socket."""
+    environment names for runs that share it (`warm.shared_socket`)."""
     try:
         record = json.loads(standing._record().read_text())
         if record.get("forks_drivers") is True:
             return Path(record["temp_dir"]) / standing.WARM_SOCKET
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    shared = os.environ.get(warm.SHARED_ENV)
-    return Path(shared) if shared else None
+    return warm.shared_socket()
 
 
 def _follow(connection: socket.socket, driver: int) -> int:

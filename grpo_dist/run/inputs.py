@@ -531,15 +531,21 @@ def prepare_model(cfg: Config, scratch: Path | None = None, files: list[str] | N
     return model_directory(cfg, path, "model.path", scratch, files)
 
 
-def hub_model(cfg: Config, files: list[str] | None = None, say: bool = True) -> Path | None:
+def hub_model(cfg: Config, files: list[str] | None = None, say: bool = True, offline_only: bool = False) -> Path | None:
     """The snapshot of the hub model `model.path` names (only the files matching `files` when given, else one with
     its weights), downloaded or found in the Hugging Face cache; None where `model.path` is a directory, a tiny model
-    or where the config's `grpo-dist sft` writes. Needs neither torch nor transformers: `train` calls it before its
-    driver's imports, so that a model it cannot have is refused before anything starts. `say`: print where it is."""
+    or where the config's `grpo-dist sft` writes, and with `offline_only` where the hub may be reached. Needs neither
+    torch nor transformers: `train` calls it offline before its driver's imports, a lookup in the cache, so that a
+    model it cannot have is refused before anything else. `say`: print where it is."""
     if cfg.model.tiny is not None or cfg.sft is not None or not HUB_ID.fullmatch(cfg.model.path):
         return None
     if Path(cfg.model.path).expanduser().exists():
         return None
+    if offline_only:
+        from huggingface_hub import constants
+
+        if not constants.HF_HUB_OFFLINE:
+            return None
     found = Path(snapshot(cfg.model.path, cfg.model.revision, "model.path", files=files, say=say))
     if files is None and not any(found.glob("*.safetensors")) and not any(found.glob("*.bin")):
         raise ConfigError(
