@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from run_cost import cpu_by_process, sample  # noqa: E402
 
-from grpo_dist.cluster.warm import SHARED_ENV, ready  # noqa: E402
+from grpo_dist.cluster.warm import SHARED_ENV, ready, start_in_new_dir, stop_and_remove  # noqa: E402
 
 MARKS = [  # (figure, what the line starts with), in the order a run prints them
     ("first_line_s", "== "),
@@ -148,8 +148,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="su-", dir="/tmp") as up,
         tempfile.TemporaryDirectory(prefix="sc-", dir="/tmp") as up_cold,
         tempfile.TemporaryDirectory(prefix="sb-", dir="/tmp") as up_base,
-        tempfile.TemporaryDirectory(prefix="sw-", dir="/tmp") as shared,
-        shared_warm_process(Path(shared) / "warm.sock") if args.shared_warm else contextlib.nullcontext() as socket,
+        shared_warm_process() if args.shared_warm else contextlib.nullcontext() as socket,
     ):
         if socket is not None:
             series["this-shared-warm"] = (REPO, None)
@@ -196,16 +195,14 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def shared_warm_process(socket: Path) -> Iterator[Path]:
-    """A warm process of this checkout's code serving at `socket` (`python -m grpo_dist.cluster.warm`), once it has
-    imported the stack, as one a script of runs started first would be; killed at the end."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with (socket.parent / "warm.log").open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "grpo_dist.cluster.warm", str(socket)], env=env, cwd=REPO,
-                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+def shared_warm_process() -> Iterator[Path]:
+    """A warm process of this checkout's code (`warm.start_in_new_dir`), once it has imported the stack, as one a
+    script of runs started first would be: its socket; killed at the end."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    socket, process = start_in_new_dir("grpo-dist-startup-")
     try:
         deadline = time.monotonic() + 300
-        while not (socket.is_socket() and ready(socket, timeout_s=10)):
+        while not ready(socket, timeout_s=10):
             if process.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(
                     f"the warm process at {socket} did not answer:\n{(socket.parent / 'warm.log').read_text()}"
@@ -213,8 +210,7 @@ def shared_warm_process(socket: Path) -> Iterator[Path]:
             time.sleep(0.2)
         yield socket
     finally:
-        process.kill()
-        process.wait(timeout=30)
+        stop_and_remove(socket, process)
 
 
 def grpo_dist_up(temp: str, command: str, *flags: str, repo: Path = REPO) -> None:
