@@ -27,6 +27,26 @@ def test_a_launcher_finds_no_warm_process_at_once(tmp_path):
     assert not warm.ready(tmp_path / "none.sock", timeout_s=1)
 
 
+def test_a_fork_imports_again_what_the_warm_process_imported_of_grpo_dist_where_its_file_changed(tmp_path, monkeypatch):
+    """`FIRST_IMPORTS` holds modules of grpo-dist: a fork (a run's actor, its driver) drops them where any of their
+    files changed after the warm process imported them, so an edit made while `grpo-dist up` runs is what it runs."""
+    source = tmp_path / "edited_module.py"
+    source.write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import edited_module
+
+    monkeypatch.setitem(sys.modules, "edited_module", edited_module)
+    monkeypatch.setattr(warm, "_OWN_FILES", warm._sources(["edited_module"]))
+    warm._forget_edited_modules()
+    assert sys.modules["edited_module"] is edited_module  # unchanged: kept
+    source.write_text("VALUE = 2\n")
+    modified = os.stat(source).st_mtime_ns + 1_000_000_000  # later, whatever the file system's clock resolution
+    os.utime(source, ns=(modified, modified))
+    warm._forget_edited_modules()
+    assert "edited_module" not in sys.modules
+    assert __import__("edited_module").VALUE == 2
+
+
 def _process(*_):
     import gc
     import sys as modules
@@ -38,6 +58,7 @@ def _process(*_):
         "parent": os.getppid(),
         "imported": sorted(name for name in ("vllm", "deepspeed", "transformers") if name in modules.modules),
         "preloaded": sorted(name for name in ("vllm", "deepspeed", "transformers") if name in warm_launch.PRELOADED),
+        "first_imports": sorted(name for name in warm.FIRST_IMPORTS if name in warm_launch.PRELOADED),
         "torch_threads": torch.get_num_threads(),
         "omp": os.environ.get("OMP_NUM_THREADS"),
         "setting": os.environ.get("WARM_TEST_SETTING"),
@@ -66,6 +87,7 @@ def test_the_session_s_actors_are_forked_warm_and_die_as_ray_kills_them(ray_clus
         assert seen["parent"] == warm_process.pid  # forked by the warm process, not started by the raylet
         assert seen["imported"] == ["deepspeed", "transformers", "vllm"]  # before this actor imported anything
         assert seen["preloaded"] == seen["imported"]  # and recorded as imported before the fork
+        assert seen["first_imports"] == sorted(warm.FIRST_IMPORTS)  # what each actor imports first, too
         assert seen["frozen"] > 100_000  # the imports' objects, frozen before the fork: no collection walks them
     # torch was imported before Ray set each actor's OMP_NUM_THREADS; the fork gives torch the actor's count
     assert [(seen["omp"], seen["torch_threads"]) for seen in found] == [("1", 1), ("3", 3)]
