@@ -62,6 +62,13 @@ rows' types; jsonschema for Ray's own import), 0.33 to 0.37 CPU seconds of a for
 0.15 to 0.18 after (a fork importing Ray and an actor's module, medians of 3). grpo-dist's modules among them are
 imported again by a fork where their files changed since (`_forget_edited_modules`): an edit while `grpo-dist up`
 runs reaches the next run as without them."""
+ENGINE_IMPORTS = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor",
+                  "vllm.v1.engine.core", "vllm.model_executor.models.qwen2")  # fmt: skip
+"""Imported last, with torch.compile off (`TORCHDYNAMO_DISABLE`, as an eager engine's process has it): what a
+generator's engine core imports as it starts on a CPU (its worker, model runner, sampler and executor, and Qwen2, the
+architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before (a fork importing them,
+two runs) and none after, on the way to a run's first step. A generator whose engine compiles drops them before it
+builds it (`warm_launch.COMPILE_OFF`), so that vLLM's sampler is compiled as vLLM asks."""
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
               "TOKENIZERS_", "DS_", "DEEPSPEED_", "TRITON_", "XDG_CACHE_HOME", "PYTHONHASHSEED", "PYTHONIOENCODING",
@@ -84,12 +91,24 @@ def serve(path: str) -> None:
     before = set(sys.modules)
     _import_without_ray(FIRST_IMPORTS)
     _OWN_FILES.update(_sources(name for name in set(sys.modules) - before if name.split(".")[0] == "grpo_dist"))
+    before, compiling = set(sys.modules), os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read as torch.compile decorates (vLLM's sampler, as it is imported)
+    try:
+        _import_without_ray(ENGINE_IMPORTS)
+    finally:
+        if compiling is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = compiling
+    warm_launch.COMPILE_OFF = frozenset(set(sys.modules) - before)
     # What the imports made moves to the permanent generation: no collection in a forked worker walks it again, as
     # vLLM's engine core does three times while it starts (its CPU seconds to the quick start's step 1: 2.3 against
     # 3.4, benchmarks/startup.py), nor writes to its pages, which the forks then share with this process unchanged.
     gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the workers are reaped as they exit
-    print(f"warm in {time.monotonic() - started:.1f} s: {', '.join(STACK + FIRST_IMPORTS)}", flush=True)
+    print(
+        f"warm in {time.monotonic() - started:.1f} s: {', '.join(STACK + FIRST_IMPORTS + ENGINE_IMPORTS)}", flush=True
+    )
     while True:
         connection, _ = listener.accept()
         try:
