@@ -58,16 +58,15 @@ its log-prob gather as the module is imported, and a generator imports it only a
 which leaves that function uncompiled (`grpo_dist.cluster.actors.engine.engine_environment`; test_loop checks it)."""
 FIRST_IMPORTS = ("grpo_dist.config", "grpo_dist.types", "jsonschema")
 """Imported after the stack, without Ray: what each actor and forked driver imports first (the config's models, the
-rows' types; jsonschema for Ray's own import), 0.33 to 0.37 CPU seconds of a forked actor's own imports before and
-0.15 to 0.18 after (a fork importing Ray and an actor's module, medians of 3). grpo-dist's modules among them are
-imported again by a fork where their files changed since (`_forget_edited_modules`): an edit while `grpo-dist up`
-runs reaches the next run as without them."""
+rows' types; jsonschema for Ray's own import). A forked actor's own imports took 0.33 to 0.37 CPU seconds before and
+0.15 to 0.20 after (`benchmarks/fork_imports.py`). grpo-dist's modules among them are imported again by a fork where
+their files changed since (`_forget_edited_modules`): an edit while `grpo-dist up` runs reaches the next run."""
 ENGINE_IMPORTS = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor",
                   "vllm.v1.engine.core", "vllm.model_executor.models.qwen2")  # fmt: skip
 """Imported last, with torch.compile off (`TORCHDYNAMO_DISABLE`, as an eager engine's process has it): what a
 generator's engine core imports as it starts on a CPU (its worker, model runner, sampler and executor, and Qwen2, the
-architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before (a fork importing them,
-two runs) and none after, on the way to a run's first step. A generator whose engine compiles drops them before it
+architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before and none after
+(`benchmarks/fork_imports.py`), on the way to a run's first step. A generator whose engine compiles drops them before it
 builds it (`warm_launch.COMPILE_OFF`), so that vLLM's sampler is compiled as vLLM asks."""
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
