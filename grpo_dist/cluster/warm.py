@@ -53,9 +53,7 @@ from grpo_dist.cluster.warm_launch import SOCKET_ENV
 
 LAUNCHER = Path(__file__).with_name("warm_launch.py")
 STACK = ("torch", "transformers", "deepspeed", "vllm", "vllm.v1.engine.async_llm", "safetensors.torch")
-"""What the warm process imports. Not vLLM's sampler (nor its CPU worker, which imports it): torch.compile decorates
-its log-prob gather as the module is imported, and a generator imports it only after it has set TORCHDYNAMO_DISABLE,
-which leaves that function uncompiled (`grpo_dist.cluster.actors.engine.engine_environment`; test_loop checks it)."""
+"""What the warm process imports first, Ray kept out; then `FIRST_IMPORTS` and `ENGINE_IMPORTS`."""
 FIRST_IMPORTS = ("grpo_dist.config", "grpo_dist.types", "jsonschema")
 """Imported after the stack, without Ray: what each actor and forked driver imports first (the config's models, the
 rows' types; jsonschema for Ray's own import). A forked actor's own imports took 0.33 to 0.37 CPU seconds before and
@@ -63,11 +61,14 @@ rows' types; jsonschema for Ray's own import). A forked actor's own imports took
 their files changed since (`_forget_edited_modules`): an edit while `grpo-dist up` runs reaches the next run."""
 ENGINE_IMPORTS = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor",
                   "vllm.v1.engine.core", "vllm.model_executor.models.qwen2")  # fmt: skip
-"""Imported last, with torch.compile off (`TORCHDYNAMO_DISABLE`, as an eager engine's process has it): what a
-generator's engine core imports as it starts on a CPU (its worker, model runner, sampler and executor, and Qwen2, the
-architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before and none after
-(`benchmarks/fork_imports.py`), on the way to a run's first step. A generator whose engine compiles drops them before it
-builds it (`warm_launch.COMPILE_OFF`), so that vLLM's sampler is compiled as vLLM asks."""
+"""Imported last: what a generator's engine core imports as it starts on a CPU (its worker, model runner, sampler and
+executor, and Qwen2, the architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before
+and none after (`benchmarks/fork_imports.py`), on the way to a run's first step. With torch.compile off
+(`TORCHDYNAMO_DISABLE`) as they are imported, as an eager engine's process has it (the CPU backend's default): vLLM's
+small helpers that torch.compile decorates as their module is imported (the log-prob gather, the top-k/top-p mask)
+stay plain functions, where a compiled one would compile at the first request that needs it (3 s of each start for
+the log-prob gather; test_loop checks it). An engine that compiles (`rollout.enforce_eager: false` on a CPU) gets
+the same plain helpers; the modules cannot be imported again in a fork (they register torch operators once)."""
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
               "TOKENIZERS_", "DS_", "DEEPSPEED_", "TRITON_", "XDG_CACHE_HOME", "PYTHONHASHSEED", "PYTHONIOENCODING",
@@ -90,16 +91,15 @@ def serve(path: str) -> None:
     before = set(sys.modules)
     _import_without_ray(FIRST_IMPORTS)
     _OWN_FILES.update(_sources(name for name in set(sys.modules) - before if name.split(".")[0] == "grpo_dist"))
-    before, compiling = set(sys.modules), os.environ.get("TORCHDYNAMO_DISABLE")
+    disabled_before = os.environ.get("TORCHDYNAMO_DISABLE")
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read as torch.compile decorates (vLLM's sampler, as it is imported)
     try:
         _import_without_ray(ENGINE_IMPORTS)
     finally:
-        if compiling is None:
+        if disabled_before is None:
             del os.environ["TORCHDYNAMO_DISABLE"]
         else:
-            os.environ["TORCHDYNAMO_DISABLE"] = compiling
-    warm_launch.COMPILE_OFF = frozenset(set(sys.modules) - before)
+            os.environ["TORCHDYNAMO_DISABLE"] = disabled_before
     # What the imports made moves to the permanent generation: no collection in a forked worker walks it again, as
     # vLLM's engine core does three times while it starts (its CPU seconds to the quick start's step 1: 2.3 against
     # 3.4, benchmarks/startup.py), nor writes to its pages, which the forks then share with this process unchanged.
@@ -173,6 +173,10 @@ def _forget_edited_modules() -> None:
     if any(_modified(path) != modified for path, modified in _OWN_FILES.values()):
         for name in _OWN_FILES:
             sys.modules.pop(name, None)
+        for name in _OWN_FILES:  # `from package import module` reads a kept package's attribute first
+            package, _, attribute = name.rpartition(".")
+            if package in sys.modules and package not in _OWN_FILES:
+                sys.modules[package].__dict__.pop(attribute, None)
 
 
 class _NoRay(importlib.abc.MetaPathFinder, importlib.abc.Loader):

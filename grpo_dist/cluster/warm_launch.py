@@ -18,17 +18,6 @@ import sys
 SOCKET_ENV = "GRPO_DIST_WARM_SOCKET"
 PRELOADED: frozenset[str] = frozenset()
 """In a worker forked warm, the modules the warm process had imported before the fork (`grpo_dist.cluster.warm`)."""
-COMPILE_OFF: frozenset[str] = frozenset()
-"""In a worker forked warm, the modules the warm process imported with torch.compile off (`warm.ENGINE_IMPORTS`)."""
-
-
-def forget_compile_off() -> None:
-    """Drop the modules the warm process imported with torch.compile off (`COMPILE_OFF`) from this process's, so that
-    they are imported again as its own environment says: a generator whose engine compiles, forked warm."""
-    for name in COMPILE_OFF:
-        sys.modules.pop(name, None)
-
-
 READY_TIMEOUT_S = 30.0  # it answers once it has imported the stack (about 15 s on 2 cores); the raylet gives a
 # worker 60 s to register
 

@@ -20,7 +20,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from grpo_dist.cluster import warm_launch
 from grpo_dist.cluster.actors.engine import (
     EngineStats,
     adapter_dir,
@@ -69,8 +68,6 @@ class Generator:
         on_gpu = torch.cuda.is_available()
         self.on_gpu = on_gpu
         os.environ.update(engine_environment(eager(rollout, on_gpu)))
-        if not eager(rollout, on_gpu):  # forked warm, vLLM's engine modules were imported with torch.compile off
-            warm_launch.forget_compile_off()
         from vllm import AsyncEngineArgs
         from vllm.config.weight_transfer import WeightTransferConfig
         from vllm.usage.usage_lib import UsageContext
