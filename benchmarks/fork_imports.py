@@ -39,11 +39,7 @@ def parent(lists: list[str], repeat: int) -> None:
 
     from grpo_dist.cluster import warm
 
-    for name in lists:
-        if name == "ENGINE_IMPORTS":
-            os.environ["TORCHDYNAMO_DISABLE"] = "1"
-        warm._import_without_ray(getattr(warm, name))
-        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+    warm.import_all(tuple(lists))
     gc.freeze()
     sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, warm._NoRay)]
     targets = {**ACTORS, "engine": list(warm.ENGINE_IMPORTS)}

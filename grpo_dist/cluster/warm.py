@@ -87,19 +87,7 @@ def serve(path: str) -> None:
     Path(path).unlink(missing_ok=True)
     listener.bind(path)
     listener.listen(128)  # launchers that come before the imports end wait for their answer (READY_TIMEOUT_S)
-    _import_without_ray(STACK)
-    before = set(sys.modules)
-    _import_without_ray(FIRST_IMPORTS)
-    _OWN_FILES.update(_sources(name for name in set(sys.modules) - before if name.split(".")[0] == "grpo_dist"))
-    disabled_before = os.environ.get("TORCHDYNAMO_DISABLE")
-    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read as torch.compile decorates (vLLM's sampler, as it is imported)
-    try:
-        _import_without_ray(ENGINE_IMPORTS)
-    finally:
-        if disabled_before is None:
-            del os.environ["TORCHDYNAMO_DISABLE"]
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = disabled_before
+    import_all()
     # What the imports made moves to the permanent generation: no collection in a forked worker walks it again, as
     # vLLM's engine core does three times while it starts (its CPU seconds to the quick start's step 1: 2.3 against
     # 3.4, benchmarks/startup.py), nor writes to its pages, which the forks then share with this process unchanged.
@@ -129,6 +117,27 @@ def serve(path: str) -> None:
         for descriptor in streams:
             os.close(descriptor)
         connection.close()
+
+
+def import_all(lists: tuple[str, ...] = ("STACK", "FIRST_IMPORTS", "ENGINE_IMPORTS")) -> None:
+    """Import, Ray kept out, the named lists of this module in order (`STACK`, `FIRST_IMPORTS`, `ENGINE_IMPORTS`:
+    all of them in the warm process; fewer in `benchmarks/fork_imports.py`), each as the warm process must: grpo-dist's
+    modules of `FIRST_IMPORTS` recorded with their files (`_OWN_FILES`), `ENGINE_IMPORTS` with torch.compile off."""
+    for name in lists:
+        before, disabled_before = set(sys.modules), os.environ.get("TORCHDYNAMO_DISABLE")
+        if name == "ENGINE_IMPORTS":
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"  # read as torch.compile decorates (vLLM's sampler, as imported)
+        try:
+            _import_without_ray(globals()[name])
+        finally:
+            if disabled_before is None:
+                os.environ.pop("TORCHDYNAMO_DISABLE", None)
+            else:
+                os.environ["TORCHDYNAMO_DISABLE"] = disabled_before
+        if name == "FIRST_IMPORTS":
+            _OWN_FILES.update(
+                _sources(module for module in set(sys.modules) - before if module.startswith("grpo_dist."))
+            )
 
 
 def _import_without_ray(modules: tuple[str, ...]) -> None:
