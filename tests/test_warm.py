@@ -108,9 +108,10 @@ def test_the_session_s_actors_are_forked_warm_and_die_as_ray_kills_them(ray_clus
 
 
 @pytest.mark.slow
-def test_vllm_s_engine_modules_come_imported_with_its_import_time_compiled_helpers_left_plain(ray_cluster):
+def test_vllm_s_engine_modules_come_imported_its_kernels_registered_once_its_compiled_helpers_left_plain(ray_cluster):
     """`warm.ENGINE_IMPORTS` come into each forked worker imported, vLLM's log-prob gather a plain function whatever
-    the worker's environment says (what an eager engine's process has)."""
+    the worker's environment says (what an eager engine's process has), and vLLM's CPU kernels already in place of its
+    Triton ones, which an engine's start leaves as they are (`warm._register_engine_kernels`)."""
     ray = ray_cluster
     if not warm.available():
         pytest.skip("no warm processes on this machine (not Linux, or a GPU device)")
@@ -119,12 +120,20 @@ def test_vllm_s_engine_modules_come_imported_with_its_import_time_compiled_helpe
     class Sampler:
         def gather(self) -> dict:
             os.environ.pop("TORCHDYNAMO_DISABLE", None)  # no effect on what was imported before the fork
+            from vllm.platforms import current_platform
+            from vllm.triton_utils.dispatcher import KernelOverride
             from vllm.v1.sample.ops import logprobs
+            from vllm.v1.worker.block_table import ComputeSlotMappingKernel
 
+            kernel = ComputeSlotMappingKernel.kernel
+            current_platform.register_triton_kernel_overrides()  # what each engine's worker calls as it starts
             return {"preloaded": "vllm.v1.sample.ops.logprobs" in warm_launch.PRELOADED,
-                    "compiled": hasattr(logprobs.batched_count_greater_than, "_torchdynamo_orig_callable")}  # fmt: skip
+                    "compiled": hasattr(logprobs.batched_count_greater_than, "_torchdynamo_orig_callable"),
+                    "cpu kernel": isinstance(kernel, KernelOverride),
+                    "kernel kept": ComputeSlotMappingKernel.kernel is kernel}  # fmt: skip
 
-    assert ray.get(Sampler.remote().gather.remote(), timeout=120) == {"preloaded": True, "compiled": False}
+    found = ray.get(Sampler.remote().gather.remote(), timeout=120)
+    assert found == {"preloaded": True, "compiled": False, "cpu kernel": True, "kernel kept": True}
 
 
 @pytest.mark.slow

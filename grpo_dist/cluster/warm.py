@@ -60,15 +60,19 @@ rows' types; jsonschema for Ray's own import). A forked actor's own imports took
 0.15 to 0.20 after (`benchmarks/fork_imports.py`). grpo-dist's modules among them are imported again by a fork where
 their files changed since (`_forget_edited_modules`): an edit while `grpo-dist up` runs reaches the next run."""
 ENGINE_IMPORTS = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.executor.uniproc_executor",
-                  "vllm.v1.engine.core", "vllm.model_executor.models.qwen2")  # fmt: skip
-"""Imported last: what a generator's engine core imports as it starts on a CPU (its worker, model runner, sampler and
-executor, and Qwen2, the architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before
-and none after (`benchmarks/fork_imports.py`), on the way to a run's first step. With torch.compile off
-(`TORCHDYNAMO_DISABLE`) as they are imported, as an eager engine's process has it (the CPU backend's default): vLLM's
-small helpers that torch.compile decorates as their module is imported (the log-prob gather, the top-k/top-p mask)
-stay plain functions, where a compiled one would compile at the first request that needs it (3 s of each start for
-the log-prob gather; test_loop checks it). An engine that compiles (`rollout.enforce_eager: false` on a CPU) gets
-the same plain helpers; the modules cannot be imported again in a fork (they register torch operators once)."""
+                  "vllm.v1.engine.core", "vllm.model_executor.models.qwen2", "vllm.v1.core.kv_cache_manager",
+                  "vllm.model_executor.layers.quantization.online.base", "vllm.entrypoints.serve.utils.api_utils",
+                  "vllm.entrypoints.launchers.cli_args")  # fmt: skip
+"""Imported last: what a generator and its engine core import as they start on a CPU (the worker, model runner, sampler,
+executor and KV cache manager, the model loader's quantization checks, the engine arguments' logging, and Qwen2, the
+architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before and none after
+(`benchmarks/fork_imports.py`, the first five), on the way to a run's first step; then `_register_engine_kernels`. With
+torch.compile off (`TORCHDYNAMO_DISABLE`) as they are imported, as an eager engine's process has it (the CPU backend's
+default): vLLM's small helpers that torch.compile decorates as their module is imported (the log-prob gather, the
+top-k/top-p mask) stay plain functions, where a compiled one would compile at the first request that needs it (3 s of
+each start for the log-prob gather; test_loop checks it). An engine that compiles (`rollout.enforce_eager: false` on a
+CPU) gets the same plain helpers; the modules cannot be imported again in a fork (they register torch operators
+once)."""
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
               "TOKENIZERS_", "DS_", "DEEPSPEED_", "TRITON_", "XDG_CACHE_HOME", "PYTHONHASHSEED", "PYTHONIOENCODING",
@@ -138,6 +142,25 @@ def import_all(lists: tuple[str, ...] = ("STACK", "FIRST_IMPORTS", "ENGINE_IMPOR
             _OWN_FILES.update(
                 _sources(module for module in set(sys.modules) - before if module.startswith("grpo_dist."))
             )
+        if name == "ENGINE_IMPORTS":
+            _register_engine_kernels()
+
+
+def _register_engine_kernels() -> None:
+    """Done once here for every engine forked from this process: on a CPU without Triton's CPU backend, each engine's
+    worker points vLLM's Triton kernels at C++ implementations as it starts (`register_triton_kernel_overrides`),
+    rebinding every reference to each kernel in every module loaded: a scan of 0.2 CPU seconds and more in each engine
+    with the stack loaded (`benchmarks/engine_build.py`). A fork inherits the kernels rebound, and the platform's
+    registration, left to do nothing, does not scan again (a second scan would also wrap the wrappers)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    platform.register_triton_kernel_overrides()
+    platform.register_triton_kernel_overrides = classmethod(lambda cls: None)
+    if threading.active_count() != 1:
+        raise RuntimeError(f"vLLM's kernel registration started threads: {threading.enumerate()}")
 
 
 def _import_without_ray(modules: tuple[str, ...]) -> None:
