@@ -99,6 +99,7 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
         data={"prompts_per_step": 8},  # 32 completions trained one at a time: training outlasts fast generation
         learner={"micro_batch_size": 1},
         rollout={"autoscale": {"min": 1, "max": 2, "patience": 2}},
+        reward={"num_cpus": 1},  # a CPU each, so that the node is full: a second generator fits only on a new one
     )
     raw = injected(raw, slow_generation_file=str(slow))
     run_dir = tmp_path / "outputs" / "test"

@@ -461,7 +461,9 @@ def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypat
     with warm_nodes():
         cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
         cluster.add_node(num_cpus=4)  # the run as it starts: learner rank, one generator, two reward workers
-    raw = small_config(tmp_path, run={"steps": UNTIL_STOPPED}, ray={"address": cluster.address})
+    # A CPU each, so that the node is full: with the reward workers' default quarter CPU a second generator fits at
+    # once, and the steps it "waits" are only its start (fewer than the test counts once engines build faster).
+    raw = small_config(tmp_path, run={"steps": UNTIL_STOPPED}, ray={"address": cluster.address}, reward={"num_cpus": 1})
     run_dir = tmp_path / "outputs" / "test"
     try:
         with training(tmp_path, raw) as run:
