@@ -39,7 +39,6 @@ def parent(model: str, repeat: int) -> None:
 
     warm.import_all()
     gc.freeze()
-    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, warm._NoRay)]
     import ray  # noqa: F401 - what a forked generator imports before its engine
 
     import grpo_dist.cluster.actors.generator  # noqa: F401

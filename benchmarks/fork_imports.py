@@ -41,7 +41,6 @@ def parent(lists: list[str], repeat: int) -> None:
 
     warm.import_all(tuple(lists))
     gc.freeze()
-    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, warm._NoRay)]
     targets = {**ACTORS, "engine": list(warm.ENGINE_IMPORTS)}
     for target, modules in targets.items():
         for _ in range(repeat):

@@ -66,13 +66,13 @@ ENGINE_IMPORTS = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner"
 """Imported last: what a generator and its engine core import as they start on a CPU (the worker, model runner, sampler,
 executor and KV cache manager, the model loader's quantization checks, the engine arguments' logging, and Qwen2, the
 architecture of the models grpo-dist builds), 0.48 CPU seconds of each engine's start before and none after
-(`benchmarks/fork_imports.py`, the first five), on the way to a run's first step; then `_register_engine_kernels`. With
-torch.compile off (`TORCHDYNAMO_DISABLE`) as they are imported, as an eager engine's process has it (the CPU backend's
-default): vLLM's small helpers that torch.compile decorates as their module is imported (the log-prob gather, the
-top-k/top-p mask) stay plain functions, where a compiled one would compile at the first request that needs it (3 s of
-each start for the log-prob gather; test_loop checks it). An engine that compiles (`rollout.enforce_eager: false` on a
-CPU) gets the same plain helpers; the modules cannot be imported again in a fork (they register torch operators
-once)."""
+(`benchmarks/fork_imports.py` at e901201, the first five), on the way to a run's first step; then
+`_register_engine_kernels`. With torch.compile off (`TORCHDYNAMO_DISABLE`) as they are imported, as an eager engine's
+process has it (the CPU backend's default): vLLM's small helpers that torch.compile decorates as their module is
+imported (the log-prob gather, the top-k/top-p mask) stay plain functions, where a compiled one would compile at the
+first request that needs it (3 s of each start for the log-prob gather; test_loop checks it). An engine that compiles
+(`rollout.enforce_eager: false` on a CPU) gets the same plain helpers; the modules cannot be imported again in a fork
+(they register torch operators once)."""
 REQUEST_TIMEOUT_S = 10.0  # a launcher that answered ready sends its request at once
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "VLLM_", "OMP_", "MKL_", "KMP_", "CUDA_",
               "TOKENIZERS_", "DS_", "DEEPSPEED_", "TRITON_", "XDG_CACHE_HOME", "PYTHONHASHSEED", "PYTHONIOENCODING",
@@ -149,9 +149,11 @@ def import_all(lists: tuple[str, ...] = ("STACK", "FIRST_IMPORTS", "ENGINE_IMPOR
 def _register_engine_kernels() -> None:
     """Done once here for every engine forked from this process: on a CPU without Triton's CPU backend, each engine's
     worker points vLLM's Triton kernels at C++ implementations as it starts (`register_triton_kernel_overrides`),
-    rebinding every reference to each kernel in every module loaded: a scan of 0.2 CPU seconds and more in each engine
-    with the stack loaded (`benchmarks/engine_build.py`). A fork inherits the kernels rebound, and the platform's
-    registration, left to do nothing, does not scan again (a second scan would also wrap the wrappers)."""
+    rebinding every reference to each kernel in every module loaded: a scan of about 0.24 CPU seconds in each engine
+    with the stack loaded (timed by hand). With it and the last four `ENGINE_IMPORTS`, an engine built in a fork took
+    0.55 CPU seconds against 1.06 (`benchmarks/engine_build.py --baseline`, 51d2c7a). A fork inherits the kernels
+    rebound, and the platform's registration, left to do nothing, does not scan again (a second scan would also wrap the
+    wrappers)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -159,8 +161,7 @@ def _register_engine_kernels() -> None:
     platform = type(current_platform)
     platform.register_triton_kernel_overrides()
     platform.register_triton_kernel_overrides = classmethod(lambda cls: None)
-    if threading.active_count() != 1:
-        raise RuntimeError(f"vLLM's kernel registration started threads: {threading.enumerate()}")
+    _one_thread("vLLM's kernel registration")
 
 
 def _import_without_ray(modules: tuple[str, ...]) -> None:
@@ -175,8 +176,13 @@ def _import_without_ray(modules: tuple[str, ...]) -> None:
     executor = sys.modules.get("vllm.v1.executor")
     if executor is not None:
         executor.__dict__.pop("ray_utils", None)
-    if threading.active_count() != 1:  # a fork keeps only the thread that forks
-        raise RuntimeError(f"the stack's imports started threads: {threading.enumerate()}")
+    _one_thread("the stack's imports")
+
+
+def _one_thread(what: str) -> None:
+    """Refuse to serve where `what` started a thread: a fork keeps only the thread that forks."""
+    if threading.active_count() != 1:
+        raise RuntimeError(f"{what} started threads: {threading.enumerate()}")
 
 
 _OWN_FILES: dict[str, tuple[str, int | None]] = {}
