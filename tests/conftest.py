@@ -133,6 +133,17 @@ HEAD_NODE = {"num_cpus": 0, "include_dashboard": False}
 which no test of those reads and which polls the cluster all along (Ray's dashboards took 4 % of a suite's CPU)."""
 
 
+def headed_cluster():
+    """A test's own `ray.cluster_utils.Cluster`, not connected: its head as `HEAD_NODE` says, started without the
+    API server Ray would start for its usage statistics alone (`lean_local_node`)."""
+    from ray.cluster_utils import Cluster
+
+    from grpo_dist.cluster.ray_cluster import lean_local_node
+
+    with lean_local_node():
+        return Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
+
+
 def warm_nodes() -> contextlib.AbstractContextManager:
     """Within the block, the Ray nodes this process starts (`ray.cluster_utils.Cluster`, its head and `add_node`) fork
     their workers from the session's warm process instead of starting them cold. For tests that look for no actor

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HEAD_NODE, TESTS_DIR, injected, small_config, warm_nodes
+from conftest import TESTS_DIR, headed_cluster, injected, small_config, warm_nodes
 from test_overlap import UNTIL_STOPPED, stop, wait_for_row
 from test_resume import training
 
@@ -84,13 +84,12 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
     autoscaler for its room. The test plays the autoscaler: it reads the demand and adds a node, where the new
     generator starts and joins. Then generation is fast again, the generators wait on the learner, and the second
     generator is removed."""
-    from ray.cluster_utils import Cluster
 
     slow = tmp_path / "slow_s"
     slow.write_text("1.0")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     with warm_nodes():
-        cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
+        cluster = headed_cluster()
         cluster.add_node(num_cpus=4)
     raw = small_config(
         tmp_path,

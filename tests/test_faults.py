@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import HEAD_NODE, TESTS_DIR, injected, small_config, train_config_here
+from conftest import TESTS_DIR, headed_cluster, injected, small_config, train_config_here
 from test_resume import training
 
 from grpo_dist.storage import status
@@ -181,11 +181,10 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
     """Three Ray nodes on this machine (the head holds no actors); once a checkpoint exists, the node holding the
     learner rank (and generators) is removed with everything on it. The learner group is restarted from the
     checkpoint and the other actors replaced, on the remaining node, and the run ends."""
-    from ray.cluster_utils import Cluster
 
     # The nodes' workers import the test's reward functions.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
+    cluster = headed_cluster()
     workers = [cluster.add_node(num_cpus=4) for _ in range(2)]  # either holds the whole run
     raw = small_config(
         tmp_path,

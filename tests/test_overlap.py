@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import HEAD_NODE, REPO, TESTS_DIR, cli_here, injected, small_config, warm_nodes
+from conftest import REPO, TESTS_DIR, cli_here, headed_cluster, injected, small_config, warm_nodes
 from test_resume import grpo_dist, training
 
 from grpo_dist.config import ConfigError, load_config, validate_config
@@ -454,12 +454,11 @@ def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypat
     """On a Ray cluster with no room for a second generator, `grpo-dist scale generators=2` leaves the run going
     with one while the new one waits (`generators/joining`); once a node joins, as an autoscaler would add one, the
     new generator starts there and joins the run."""
-    from ray.cluster_utils import Cluster
 
     # The nodes' workers import the test's reward functions.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     with warm_nodes():
-        cluster = Cluster(initialize_head=True, connect=False, head_node_args=HEAD_NODE)
+        cluster = headed_cluster()
         cluster.add_node(num_cpus=4)  # the run as it starts: learner rank, one generator, two reward workers
     # A CPU each, so that the node is full: with the reward workers' default quarter CPU a second generator fits at
     # once, and the steps it "waits" are only its start (fewer than the test counts once engines build faster).

@@ -116,6 +116,8 @@ import os, psutil, ray
 from grpo_dist.cluster.ray_cluster import start_local_ray
 start_local_ray(num_cpus=1, _system_config={"metrics_report_interval_ms": 200})  # an export would come at once
 agent = ray._private.worker.global_worker.node.metrics_agent_port
+started = [" ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)]
+print("api server:", any("dashboard/dashboard.py" in command for command in started))
 
 def exporting():
     return any(c.raddr and c.raddr.port == agent for c in psutil.Process().net_connections())
@@ -132,11 +134,13 @@ ray.shutdown()
 """
 
 
-def test_a_runs_own_local_cluster_runs_its_actors_at_the_drivers_priority_and_exports_no_ray_metrics():
-    """Ray's default would start them at niceness 15, below every other busy process on the machine; and each of its
+def test_a_runs_own_local_cluster_runs_its_actors_at_the_drivers_priority_exports_no_ray_metrics_and_no_api_server():
+    """Ray's default would start them at niceness 15, below every other busy process on the machine; each of its
     processes would export Ray's metrics to the node's agent, from a thread that reads the environment as the
-    process writes it (`ray_settings.METRICS_COLLECTION`): with collection on, both connect within the 3 s."""
+    process writes it (`ray_settings.METRICS_COLLECTION`): with collection on, both connect within the 3 s; and
+    `ray.init` would start its dashboard's process for Ray's usage statistics alone (`lean_local_node`)."""
     env = {key: value for key, value in os.environ.items() if key not in ray_settings.cluster_environment()}
     done = subprocess.run([sys.executable, "-c", OWN_CLUSTER], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "api server: False" in done.stdout, done.stdout
     assert done.stdout.split()[-3:] == [str(os.nice(0)), "False", "False"], done.stdout

@@ -121,7 +121,8 @@ def start_local_ray(**settings) -> None:
     """`ray.init` of a local cluster of this process's own, started again once where Ray gave up on it: Ray gives a
     new node's raylet a fixed 30 s to register, which a machine busy with another run's start-up can exceed. What the
     failed start left running (its GCS, raylet and agents, children of this process) is stopped first. Its actors
-    run at the driver's priority and it collects no Ray metrics (`grpo_dist.cluster.ray_settings`)."""
+    run at the driver's priority, it collects no Ray metrics (`grpo_dist.cluster.ray_settings`), and it runs none
+    of Ray's processes that serve nothing there (`lean_local_node`)."""
     system = {
         "worker_niceness": ray_settings.WORKER_NICENESS,
         "enable_metrics_collection": ray_settings.METRICS_COLLECTION,
@@ -129,7 +130,7 @@ def start_local_ray(**settings) -> None:
     }
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
-            with agent_on_a_free_port():
+            with lean_local_node():
                 ray.init(address="local", include_dashboard=False, _system_config=system, **settings)
             return
         except Exception as err:  # Ray raises a bare Exception for it
@@ -140,26 +141,44 @@ def start_local_ray(**settings) -> None:
 
 
 @contextlib.contextmanager
-def agent_on_a_free_port():
-    """Within the block, a local cluster `ray.init` starts gives its dashboard agent's HTTP server a port the system
-    chooses. `ray.init` has no setting for it and Ray's default is a fixed port, 52365: where another cluster on the
-    machine holds it (a run beside this one, a test suite's own cluster, or the agent of a cluster just stopped, which
-    lingers), the new agent retries the bind for 4.4 s before giving up, and the raylet waits for it before the node
-    counts as started: the quick start's step 1 came at 16.5 s with the port taken and 14.0 s with this
-    (`benchmarks/startup.py --up`, docs/performance.md). A run's own cluster serves no job submission, the one thing
-    that port is for."""
+def lean_local_node():
+    """Within the block, a local node `ray.init` or `ray.cluster_utils.Cluster` starts in this process runs only what
+    a run uses: no API server on a head node, and its dashboard agent's HTTP server on a port the system chooses.
+
+    - The API server: with the dashboard off (`include_dashboard=False`, as grpo-dist always starts its clusters),
+      Ray still starts its dashboard's process with one module, Ray's usage statistics (`UsageStatsHead`): no
+      dashboard, no job submission, no state API. It imports Ray and its web server before `ray.init` may return,
+      which waits for it to publish an address: about 1.3 CPU seconds and 1 to 2 s of every local cluster's start on
+      a 2-core machine (`benchmarks/startup.py`, `benchmarks/run_cost.py`; docs/performance.md). A node started
+      otherwise (`ray start`, as `grpo-dist up` does once for many runs) is left as Ray starts it.
+    - The agent's port: `ray.init` has no setting for it and Ray's default is a fixed port, 52365: where another
+      cluster on the machine holds it (a run beside this one, a test suite's own cluster, or the agent of a cluster
+      just stopped, which lingers), the new agent retries the bind for 4.4 s before giving up, and the raylet waits
+      for it before the node counts as started: the quick start's step 1 came at 16.5 s with the port taken and
+      14.0 s with this (`benchmarks/startup.py --up`, docs/performance.md). A local cluster serves no job
+      submission, the one thing that port is for."""
+    from ray._private import node
+
     parameters = ray._private.parameter
-    fixed = parameters.RayParams
+    fixed, api_server = parameters.RayParams, getattr(node.Node, "start_api_server", None)
 
     class FreeAgentPort(fixed):
         def __init__(self, *args, dashboard_agent_listen_port: int = 0, **kwargs):
             super().__init__(*args, dashboard_agent_listen_port=dashboard_agent_listen_port, **kwargs)
 
+    def no_api_server(self, *, include_dashboard, raise_on_failure):
+        if include_dashboard is not False:  # the dashboard asked for (True, or None: Ray's default, where it can)
+            api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+
     parameters.RayParams = FreeAgentPort
+    if api_server is not None:
+        node.Node.start_api_server = no_api_server
     try:
         yield
     finally:
         parameters.RayParams = fixed
+        if api_server is not None:
+            node.Node.start_api_server = api_server
 
 
 def stop_ray_children() -> None:
