@@ -99,7 +99,7 @@ def serve() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     sys.path += setup["path"]  # only now: what `nobody` may write is imported as `nobody`
     try:
-        functions = _imported(setup["functions"], setup.get("kind", "rewards"))
+        functions = _imported(setup["functions"], setup.get("kind", "rewards"), setup.get("warm_builtins", True))
     except ValueError as err:
         answer({"error": str(err)})
         return
@@ -121,12 +121,14 @@ def serve() -> None:
         _empty(setup["scratch"])
 
 
-def _imported(names: list[str], kind: str) -> list[Callable[..., Any]]:
+def _imported(names: list[str], kind: str, warm_builtins: bool = True) -> list[Callable[..., Any]]:
     """The functions `names`, each warmed up where it says how (its `sandbox_warmup`: a callable taking nothing,
-    run once here so that no call's process imports or builds again what it needs, e.g. `math_answer`'s sympy);
-    `ValueError` naming what does not resolve or warm up."""
+    run once here so that no call's process imports or builds again what it needs, e.g. `math_answer`'s sympy), a
+    built-in reward only with `warm_builtins`; `ValueError` naming what does not resolve or warm up."""
     functions = [(resolve_reward if kind == "rewards" else resolve_tool)(name) for name in names]
     for name, function in zip(names, functions, strict=True):
+        if not warm_builtins and kind == "rewards" and name in BUILTIN_REWARDS:
+            continue  # its first call imports what it needs
         warmup = getattr(function, "sandbox_warmup", None)
         try:
             if callable(warmup):

@@ -315,3 +315,8 @@ def fields_seen_reward(prompt: str, completion: str, **fields: Any) -> float:
     (`config.RESERVED_FIELDS`) that did."""
     settings = ("isolation", "memory_mb", "budget_s", "timeout_per_test_s", "strict")
     return 100.0 * ("answer" in fields) + sum(name in fields for name in settings)
+
+
+def sympy_imported(prompt: str, completion: str, **_: Any) -> float:
+    """1.0 where the sandbox's server had imported sympy when it forked this call's process, else 0.0."""
+    return 1.0 if "sympy" in sys.modules else 0.0

@@ -88,6 +88,32 @@ def test_a_sandbox_started_without_waiting_says_its_import_failure_when_waited_f
         runner.close()
 
 
+def test_a_workers_sandbox_warms_math_answer_up_as_it_starts_and_the_preflights_at_its_first_call_that_needs_it():
+    """A reward worker's sandbox imports math-verify and sympy before its first call, which its time limit bounds;
+    the pre-flight's (`warm_builtins=False`) leaves them to the first call that needs them (an answer that is not a
+    plain integer), which still scores as math-verify does. A reward's call forked from the server sees what it has
+    imported."""
+    names = ["math_answer", "reward_fixtures.sympy_imported"]
+    worker = runner_of(names)
+    functions = [RewardFunctionConfig(name=name) for name in names]
+    preflight = RewardRunner(names, RewardConfig(functions=functions, timeout_s=60.0), warm_builtins=False)
+
+    def score(runner: RewardRunner, function: int, completion: str, answer: str) -> float:
+        return runner.score([function], [1.0], [{}], "q", completion, {"answer": answer})[1][0]
+
+    try:
+        assert score(worker, 1, "7", "7") == 1.0
+        assert score(preflight, 1, "7", "7") == 0.0
+        assert score(preflight, 0, "7", "7") == 1.0  # two plain integers: compared without sympy
+        assert score(preflight, 1, "7", "7") == 0.0
+        assert score(preflight, 0, "1/2", "\\frac{1}{2}") == 1.0
+        assert score(preflight, 0, "1/3", "\\frac{1}{2}") == 0.0
+        assert score(preflight, 1, "7", "7") == 1.0
+    finally:
+        worker.close()
+        preflight.close()
+
+
 @pytest.mark.parametrize(
     "name, kind, said",
     [

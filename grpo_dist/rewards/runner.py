@@ -24,9 +24,12 @@ log = logging.getLogger("grpo_dist")
 class RewardRunner:
     """The reward functions `names` (built-ins or dotted paths), ready to score; raises `ValueError` naming the
     first that does not resolve (or, in the sandbox, `SandboxError`). `reap`: see `Sandbox` (a reward worker's
-    runner). `wait=False`: the sandbox starts while the caller goes on; `ready` waits for it (and raises)."""
+    runner). `wait=False`: the sandbox starts while the caller goes on; `ready` waits for it (and raises).
+    `warm_builtins=False`: the sandbox leaves the built-in rewards' warm-ups to their first calls (`Sandbox`)."""
 
-    def __init__(self, names: list[str], reward: RewardConfig, reap: bool = False, wait: bool = True) -> None:
+    def __init__(
+        self, names: list[str], reward: RewardConfig, reap: bool = False, wait: bool = True, warm_builtins: bool = True
+    ) -> None:
         self.names, self.timeout_s = names, reward.timeout_s
         self.sandbox: Sandbox | None = None
         self.executor = None
@@ -47,7 +50,7 @@ class RewardRunner:
                 tuple(reward.sandbox_env),
                 tuple(reward.sandbox_paths),
             )
-            self.sandbox = Sandbox(names, limits, reap, wait=False)
+            self.sandbox = Sandbox(names, limits, reap, wait=False, warm_builtins=warm_builtins)
             if wait:
                 self.ready()
         else:

@@ -157,10 +157,14 @@ def check_rewards(cfg: Config) -> RewardRunner:
         if cfg.model_code_runs:
             found = jail.check(jail.Isolation(cfg.reward.isolation), "the code_tests reward or the python tool")
             print(f"sandbox: {found.describe()}")
-        # A reward's first call may import what it needs (math_answer: sympy), seconds on a busy machine: the check
-        # is whether the reward reads the data, not its speed, so it is bounded by PREFLIGHT_TIMEOUT_S at least.
+        # A reward's first call may import what it needs, seconds on a busy machine: the check is whether the reward
+        # reads the data, not its speed, so it is bounded by PREFLIGHT_TIMEOUT_S at least. The built-ins are not
+        # warmed up here (math_answer's sympy, 0.8 CPU seconds): the check calls at most the eval judges, once a
+        # set, and math_answer needs sympy only for an answer that is not a plain integer. A user's function's
+        # warm-up still runs here, so that one that raises is said before the run starts.
         reward = cfg.reward.model_copy(update={"timeout_s": max(cfg.reward.timeout_s, PREFLIGHT_TIMEOUT_S)})
-        return RewardRunner([spec.name for spec in cfg.reward.functions] + cfg.judges, reward, wait=False)
+        names = [spec.name for spec in cfg.reward.functions] + cfg.judges
+        return RewardRunner(names, reward, wait=False, warm_builtins=False)
     except (ValueError, SandboxError, jail.IsolationRefused) as err:
         raise ConfigError(str(err)) from None
 

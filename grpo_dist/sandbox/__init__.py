@@ -104,12 +104,20 @@ class Sandbox:
     sandbox's group is re-parented to, so that `close` finds and kills it too."""
 
     def __init__(
-        self, names: list[str], limits: Limits, reap: bool = False, kind: str = "rewards", wait: bool = True
+        self,
+        names: list[str],
+        limits: Limits,
+        reap: bool = False,
+        kind: str = "rewards",
+        wait: bool = True,
+        warm_builtins: bool = True,
     ) -> None:
         """`kind`: `rewards` (reward functions, `call`) or `tools` (an environment's tools, `call_tool`). `wait`:
         until it is ready (its functions imported), raising `SandboxError` if it does not start; without, it starts
-        while the caller goes on, and `ready` (or the first call) waits and raises."""
-        self.names, self.limits, self.kind = names, limits, kind
+        while the caller goes on, and `ready` (or the first call) waits and raises. `warm_builtins`: the built-in
+        rewards' warm-ups run as it starts, as every function's does (`sandbox_warmup`); without, a built-in imports
+        what it needs at its first call (a sandbox that calls few, where a first call may take long)."""
+        self.names, self.limits, self.kind, self.warm_builtins = names, limits, kind, warm_builtins
         self.label = "reward" if kind == "rewards" else "tool"  # in what it says
         self.process: subprocess.Popen | None = None
         self.buffer = b""
@@ -212,6 +220,7 @@ class Sandbox:
         )
         jail.RUNNING.add(self.process.pid)
         setup = {"functions": self.names, "kind": self.kind, "limits": asdict(self.limits), "path": later}
+        setup["warm_builtins"] = self.warm_builtins
         setup["jailed"], setup["scratch"] = found.namespaces, ["/tmp/work", "/dev/shm"] if found.namespaces else [home]
         self.process.stdin.write(json.dumps(setup).encode() + b"\n")
         self.process.stdin.flush()
