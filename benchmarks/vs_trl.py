@@ -12,9 +12,12 @@ scored by `eval.reward` (1.0 = correct). TRL generates with transformers in the 
 runs its Ray actors and vLLM engine.
 
 Prints one JSON line per trainer and seed (every step's mean reward, the first and last 10 steps' means, held-out
-accuracy, median step time, wall time), a line of ratios per seed (TRL over grpo-dist for step time and wall time;
-grpo-dist minus TRL for the last-10 reward and held-out accuracy), and a summary line of their means. Run by hand;
-CI never runs it.
+accuracy, median step time, the machine's CPU seconds a step, wall time), a line of ratios per seed (TRL over
+grpo-dist for step time, CPU a step and wall time; grpo-dist minus TRL for the last-10 reward and held-out accuracy),
+and a summary line of their means. The CPU a step is machine-wide (/proc/stat): for TRL the median over its steps
+after the first, for grpo-dist the mean over its steps from the sixth to the last but one
+(`benchmarks/step_phases.py --cpu`); a step takes at least its CPU seconds over the machine's cores. Run it on an
+otherwise idle machine; CI never runs it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from learning import grpo_dist  # noqa: E402
+from run_cost import busy_seconds  # noqa: E402
+from step_phases import cpu_per_step  # noqa: E402
 
 from grpo_dist.config import Config, load_config  # noqa: E402
 from grpo_dist.data.sources import read_source  # noqa: E402
@@ -112,16 +118,28 @@ def trl_reward(name: str, kwargs: dict, fields: list[str]):
     return reward
 
 
-def run_grpo_dist(config: str, overrides: list[str], out_dir: Path, seed: int) -> dict:
+def run_grpo_dist(config: str, overrides: list[str], out_dir: Path, seed: int, steps: int) -> dict:
     started = time.monotonic()
-    done = grpo_dist("train", config, overrides, seed)
+    with tempfile.TemporaryFile("w+") as output:
+        command = [sys.executable, "-m", "grpo_dist", "train", config, *overrides]
+        run = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True)
+        try:
+            cost = cpu_per_step(run, out_dir / "metrics.jsonl", steps)
+            code = run.wait()
+        finally:
+            run.kill()
+        output.seek(0)
+        said = output.read()
+    if code != 0:
+        raise RuntimeError(f"seed {seed}: grpo-dist train exited {code}:\n{said[-3000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {
         "rewards": [row["reward/mean"] for row in rows],
         "step_s": [row["time/step"] for row in rows],
+        "cpu_s": (cost or {}).get("machine"),
         "final": out_dir / "final",
         "wall_s": time.monotonic() - started,
-        "own_held_out": float(OWN_ACCURACY.search(done.stdout).group(1)),
+        "own_held_out": float(OWN_ACCURACY.search(said).group(1)),
     }
 
 
@@ -133,12 +151,14 @@ def run_trl(cfg: Config, train_rows: list[dict], out_dir: Path) -> dict:
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.step_s: list[float] = []
+            self.cpu_s: list[float] = []  # the machine's, as grpo-dist's is measured
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.began = time.perf_counter()
+            self.began, self.busy = time.perf_counter(), busy_seconds()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self.began)
+            self.cpu_s.append(busy_seconds() - self.busy)
 
     started = time.monotonic()
     fields = [key for key in train_rows[0] if key != "prompt"]
@@ -161,6 +181,7 @@ def run_trl(cfg: Config, train_rows: list[dict], out_dir: Path) -> dict:
     return {
         "rewards": [entry["reward"] for entry in logged],
         "step_s": clock.step_s,
+        "cpu_s": statistics.median(clock.cpu_s[1:] or clock.cpu_s),
         "final": out_dir / "final",
         "wall_s": time.monotonic() - started,
     }
@@ -198,6 +219,7 @@ def report(trainer: str, seed: int, result: dict, accuracy: float) -> dict:
         "last10": round(statistics.mean(rewards[-10:]), 3),
         "held_out": round(accuracy, 3),
         "step_s_median": round(statistics.median(result["step_s"][1:] or result["step_s"]), 4),
+        "cpu_s_per_step": round(result["cpu_s"], 4) if result["cpu_s"] is not None else None,
         "wall_s": round(result["wall_s"], 1),
         **({"own_held_out": result["own_held_out"]} if "own_held_out" in result else {}),
         "rewards": [round(reward, 4) for reward in rewards],
@@ -210,6 +232,7 @@ def ratios(seed: int, ours: dict, trl: dict) -> dict:
     line = {
         "seed": seed,
         "step_time_ratio": round(trl["step_s_median"] / ours["step_s_median"], 3),  # > 1: grpo-dist steps faster
+        "cpu_ratio": round(trl["cpu_s_per_step"] / ours["cpu_s_per_step"], 3) if ours["cpu_s_per_step"] else None,
         "wall_ratio": round(trl["wall_s"] / ours["wall_s"], 3),
         "last10_diff": round(ours["last10"] - trl["last10"], 3),
         "held_out_diff": round(ours["held_out"] - trl["held_out"], 3),
@@ -239,7 +262,7 @@ def main() -> None:
         ]  # fmt: skip
         cfg = load_config(REPO / args.config, overrides)
         trl_settings(cfg)  # refuse what TRL cannot match before anything runs
-        ours = run_grpo_dist(args.config, overrides, cfg.run_dir, seed)
+        ours = run_grpo_dist(args.config, overrides, cfg.run_dir, seed, cfg.run.steps)
         train_path, eval_path = prepare_data(cfg)  # the files grpo-dist drew for this seed
         data = cfg.data
         held_out = read_source(eval_path, data.eval_split, data.subset, data.fields, "data.eval_path")
@@ -249,7 +272,11 @@ def main() -> None:
         ours_line = report("grpo-dist", seed, ours, held_out_accuracy(ours["final"], held_out, cfg))
         trl_line = report("trl", seed, theirs, held_out_accuracy(theirs["final"], held_out, cfg))
         compared.append(ratios(seed, ours_line, trl_line))
-    means = {key: round(statistics.mean(line[key] for line in compared), 3) for key in compared[0] if key != "seed"}
+    means = {
+        key: round(statistics.mean(line[key] for line in compared), 3)
+        for key in compared[0]
+        if key != "seed" and all(line[key] is not None for line in compared)
+    }
     summary = {"seeds": len(compared), **means}
     print(json.dumps({"summary": summary, "config": args.config, "overrides": args.overrides}))
 

@@ -84,7 +84,6 @@ def test_slowed_generation_adds_a_generator_where_a_node_joins_and_restored_spee
     autoscaler for its room. The test plays the autoscaler: it reads the demand and adds a node, where the new
     generator starts and joins. Then generation is fast again, the generators wait on the learner, and the second
     generator is removed."""
-
     slow = tmp_path / "slow_s"
     slow.write_text("1.0")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))

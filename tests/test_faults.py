@@ -181,7 +181,6 @@ def test_a_run_survives_losing_a_node(tmp_path, monkeypatch):
     """Three Ray nodes on this machine (the head holds no actors); once a checkpoint exists, the node holding the
     learner rank (and generators) is removed with everything on it. The learner group is restarted from the
     checkpoint and the other actors replaced, on the remaining node, and the run ends."""
-
     # The nodes' workers import the test's reward functions.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     cluster = headed_cluster()

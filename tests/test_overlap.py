@@ -454,7 +454,6 @@ def test_a_generator_waiting_for_room_joins_when_a_node_does(tmp_path, monkeypat
     """On a Ray cluster with no room for a second generator, `grpo-dist scale generators=2` leaves the run going
     with one while the new one waits (`generators/joining`); once a node joins, as an autoscaler would add one, the
     new generator starts there and joins the run."""
-
     # The nodes' workers import the test's reward functions.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])))
     with warm_nodes():
