@@ -320,3 +320,14 @@ def fields_seen_reward(prompt: str, completion: str, **fields: Any) -> float:
 def sympy_imported(prompt: str, completion: str, **_: Any) -> float:
     """1.0 where the sandbox's server had imported sympy when it forked this call's process, else 0.0."""
     return 1.0 if "sympy" in sys.modules else 0.0
+
+
+def warm_up_failing_reward(prompt: str, completion: str, **_: Any) -> float:
+    return 1.0
+
+
+def _failing_warm_up() -> None:
+    raise RuntimeError("the grader's tables are missing")
+
+
+warm_up_failing_reward.sandbox_warmup = _failing_warm_up

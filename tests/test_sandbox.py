@@ -114,6 +114,16 @@ def test_a_workers_sandbox_warms_math_answer_up_as_it_starts_and_the_preflights_
         preflight.close()
 
 
+def test_the_preflights_sandbox_still_says_a_user_functions_warm_up_that_raises():
+    """Only the built-ins' warm-ups wait for their first call in the pre-flight: a user's that raises stops it."""
+    from grpo_dist.sandbox import SandboxError
+
+    names = ["math_answer", "reward_fixtures.warm_up_failing_reward"]
+    functions = [RewardFunctionConfig(name=name) for name in names]
+    with pytest.raises(SandboxError, match="warm_up_failing_reward's sandbox_warmup raised RuntimeError"):
+        RewardRunner(names, RewardConfig(functions=functions, timeout_s=60.0), warm_builtins=False)
+
+
 @pytest.mark.parametrize(
     "name, kind, said",
     [
