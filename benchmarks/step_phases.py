@@ -42,9 +42,7 @@ PHASES = ["generate", "reward", "train", "sync", "step"]
 WARM_UP = 5  # steps left out: the first calls of the engines and of the learner
 
 
-def run_once(
-    repo: Path, config: str, steps: int, out_dir: Path, overrides: list[str], cpu: bool = False
-) -> dict:
+def run_once(repo: Path, config: str, steps: int, out_dir: Path, overrides: list[str], cpu: bool = False) -> dict:
     """One run of `steps` steps from `repo`'s code: each phase's seconds at each step after the warm-up; with `cpu`,
     `cpu_per_step` too (`cpu_per_step`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")])}
