@@ -51,19 +51,28 @@ def run_once(repo: Path, config: str, steps: int, out_dir: Path, overrides: list
         f"run.output_dir={out_dir}", "wandb.enabled=false", "checkpoint.every_steps=0", "eval.every=0", *overrides,
     ]  # fmt: skip
     metrics = out_dir / "phases" / "metrics.jsonl"
-    with tempfile.TemporaryFile("w+") as output:
-        run = subprocess.Popen(command, cwd=repo, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
-        try:
-            per_step = cpu_per_step(run, metrics, steps) if cpu else None
-            code = run.wait(timeout=1800)
-        finally:
-            run.kill()
-        output.seek(0)
-        if code != 0:
-            raise SystemExit(f"the run from {repo} failed (exit {code}):\n{output.read()[-3000:]}")
+    code, said, per_step = run_measured(command, repo, env, metrics, steps if cpu else None)
+    if code != 0:
+        raise SystemExit(f"the run from {repo} failed (exit {code}):\n{said[-3000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     found = {phase: [row.get(f"time/{phase}", 0.0) for row in rows[WARM_UP:]] for phase in PHASES}
     return {**found, "cpu_per_step": per_step} if per_step is not None else found
+
+
+def run_measured(
+    command: list[str], cwd: Path, env: dict | None, metrics: Path, steps: int | None
+) -> tuple[int, str, dict[str, float] | None]:
+    """Run `command` (a `grpo-dist train` of `steps` steps writing `metrics`) to its end: its exit code, its output
+    (standard output and error) and, with `steps`, its `cpu_per_step`."""
+    with tempfile.TemporaryFile("w+") as output:
+        run = subprocess.Popen(command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        try:
+            per_step = cpu_per_step(run, metrics, steps) if steps is not None else None
+            code = run.wait(timeout=3600)
+        finally:
+            run.kill()
+        output.seek(0)
+        return code, output.read(), per_step
 
 
 def cpu_per_step(run: subprocess.Popen, metrics: Path, steps: int, interval: float = 0.5) -> dict[str, float] | None:

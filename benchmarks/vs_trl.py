@@ -26,9 +26,7 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from run_cost import busy_seconds  # noqa: E402
-from step_phases import cpu_per_step  # noqa: E402
+from step_phases import run_measured  # noqa: E402
 
 from grpo_dist.config import Config, load_config  # noqa: E402
 from grpo_dist.data.sources import read_source  # noqa: E402
@@ -120,16 +118,8 @@ def trl_reward(name: str, kwargs: dict, fields: list[str]):
 
 def run_grpo_dist(config: str, overrides: list[str], out_dir: Path, seed: int, steps: int) -> dict:
     started = time.monotonic()
-    with tempfile.TemporaryFile("w+") as output:
-        command = [sys.executable, "-m", "grpo_dist", "train", config, *overrides]
-        run = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True)
-        try:
-            cost = cpu_per_step(run, out_dir / "metrics.jsonl", steps)
-            code = run.wait()
-        finally:
-            run.kill()
-        output.seek(0)
-        said = output.read()
+    command = [sys.executable, "-m", "grpo_dist", "train", config, *overrides]
+    code, said, cost = run_measured(command, REPO, None, out_dir / "metrics.jsonl", steps)
     if code != 0:
         raise RuntimeError(f"seed {seed}: grpo-dist train exited {code}:\n{said[-3000:]}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
