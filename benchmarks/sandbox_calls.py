@@ -2,7 +2,9 @@
 configs/quickstart.yaml: built-ins, called in the sandbox's server) and a user reward (`length_reward`, here: each
 call in a fresh process forked for it) called through a reward sandbox, calls per second, side by side with the same
 calls through the sandbox of another checkout (`--baseline`, e.g. one from before the fork server, whose sandbox
-served every call in one long-lived process), in one run, and the ratio.
+served every call in one long-lived process), in one run, and the ratio. Its last row is a reward worker's share:
+`--calls` completions scored by both quick start functions as the checkout's reward worker scores them (completions a
+second).
 
     .venv/bin/python benchmarks/sandbox_calls.py [--calls 200] [--baseline /path/to/other/checkout]
 """
@@ -48,7 +50,34 @@ def calls_per_s(calls: int) -> dict[str, float]:
             found[name] = calls / (time.perf_counter() - started)
     finally:
         sandbox.close()
-    return found
+    return found | {"a worker's share": share_per_s(calls)}
+
+
+def share_per_s(completions: int) -> float:
+    """Completions per second scored by the quick start's two functions through a `RewardRunner` as this checkout's
+    reward worker scores a share of `completions` (all at once with `score_each` where the checkout has it, else one
+    completion after the other), after one warm-up share."""
+    from grpo_dist.config import RewardConfig, RewardFunctionConfig
+    from grpo_dist.rewards.runner import RewardRunner
+
+    specs = [RewardFunctionConfig(name=name, kwargs=kwargs) for name, kwargs in QUICKSTART]
+    runner = RewardRunner([name for name, _ in QUICKSTART], RewardConfig(functions=specs, timeout_s=60.0))
+    functions, weights, kwargs = list(range(len(specs))), [1.0] * len(specs), [dict(spec.kwargs) for spec in specs]
+    share = [(PROMPT, COMPLETIONS[number % len(COMPLETIONS)], {"answer": ANSWER}) for number in range(completions)]
+
+    def score_share() -> list:
+        if hasattr(runner, "score_each"):
+            return list(runner.score_each(functions, weights, kwargs, share))
+        return [runner.score(functions, weights, kwargs, *each) for each in share]
+
+    try:
+        score_share()
+        started = time.perf_counter()
+        scores = score_share()
+        assert all(error is None for _, _, errors in scores for error in errors), scores
+        return completions / (time.perf_counter() - started)
+    finally:
+        runner.close()
 
 
 def measured_in(checkout: str, calls: int) -> dict[str, float]:
@@ -69,9 +98,9 @@ def main() -> None:
     here = str(Path(__file__).resolve().parent.parent)
     this = measured_in(here, args.calls)
     other = measured_in(args.baseline, args.calls) if args.baseline else None
-    print(f"{'function':<14}{'this checkout':>16}" + (f"{'baseline':>12}{'ratio':>8}" if other else ""))
+    print(f"{'function':<34}{'this checkout':>16}" + (f"{'baseline':>12}{'ratio':>8}" if other else ""))
     for name, rate in this.items():
-        row = f"{name:<14}{rate:>12.1f}/s"
+        row = f"{name:<34}{rate:>12.1f}/s"
         if other:
             row += f"{other[name]:>10.1f}/s{rate / other[name]:>8.2f}"
         print(row)

@@ -331,3 +331,16 @@ def _failing_warm_up() -> None:
 
 
 warm_up_failing_reward.sandbox_warmup = _failing_warm_up
+
+
+def sees_other_requests(prompt: str, completion: str, **_: Any) -> float:
+    """1.0 where this call's process, forked from the sandbox's server, holds a request the server was sent after its
+    own (the server's read-ahead of its requests' pipe, which the fork copied), else 0.0."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code.co_name != "serve":
+        frame = frame.f_back
+    try:
+        ahead = frame.f_locals["requests"].peek(1 << 16)  # what the server read and has not handled yet
+    except (AttributeError, KeyError, OSError, ValueError):  # its pipe is closed here: nothing was read ahead
+        ahead = b""
+    return 1.0 if b'"completion"' in ahead else 0.0

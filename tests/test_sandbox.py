@@ -166,6 +166,58 @@ def test_a_sandbox_killed_from_outside_leaves_its_completion_unscored_and_serves
         runner.close()
 
 
+def test_calls_of_the_built_ins_asked_ahead_are_answered_in_order_and_a_sandbox_killed_among_them_loses_one():
+    """A reward worker's calls of the built-ins go to the sandbox ahead of their answers (`Sandbox.answers`): each
+    completion gets the score it gets alone, in order. The sandbox killed from outside while calls are waiting loses
+    the call it was on, left unscored (`sandbox_died`); the calls asked after it are asked of a new sandbox and
+    scored."""
+    runner = runner_of(["regex_format", "math_answer"])
+    functions, weights, kwargs = [0, 1], [0.2, 0.8], [{"pattern": "[0-9]"}, {}]
+    completions = [("7 3 9 5:", completion, {"answer": "5"}) for completion in ["5", "3", " 5", "55", "", "5 "] * 100]
+    try:
+        alone = [runner.score(functions, weights, kwargs, *each) for each in completions]
+        assert sorted({round(total, 6) for total, _, _ in alone}) == [0.0, 0.2, 1.0]
+        first = runner.sandbox.process.pid
+        together = []
+        for total, scores, errors in runner.score_each(functions, weights, kwargs, completions):
+            together.append((total, scores, errors))
+            if len(together) == 100:
+                os.kill(first, signal.SIGKILL)  # 32 calls are waiting at most: the sandbox is on one of them
+        lost = [index for index, (_, _, errors) in enumerate(together) if any(errors)]
+        assert len(lost) == 1 and lost[0] >= 100, lost
+        [failure] = [error for error in together[lost[0]][2] if error is not None]
+        assert failure.kind == "sandbox_died" and "SIGKILL" in failure.reason, failure
+        assert [each for index, each in enumerate(together) if index != lost[0]] == alone[: lost[0]] + alone[
+            lost[0] + 1 :
+        ]
+        assert runner.sandbox.process.pid != first
+    finally:
+        runner.close()
+
+
+def test_a_user_functions_call_is_asked_alone_so_its_process_holds_no_other_completion():
+    """A call of a user function runs in a process forked from the server: the built-ins' calls around it are not
+    asked ahead of its answer, so that process never holds a request the server was sent after its own. The same
+    calls asked ahead (the function taken for a built-in) show that it would."""
+    from grpo_dist.sandbox import Limits, Sandbox
+
+    names = ["regex_format", f"{FIXTURES}.sees_other_requests"]
+    calls = [(index, "q", f"answer {number}", {"pattern": "[0-9]"} if index == 0 else {})
+             for number in range(8) for index in (0, 1, 1)]  # fmt: skip
+    limits = Limits(memory_mb=4096, cpu_s=10.0, processes=False, network=False)
+    seen = {}
+    for in_server in ([True, False], [True, True]):
+        sandbox = Sandbox(names, limits, in_server=in_server)
+        try:
+            answers = list(sandbox.answers(calls, 10.0))
+        finally:
+            sandbox.close()
+        assert all(failure is None for _, failure in answers), answers
+        seen[in_server[1]] = [score for (index, *_), (score, _) in zip(calls, answers, strict=True) if index == 1]
+    assert seen[False] == [0.0] * 16
+    assert max(seen[True]) == 1.0, seen[True]
+
+
 @pytest.mark.parametrize(
     "code, kind",
     [(-signal.SIGXCPU, "timeout"), (-signal.SIGSEGV, "crashed"), (128 + signal.SIGABRT, "crashed"), (3, "crashed"),

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from grpo_dist.config import MODEL_CODE_REWARDS, RewardConfig, runs_model_code
 from grpo_dist.rewards.code import MEMORY_MB
-from grpo_dist.rewards.registry import call_kwargs, combine, resolve_reward, score_one, to_score
+from grpo_dist.rewards.registry import BUILTIN_REWARDS, call_kwargs, combine, resolve_reward, score_one, to_score
 from grpo_dist.sandbox import Limits, Sandbox
 from grpo_dist.types import Failure
 
@@ -50,7 +51,8 @@ class RewardRunner:
                 tuple(reward.sandbox_env),
                 tuple(reward.sandbox_paths),
             )
-            self.sandbox = Sandbox(names, limits, reap, wait=False, warm_builtins=warm_builtins)
+            in_server = [name in BUILTIN_REWARDS and name not in MODEL_CODE_REWARDS for name in names]
+            self.sandbox = Sandbox(names, limits, reap, wait=False, warm_builtins=warm_builtins, in_server=in_server)
             if wait:
                 self.ready()
         else:
@@ -73,23 +75,47 @@ class RewardRunner:
         **call_kwargs(fields, kwargs))` (a jailed built-in with its jail's settings over both): (weighted sum, each
         score, each failure or None); a failed call scores NaN, saying why and of what kind (the caller decides
         whether it scores a floor: `registry.with_floors`)."""
+        return next(self.score_each(functions, weights, kwargs, [(prompt, completion, fields)]))
+
+    def score_each(
+        self,
+        functions: list[int],
+        weights: list[float],
+        kwargs: list[dict[str, Any]],
+        completions: Sequence[tuple[str, str, dict[str, Any]]],
+    ) -> Iterator[tuple[float, list[float], list[Failure | None]]]:
+        """`score` of each of `completions` (prompt, completion, fields), in order, each as its calls are answered:
+        the sandbox's calls of all of them asked together (`Sandbox.answers`), a jailed built-in's run here."""
         if self.sandbox is None and not self.jailed:
             chosen = [self.functions[index] for index in functions]
-            return score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
-        scores, errors = [], []
-        for index, extra in zip(functions, kwargs, strict=True):
-            if index in self.jailed:
-                score, error = self._jailed(index, prompt, completion, call_kwargs(fields, extra, self.jail_settings))
-            elif self.sandbox is None:
-                chosen = [self.functions[index]]
-                _, [score], [error] = score_one(
-                    chosen, [1.0], [extra], prompt, completion, fields, self.timeout_s, self.executor
-                )
-            else:
-                score, error = self.sandbox.call(index, prompt, completion, call_kwargs(fields, extra), self.timeout_s)
-            scores.append(score)
-            errors.append(error)
-        return combine(scores, weights), scores, errors
+            for prompt, completion, fields in completions:
+                yield score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
+            return
+        in_sandbox = [] if self.sandbox is None else [index for index in functions if index not in self.jailed]
+        calls = [
+            (index, prompt, completion, call_kwargs(fields, extra))
+            for prompt, completion, fields in completions
+            for index, extra in zip(functions, kwargs, strict=True)
+            if index in in_sandbox
+        ]
+        answers = self.sandbox.answers(calls, self.timeout_s) if calls else iter(())
+        for prompt, completion, fields in completions:
+            scores, errors = [], []
+            for index, extra in zip(functions, kwargs, strict=True):
+                if index in in_sandbox:
+                    score, error = next(answers)
+                elif index in self.jailed:
+                    score, error = self._jailed(
+                        index, prompt, completion, call_kwargs(fields, extra, self.jail_settings)
+                    )
+                else:
+                    chosen = [self.functions[index]]
+                    _, [score], [error] = score_one(
+                        chosen, [1.0], [extra], prompt, completion, fields, self.timeout_s, self.executor
+                    )
+                scores.append(score)
+                errors.append(error)
+            yield combine(scores, weights), scores, errors
 
     def _jailed(self, index: int, prompt: str, completion: str, kwargs: dict[str, Any]) -> tuple[float, Failure | None]:
         """A jailed built-in on one completion, within `reward.timeout_s` (what it has not done by then fails, so

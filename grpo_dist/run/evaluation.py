@@ -160,7 +160,8 @@ def judge_accuracy(cfg: Config, requests: list[ScoreRequest], when: str) -> floa
     in a sandbox as the reward workers judge; printed with `when` and returned."""
     judge = RewardRunner([cfg.eval.reward], cfg.reward)
     try:
-        scores = [judge.score([0], [1.0], [{}], r.prompt, r.completion, r.fields)[0] for r in requests]
+        completions = [(request.prompt, request.completion, request.fields) for request in requests]
+        scores = [total for total, _, _ in judge.score_each([0], [1.0], [{}], completions)]
     finally:
         judge.close()
     return show_accuracy(cfg, scores, when)

@@ -6,8 +6,10 @@ Each reward worker (and the driver's pre-flight check) starts one `Sandbox`: a s
 as JSON lines on pipes of its own (what the reward code prints goes to the worker's log). Each call runs in a fresh
 process forked from that server, which the call's code never ran in: nothing one completion does (a global or a module
 patched, a thread, a file in its home) outlives its call. The built-in rewards and tools, which keep no state and run
-no text as code, are called in the server itself (a fork costs milliseconds). Where bubblewrap runs, the server
-starts under it (`jail.wrap`) and sees the machine the way a jail does:
+no text as code, are called in the server itself (a fork costs milliseconds). A reward worker asks the built-ins'
+calls of its completions ahead of their answers (`Sandbox.answers`), so that a call waits for no round trip of its
+own; a call of a user function is asked alone, so the process forked for it holds no other completion. Where
+bubblewrap runs, the server starts under it (`jail.wrap`) and sees the machine the way a jail does:
   - its own mount namespace: `/usr`, the Python install, and the import path read-only, each at its own path (the
     directories on this process's import path, `grpo_dist`'s own and the editable installs', the worker's working
     directory, where the user's reward modules are); the directories `reward.sandbox_paths` names; a private `/tmp`
@@ -65,6 +67,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,7 @@ SANDBOX_MARK = "GRPO_DIST_SANDBOX"
 """In a sandbox's environment (inherited by whatever it starts): the pid of the process that owns it."""
 START_TIMEOUT_S = 120.0  # importing the reward modules
 ANSWER_LIMIT = 64 << 20  # bytes of one answer; past it the call has none and the sandbox is replaced
+AHEAD = 32  # calls of the functions the server runs itself asked before their answers come (`Sandbox.answers`)
 NOBODY = jail.NOBODY
 
 
@@ -111,19 +116,25 @@ class Sandbox:
         kind: str = "rewards",
         wait: bool = True,
         warm_builtins: bool = True,
+        in_server: Sequence[bool] = (),
     ) -> None:
         """`kind`: `rewards` (reward functions, `call`) or `tools` (an environment's tools, `call_tool`). `wait`:
         until it is ready (its functions imported), raising `SandboxError` if it does not start; without, it starts
         while the caller goes on, and `ready` (or the first call) waits and raises. `warm_builtins`: the built-in
         rewards' warm-ups run as it starts, as every function's does (`sandbox_warmup`); without, a built-in imports
-        what it needs at its first call (a sandbox that calls few, where a first call may take long)."""
+        what it needs at its first call (a sandbox that calls few, where a first call may take long). `in_server`:
+        which of `names` the server calls itself (the built-ins, `sandbox_child`): their calls are asked ahead of
+        their answers (`answers`); none where it is not given."""
         self.names, self.limits, self.kind, self.warm_builtins = names, limits, kind, warm_builtins
+        self.in_server = list(in_server) or [False] * len(names)
         self.label = "reward" if kind == "rewards" else "tool"  # in what it says
         self.process: subprocess.Popen | None = None
         self.buffer = b""
         self.ended = False  # its answers' pipe closed: the process is gone
         self.too_long = False  # its answer ran past `ANSWER_LIMIT`
-        self.request = ""  # the id of the last request, drawn at random: its answer carries it
+        self.unsent = bytearray()  # requests asked, not yet taken by its pipe (`_line` writes them as it waits)
+        self.queued = 0  # bytes of requests asked of this process so far
+        self.written = 0  # of them, bytes its pipe took
         self.home: str | None = None  # the directory its home is made in on this machine (`private_home`)
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
         self.starting: jail.Status | None = None  # started, its ready line not read yet: where it runs
@@ -135,33 +146,54 @@ class Sandbox:
         self, index: int, prompt: str, completion: str, kwargs: dict[str, Any], timeout_s: float
     ) -> tuple[float, Failure | None]:
         """Function `index` on one completion: (score, None), or (NaN, why it has none)."""
+        return next(self.answers([(index, prompt, completion, kwargs)], timeout_s))
+
+    def answers(
+        self, calls: Sequence[tuple[int, str, str, dict[str, Any]]], timeout_s: float
+    ) -> Iterator[tuple[float, Failure | None]]:
+        """`call` of each of `calls` (function index, prompt, completion, kwargs), in order, each as it is answered.
+        The server answers one call at a time, in order; calls of the functions it runs itself (`in_server`) are
+        asked up to `AHEAD` before their answers come, so that a call waits for no round trip of its own, while a
+        call of a user function is asked alone: the process forked for it holds no other request. Each answer is
+        bounded by `timeout_s` from when the one before it was read. A call that runs past it, or whose sandbox
+        died, is answered as `call` answers it (the sandbox is replaced), and the calls asked after it are asked
+        again of the new one."""
         self.ready()
-        if self.process is None or self.process.poll() is not None:
-            self._start()
-        request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
-        try:
-            self._send(request)
-        except (BrokenPipeError, OSError):  # it died before this call could reach it
-            return math.nan, Failure("sandbox_died", self._lost(timeout_s, timed_out=False).reason)
-        answer = self._receive(timeout_s)
-        if answer is None:
-            return math.nan, self._lost(timeout_s, timed_out=not self.ended)
-        if "error" in answer:
-            return math.nan, Failure(answer.get("kind", "sandbox_died"), answer["error"])
-        return answer["value"], None
+        answered = 0
+        while answered < len(calls):
+            if self.process is None or self.process.poll() is not None:
+                self._start()
+            self._replace_if_it_wrote_on()
+            asked: deque[tuple[str, int, bool]] = deque()  # (request id, its end in what is queued, in the server)
+            following = answered  # the next call to ask
+            try:
+                while self.process is not None and answered < len(calls):  # killed: the rest asked of a new one
+                    while following < len(calls) and len(asked) < AHEAD:
+                        index, prompt, completion, kwargs = calls[following]
+                        ahead = self.in_server[index]
+                        if asked and not (ahead and asked[-1][2]):
+                            break  # a user function's call is asked alone
+                        request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
+                        asked.append((self._ask(request), self.queued, ahead))
+                        following += 1
+                    request, end, _ = asked.popleft()
+                    answer, failure = self._answer(request, end, timeout_s, last=not asked)
+                    answered += 1
+                    yield (math.nan, failure) if failure is not None else (answer["value"], None)
+            finally:
+                if asked and self.process is not None:  # left before their answers: they would be the next call's
+                    self.close()
 
     def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
         """Tool `index` with `arguments`: (its result as text, None), or (None, why it has none)."""
         self.ready()
         if self.process is None or self.process.poll() is not None:
             self._start()
-        try:
-            self._send({"tool": index, "arguments": arguments})
-        except (BrokenPipeError, OSError):
-            return None, self._lost(timeout_s, timed_out=False).reason
-        answer = self._receive(timeout_s)
-        if answer is None:
-            return None, self._lost(timeout_s, timed_out=not self.ended).reason
+        self._replace_if_it_wrote_on()
+        request = self._ask({"tool": index, "arguments": arguments})
+        answer, failure = self._answer(request, self.queued, timeout_s, last=True)
+        if failure is not None:
+            return None, failure.reason
         return answer.get("result"), answer.get("error")
 
     def close(self) -> None:
@@ -181,7 +213,8 @@ class Sandbox:
                 stray.kill()
         psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
         self.process, self.starting = None, None
-        self.buffer, self.ended, self.too_long, self.request = b"", False, False, ""
+        self.buffer, self.ended, self.too_long = b"", False, False
+        self.unsent, self.queued, self.written = bytearray(), 0, 0
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
@@ -267,27 +300,80 @@ class Sandbox:
         self.close()
         return Failure(ended_kind(code), exit_reason(code, self.label))
 
-    def _send(self, message: dict) -> None:
+    def _replace_if_it_wrote_on(self) -> None:
+        """Replace a sandbox that wrote past its last answer (no fault of the next call's)."""
         if self.buffer or select.select([self.process.stdout.fileno()], [], [], 0)[0]:
-            log.warning(f"the {self.label} sandbox wrote past its last answer: replaced")  # not this call's fault
+            log.warning(f"the {self.label} sandbox wrote past its last answer: replaced")
             self._start()
-        self.request = secrets.token_hex(8)
-        message = {**message, "id": self.request}
-        self.process.stdin.write(json.dumps(message, default=str).encode() + b"\n")
-        self.process.stdin.flush()
+
+    def _ask(self, message: dict) -> str:
+        """Queue `message` as a request, its id drawn at random (its answer carries it), and write what the pipe
+        takes now; `_line` writes the rest as it waits. Its id."""
+        request = secrets.token_hex(8)
+        line = json.dumps({**message, "id": request}, default=str).encode() + b"\n"
+        self.unsent += line
+        self.queued += len(line)
+        self._write()
+        return request
+
+    def _write(self) -> None:
+        """Write what the requests' pipe takes without waiting, a pipe buffer's worth at a time (a write that size
+        never waits on a pipe `select` says is writable). A process gone takes nothing more: what is left is dropped,
+        and its answers' end tells the rest."""
+        into = self.process.stdin.fileno()
+        while self.unsent and select.select([], [into], [], 0)[1]:
+            try:
+                taken = os.write(into, self.unsent[: select.PIPE_BUF])
+            except OSError:  # it died: its requests are lost with it
+                self.unsent.clear()
+                return
+            del self.unsent[:taken]
+            self.written += taken
+
+    def _answer(self, request: str, end: int, timeout_s: float, last: bool) -> tuple[dict, Failure | None]:
+        """The answer to `request` (whose bytes end at `end` of what was queued), checked (`checked_answer`): (it,
+        None), or ({}, why it has none). `last`: no other request is waiting, so anything written after it is out of
+        protocol. No answer within `timeout_s`, or the process ended: the sandbox is killed (`_lost`); an answer out
+        of protocol: it is replaced."""
+        line = self._line(timeout_s)
+        if line is None:
+            if self.written < end and not self.too_long:  # it never took the whole request: not the call's doing
+                return {}, Failure("sandbox_died", self._lost(timeout_s, timed_out=False).reason)
+            return {}, self._lost(timeout_s, timed_out=not self.ended)
+        out = self.process.stdout.fileno()
+        extra = last and (self.buffer or (select.select([out], [], [], 0)[0] and os.read(out, 1)))
+        answer, why = checked_answer(line, request, self.kind)
+        if why is None and extra:
+            why = "more than one answer to one request"
+        if why is not None:
+            self.close()
+            why = f"the {self.label} sandbox answered out of protocol ({why}); it was replaced"
+            return {}, Failure("sandbox_died", why)
+        if "error" in answer and self.kind == "rewards":
+            return {}, Failure(answer["kind"], answer["error"])
+        return answer, None
 
     def _line(self, timeout_s: float) -> bytes | None:
         """The next line it wrote, or None when none came within `timeout_s`, the process ended, or the line runs
-        past `ANSWER_LIMIT` bytes (`too_long`). Each chunk is searched alone: reading is linear in the line."""
+        past `ANSWER_LIMIT` bytes (`too_long`); meanwhile the requests not yet written are, as its pipe takes them.
+        Each chunk is searched alone: reading is linear in the line."""
         deadline = time.monotonic() + timeout_s
-        out = self.process.stdout.fileno()
+        out, into = self.process.stdout.fileno(), self.process.stdin.fileno()
         chunks, size = [self.buffer], len(self.buffer)
         while b"\n" not in chunks[-1]:
             remaining = deadline - time.monotonic()
             if size > ANSWER_LIMIT:
                 self.too_long = True
                 return None
-            if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
+            if remaining <= 0:
+                self.buffer = b"".join(chunks)
+                return None
+            readable, writable, _ = select.select([out], [into] if self.unsent else [], [], remaining)
+            if writable:
+                self._write()
+            if not readable:
+                if writable:
+                    continue
                 self.buffer = b"".join(chunks)
                 return None
             chunk = os.read(out, 1 << 20)
@@ -299,22 +385,6 @@ class Sandbox:
             size += len(chunk)
         line, _, self.buffer = b"".join(chunks).partition(b"\n")
         return line
-
-    def _receive(self, timeout_s: float) -> dict | None:
-        """The answer to the last request, checked (`checked_answer`), or None when none came within `timeout_s`
-        or the process ended. An answer out of protocol becomes an error answer, and the sandbox is replaced."""
-        line = self._line(timeout_s)
-        if line is None:
-            return None
-        out = self.process.stdout.fileno()
-        extra = self.buffer or (select.select([out], [], [], 0)[0] and os.read(out, 1))
-        answer, why = checked_answer(line, self.request, self.kind)
-        if why is None and extra:
-            why = "more than one answer to one request"
-        if why is not None:
-            self.close()
-            return {"error": f"the {self.label} sandbox answered out of protocol ({why}); it was replaced"}
-        return answer
 
 
 BOOT = "import sys; sys.path[:0] = sys.argv[1:]; from grpo_dist.sandbox_child import serve; serve()"

@@ -51,10 +51,8 @@ class RewardWorker:
             kwargs = [dict(spec.kwargs) for spec in self.functions]
             floors = [spec.floor if self.on_failure == "floor" else math.nan for spec in self.functions]
         scores = []
-        for request in requests:
-            _, values, errors = self.runner.score(
-                functions, weights, kwargs, request.prompt, request.completion, request.fields
-            )
+        completions = [(request.prompt, request.completion, request.fields) for request in requests]
+        for _, values, errors in self.runner.score_each(functions, weights, kwargs, completions):
             per_function = with_floors(values, errors, floors)
             total, why = weighted_sum(per_function, weights)
             failures = {name: error for name, error in zip(names, errors, strict=True) if error is not None}
