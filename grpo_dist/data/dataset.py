@@ -276,6 +276,7 @@ class PromptSampler:
         self.epoch = 0
         self._position = 0  # index into the current epoch's order of the next record
         self._order = self._shuffled_order(self.epoch)
+        self._fingerprint: str | None = None
 
     def _shuffled_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
@@ -307,13 +308,15 @@ class PromptSampler:
 
     def fingerprint(self) -> str:
         """A checksum of the records in order (their tokens and fields): a resume over other data would draw other
-        prompts."""
-        digest = xxhash.xxh3_64()
-        for record in self.records:
-            digest.update(json.dumps([record.token_ids, record.fields], sort_keys=True, default=str).encode())
-            for image in record.images:  # (text prompts' fingerprints are as before)
-                digest.update(image)
-        return digest.hexdigest()
+        prompts. Computed once: the records are the sampler's own, never changed (a step's state carries it)."""
+        if self._fingerprint is None:
+            digest = xxhash.xxh3_64()
+            for record in self.records:
+                digest.update(json.dumps([record.token_ids, record.fields], sort_keys=True, default=str).encode())
+                for image in record.images:  # (text prompts' fingerprints are as before)
+                    digest.update(image)
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self._position = int(state["epoch"]), int(state["position"])
