@@ -195,6 +195,26 @@ def test_calls_of_the_built_ins_asked_ahead_are_answered_in_order_and_a_sandbox_
         runner.close()
 
 
+def test_where_a_call_runs_in_the_worker_a_completions_sandbox_calls_are_answered_first_and_keep_their_bound():
+    """With a built-in the worker runs itself (`code_tests`, jailed from here), a completion's calls in the sandbox are
+    answered before it: none is asked ahead to run unbounded while it does, and a call past `reward.timeout_s` fails
+    as it does alone. The jailed call is a stand-in that takes longer than the bound; the second completion makes
+    `regex_format` backtrack for seconds."""
+    import time
+
+    runner = runner_of(["regex_format", "code_tests"], timeout_s=1.0, isolation="best_effort")
+    runner.jailed[1] = lambda prompt, completion, **_: (time.sleep(1.5), 1.0)[1]
+    kwargs = [{"pattern": "(a+)+b"}, {}]
+    completions = [("q", completion, {}) for completion in ["b", "a" * 27 + "c", "ab"]]
+    try:
+        alone = [runner.score([0, 1], [1.0, 1.0], kwargs, *each)[2][0] for each in completions]
+        together = [errors[0] for _, _, errors in runner.score_each([0, 1], [1.0, 1.0], kwargs, completions)]
+    finally:
+        runner.close()
+    assert [error and error.kind for error in alone] == [None, "timeout", None], alone
+    assert together == alone
+
+
 def test_a_user_functions_call_is_asked_alone_so_its_process_holds_no_other_completion():
     """A call of a user function runs in a process forked from the server: the built-ins' calls around it are not
     asked ahead of its answer, so that process never holds a request the server was sent after its own. The same

@@ -84,26 +84,40 @@ class RewardRunner:
         kwargs: list[dict[str, Any]],
         completions: Sequence[tuple[str, str, dict[str, Any]]],
     ) -> Iterator[tuple[float, list[float], list[Failure | None]]]:
-        """`score` of each of `completions` (prompt, completion, fields), in order, each as its calls are answered:
-        the sandbox's calls of all of them asked together (`Sandbox.answers`), a jailed built-in's run here."""
+        """`score` of each of `completions` (prompt, completion, fields), in order, each as its calls are answered.
+        Where the sandbox makes every call, all completions' calls are asked together (`Sandbox.answers`), and the
+        caller takes each score as it comes (a call asked ahead runs while the caller works: see `answers`). Where a
+        call is made here (a jailed built-in), each completion's sandbox calls are answered before it."""
         if self.sandbox is None and not self.jailed:
             chosen = [self.functions[index] for index in functions]
             for prompt, completion, fields in completions:
                 yield score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
             return
         in_sandbox = [] if self.sandbox is None else [index for index in functions if index not in self.jailed]
-        calls = [
-            (index, prompt, completion, call_kwargs(fields, extra))
-            for prompt, completion, fields in completions
-            for index, extra in zip(functions, kwargs, strict=True)
-            if index in in_sandbox
-        ]
-        answers = self.sandbox.answers(calls, self.timeout_s) if calls else iter(())
-        for prompt, completion, fields in completions:
+        if in_sandbox and len(in_sandbox) == len(functions):  # every call in the sandbox: all asked together
+            answers = self.sandbox.answers(
+                [
+                    (index, prompt, completion, call_kwargs(fields, extra))
+                    for prompt, completion, fields in completions
+                    for index, extra in zip(functions, kwargs, strict=True)
+                ],
+                self.timeout_s,
+            )
+            for _ in completions:
+                scores, errors = zip(*(next(answers) for _ in functions), strict=True)
+                yield combine(list(scores), weights), list(scores), list(errors)
+            return
+        for prompt, completion, fields in completions:  # a call made here too: its sandbox's calls answered first
+            calls = [
+                (index, prompt, completion, call_kwargs(fields, extra))
+                for index, extra in zip(functions, kwargs, strict=True)
+                if index in in_sandbox
+            ]
+            answered = iter(list(self.sandbox.answers(calls, self.timeout_s)) if calls else [])
             scores, errors = [], []
             for index, extra in zip(functions, kwargs, strict=True):
                 if index in in_sandbox:
-                    score, error = next(answers)
+                    score, error = next(answered)
                 elif index in self.jailed:
                     score, error = self._jailed(
                         index, prompt, completion, call_kwargs(fields, extra, self.jail_settings)

@@ -135,6 +135,8 @@ class Sandbox:
         self.unsent = bytearray()  # requests asked, not yet taken by its pipe (`_line` writes them as it waits)
         self.queued = 0  # bytes of requests asked of this process so far
         self.written = 0  # of them, bytes its pipe took
+        self.answered_to = 0  # of them, bytes of the requests answered
+        self.round: object | None = None  # the calls being asked (`answers`), a new one after each `_begin`
         self.home: str | None = None  # the directory its home is made in on this machine (`private_home`)
         self.notes: list[str] = []  # what the machine did not allow (said once by the owner)
         self.starting: jail.Status | None = None  # started, its ready line not read yet: where it runs
@@ -155,41 +157,38 @@ class Sandbox:
         The server answers one call at a time, in order; calls of the functions it runs itself (`in_server`) are
         asked up to `AHEAD` before their answers come, so that a call waits for no round trip of its own, while a
         call of a user function is asked alone: the process forked for it holds no other request. Each answer is
-        bounded by `timeout_s` from when the one before it was read. A call that runs past it, or whose sandbox
-        died, is answered as `call` answers it (the sandbox is replaced), and the calls asked after it are asked
-        again of the new one."""
+        bounded by `timeout_s` from when the one before it was read, so the caller takes each as it comes: what it
+        does between two answers is time the calls asked ahead run unbounded. A call that runs past its bound, or
+        whose sandbox died, is answered as `call` answers it (the sandbox is replaced), and the calls asked after it
+        are asked again of the new one. Requests left unanswered (the caller stopped taking answers) are answered
+        by no one: the sandbox is replaced before its next call."""
         self.ready()
         answered = 0
         while answered < len(calls):
-            if self.process is None or self.process.poll() is not None:
-                self._start()
-            self._replace_if_it_wrote_on()
+            self._begin()
+            round_ = self.round
             asked: deque[tuple[str, int, bool]] = deque()  # (request id, its end in what is queued, in the server)
             following = answered  # the next call to ask
-            try:
-                while self.process is not None and answered < len(calls):  # killed: the rest asked of a new one
-                    while following < len(calls) and len(asked) < AHEAD:
-                        index, prompt, completion, kwargs = calls[following]
-                        ahead = self.in_server[index]
-                        if asked and not (ahead and asked[-1][2]):
-                            break  # a user function's call is asked alone
-                        request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
-                        asked.append((self._ask(request), self.queued, ahead))
-                        following += 1
-                    request, end, _ = asked.popleft()
-                    answer, failure = self._answer(request, end, timeout_s, last=not asked)
-                    answered += 1
-                    yield (math.nan, failure) if failure is not None else (answer["value"], None)
-            finally:
-                if asked and self.process is not None:  # left before their answers: they would be the next call's
-                    self.close()
+            while self.process is not None and answered < len(calls):  # killed: the rest asked of a new one
+                if self.round is not round_:
+                    raise RuntimeError(f"the {self.label} sandbox was called again before these calls were answered")
+                while following < len(calls) and len(asked) < AHEAD:
+                    index, prompt, completion, kwargs = calls[following]
+                    ahead = self.in_server[index]
+                    if asked and not (ahead and asked[-1][2]):
+                        break  # a user function's call is asked alone
+                    request = {"call": index, "prompt": prompt, "completion": completion, "kwargs": kwargs}
+                    asked.append((self._ask(request), self.queued, ahead))
+                    following += 1
+                request, end, _ = asked.popleft()
+                answer, failure = self._answer(request, end, timeout_s, last=not asked)
+                answered += 1
+                yield (math.nan, failure) if failure is not None else (answer["value"], None)
 
     def call_tool(self, index: int, arguments: dict[str, Any], timeout_s: float) -> tuple[str | None, str | None]:
         """Tool `index` with `arguments`: (its result as text, None), or (None, why it has none)."""
         self.ready()
-        if self.process is None or self.process.poll() is not None:
-            self._start()
-        self._replace_if_it_wrote_on()
+        self._begin()
         request = self._ask({"tool": index, "arguments": arguments})
         answer, failure = self._answer(request, self.queued, timeout_s, last=True)
         if failure is not None:
@@ -214,7 +213,7 @@ class Sandbox:
         psutil.wait_procs(strays, timeout=10)  # reaped: re-parented here, they are this process's children
         self.process, self.starting = None, None
         self.buffer, self.ended, self.too_long = b"", False, False
-        self.unsent, self.queued, self.written = bytearray(), 0, 0
+        self.unsent, self.queued, self.written, self.answered_to = bytearray(), 0, 0, 0
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
@@ -300,11 +299,18 @@ class Sandbox:
         self.close()
         return Failure(ended_kind(code), exit_reason(code, self.label))
 
-    def _replace_if_it_wrote_on(self) -> None:
-        """Replace a sandbox that wrote past its last answer (no fault of the next call's)."""
-        if self.buffer or select.select([self.process.stdout.fileno()], [], [], 0)[0]:
+    def _begin(self) -> None:
+        """Before a call, or calls asked together: a sandbox that is running, has every request it was sent
+        answered, and wrote nothing past its last answer (else it is replaced: no fault of the next call's)."""
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        elif self.queued > self.answered_to:
+            log.warning(f"the {self.label} sandbox has requests no one waits for: replaced")
+            self._start()
+        elif self.buffer or select.select([self.process.stdout.fileno()], [], [], 0)[0]:
             log.warning(f"the {self.label} sandbox wrote past its last answer: replaced")
             self._start()
+        self.round = object()  # these calls' (`answers`)
 
     def _ask(self, message: dict) -> str:
         """Queue `message` as a request, its id drawn at random (its answer carries it), and write what the pipe
@@ -337,9 +343,14 @@ class Sandbox:
         of protocol: it is replaced."""
         line = self._line(timeout_s)
         if line is None:
-            if self.written < end and not self.too_long:  # it never took the whole request: not the call's doing
+            if self.written < end and not self.too_long and not self.ended:  # still taking the request
+                self.close()
+                why = f"the {self.label} sandbox did not take the request within {timeout_s:g}s (it was replaced)"
+                return {}, Failure("sandbox_died", why)
+            if self.written < end and not self.too_long:  # it ended before it had the request: not the call's doing
                 return {}, Failure("sandbox_died", self._lost(timeout_s, timed_out=False).reason)
             return {}, self._lost(timeout_s, timed_out=not self.ended)
+        self.answered_to = end
         out = self.process.stdout.fileno()
         extra = last and (self.buffer or (select.select([out], [], [], 0)[0] and os.read(out, 1)))
         answer, why = checked_answer(line, request, self.kind)
