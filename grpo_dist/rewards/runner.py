@@ -94,25 +94,24 @@ class RewardRunner:
                 yield score_one(chosen, weights, kwargs, prompt, completion, fields, self.timeout_s, self.executor)
             return
         in_sandbox = [] if self.sandbox is None else [index for index in functions if index not in self.jailed]
+
+        def sandbox_calls(prompt: str, completion: str, fields: dict[str, Any]) -> list[tuple]:
+            return [
+                (index, prompt, completion, call_kwargs(fields, extra))
+                for index, extra in zip(functions, kwargs, strict=True)
+                if index in in_sandbox
+            ]
+
         if in_sandbox and len(in_sandbox) == len(functions):  # every call in the sandbox: all asked together
             answers = self.sandbox.answers(
-                [
-                    (index, prompt, completion, call_kwargs(fields, extra))
-                    for prompt, completion, fields in completions
-                    for index, extra in zip(functions, kwargs, strict=True)
-                ],
-                self.timeout_s,
+                [call for each in completions for call in sandbox_calls(*each)], self.timeout_s
             )
             for _ in completions:
                 scores, errors = zip(*(next(answers) for _ in functions), strict=True)
                 yield combine(list(scores), weights), list(scores), list(errors)
             return
         for prompt, completion, fields in completions:  # a call made here too: its sandbox's calls answered first
-            calls = [
-                (index, prompt, completion, call_kwargs(fields, extra))
-                for index, extra in zip(functions, kwargs, strict=True)
-                if index in in_sandbox
-            ]
+            calls = sandbox_calls(prompt, completion, fields)
             answered = iter(list(self.sandbox.answers(calls, self.timeout_s)) if calls else [])
             scores, errors = [], []
             for index, extra in zip(functions, kwargs, strict=True):

@@ -342,13 +342,13 @@ class Sandbox:
         protocol. No answer within `timeout_s`, or the process ended: the sandbox is killed (`_lost`); an answer out
         of protocol: it is replaced."""
         line = self._line(timeout_s)
-        if line is None:
-            if self.written < end and not self.too_long and not self.ended:  # still taking the request
-                self.close()
-                why = f"the {self.label} sandbox did not take the request within {timeout_s:g}s (it was replaced)"
-                return {}, Failure("sandbox_died", why)
-            if self.written < end and not self.too_long:  # it ended before it had the request: not the call's doing
+        if line is None and self.written < end and not self.too_long:  # it never had the request: not the call's doing
+            if self.ended:
                 return {}, Failure("sandbox_died", self._lost(timeout_s, timed_out=False).reason)
+            self.close()
+            why = f"the {self.label} sandbox did not take the request within {timeout_s:g}s (it was replaced)"
+            return {}, Failure("sandbox_died", why)
+        if line is None:
             return {}, self._lost(timeout_s, timed_out=not self.ended)
         self.answered_to = end
         out = self.process.stdout.fileno()
