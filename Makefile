@@ -57,9 +57,10 @@ PYTEST := $(PY) -m pytest --durations=25
 # The modules that mark tests serial: the serial phase collects only these (tests/conftest.py refuses a serial test
 # in a module this misses), not every module's imports and parameters again.
 SERIAL_MODULES = $(shell grep -l 'pytest\.mark\.serial' tests/test_*.py)
-# $(1): a marker expression ending in "and " (or nothing) that both phases add to their own; $(2): the workers.
-two_phases = $(PYTEST) -n $(2) --dist loadfile --no-loadscope-reorder -m "$(1)not serial"; status=$$?; \
-	$(PYTEST) -m "$(1)serial" $(SERIAL_MODULES) || status=1; exit $$status
+# $(1): a marker expression ending in "and " (or nothing) that both phases add to their own; $(2): the workers. The
+# serial phase goes first, so that the long phase's summary (its failures, its slowest tests) ends the output.
+two_phases = $(PYTEST) -m "$(1)serial" $(SERIAL_MODULES); status=$$?; \
+	$(PYTEST) -n $(2) --dist loadfile --no-loadscope-reorder -m "$(1)not serial" || status=1; exit $$status
 
 # Bytecode caches are written even where PYTHONDONTWRITEBYTECODE is set (into __pycache__/, ignored by git): each
 # pytest process (the workers, the serial phase, the pytest runs some tests start) then reads the test modules pytest

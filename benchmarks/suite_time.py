@@ -6,11 +6,11 @@
 Runs `make TARGET` (the README's test commands) in this checkout and, with `--baseline DIR` (another checkout, e.g.
 `git worktree add /tmp/base <commit>`), in that one first, one after the other on the same machine, both with this
 checkout's environment (`VENV`, its install taken as done: `make -o`) and each with its own code first on the path.
-Prints, per checkout, the whole command's wall time, each of its two phases' (the tests run by two workers, then
-the serial ones, from pytest's own summary lines), whether it passed, its slowest tests (pytest's `--durations`), and
+Prints, per checkout, the whole command's wall time, each of its two phases' (the serial tests, then those run by
+two workers, from pytest's own summary lines), whether it passed, its slowest tests (pytest's `--durations`), and
 where the time went by module: the sum of each module's tests' durations, setup and teardown included
 (`benchmarks/suite_durations.py`, a pytest plugin; two workers on two cores: the modules' sum is about twice the
-first phase's wall time); with `--cpu`, where the machine's CPU time went by kind of process and how much was left
+workers' phase's wall time); with `--cpu`, where the machine's CPU time went by kind of process and how much was left
 idle (`benchmarks/cpu_by_process.py`); with `--accounting` (root), the CPU time of every process of the suite by the
 test it was started for (`benchmarks/process_accounting.py`); then the ratios (under 1: faster here). A suite is an
 hour of both cores: run it on an otherwise idle machine; CI never runs it.
@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 VENV = Path(sys.executable).parent.parent
 SUMMARY = re.compile(r"^=+ (?P<counts>.*?) in (?P<seconds>[\d.]+)s")  # pytest's last line: "== 5 passed in 1.2s =="
+WORKERS = re.compile(r"^created: \d+/\d+ workers")  # pytest-xdist's line at a phase's start: the workers' phase
 DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?:call|setup|teardown) +(?P<test>\S+)")
 
 
@@ -58,13 +59,20 @@ def run_suite(repo: Path, target: str, log: Path, cpu: bool = False, accounting:
     wall = time.monotonic() - started
     table = sampler.stop() if sampler is not None else None
     text = log.read_text().splitlines()
-    phases = [match.groupdict() for line in text if (match := SUMMARY.match(line))]
+    phases, workers = {}, False  # by name, whatever the order the Makefile runs them in
+    for line in text:
+        workers = workers or bool(WORKERS.match(line))
+        if match := SUMMARY.match(line):
+            phases["workers" if workers else "serial"] = match.groupdict()
+            workers = False
     durations = sorted(((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True)
     lines = [json.loads(line) for line in phase_log.read_text().splitlines()] if phase_log.exists() else []
     tests = [line for line in lines if "test" in line]  # the rest: each pytest process's pid
     return {
         "wall_s": round(wall, 1),
-        "phases": [{"seconds": float(phase["seconds"]), "counts": phase["counts"]} for phase in phases],
+        "phases": {
+            name: {"seconds": float(phase["seconds"]), "counts": phase["counts"]} for name, phase in phases.items()
+        },
         "exit": code,
         "slowest": durations,
         "modules": by_module(tests),
@@ -130,8 +138,8 @@ def main() -> None:
     if args.baseline:
         base, this = found["baseline"], found["this"]
         ratios = {"wall": round(this["wall_s"] / base["wall_s"], 3)}
-        for index, (was, now) in enumerate(zip(base["phases"], this["phases"], strict=False)):
-            ratios[f"phase {index + 1}"] = round(now["seconds"] / was["seconds"], 3)
+        for name in base["phases"].keys() & this["phases"].keys():
+            ratios[f"{name} phase"] = round(this["phases"][name]["seconds"] / base["phases"][name]["seconds"], 3)
         print(json.dumps({"row": "ratios", "this_over_baseline": ratios}))
 
 
