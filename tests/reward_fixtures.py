@@ -344,3 +344,8 @@ def sees_other_requests(prompt: str, completion: str, **_: Any) -> float:
     except (AttributeError, KeyError, OSError, ValueError):  # its pipe is closed here: nothing was read ahead
         ahead = b""
     return 1.0 if b'"completion"' in ahead else 0.0
+
+
+def clock_reward(prompt: str, completion: str, **_: Any) -> float:
+    """When it ran: `time.monotonic()`, the machine's clock since boot, which the sandbox shares with the test."""
+    return time.monotonic()

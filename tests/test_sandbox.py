@@ -195,24 +195,31 @@ def test_calls_of_the_built_ins_asked_ahead_are_answered_in_order_and_a_sandbox_
         runner.close()
 
 
-def test_where_a_call_runs_in_the_worker_a_completions_sandbox_calls_are_answered_first_and_keep_their_bound():
+def test_where_a_call_runs_in_the_worker_a_completions_sandbox_calls_run_before_it_none_asked_ahead():
     """With a built-in the worker runs itself (`code_tests`, jailed from here), a completion's calls in the sandbox are
-    answered before it: none is asked ahead to run unbounded while it does, and a call past `reward.timeout_s` fails
-    as it does alone. The jailed call is a stand-in that takes longer than the bound; the second completion makes
-    `regex_format` backtrack for seconds."""
+    answered before it runs: a call asked ahead would run while the worker does, its bound (`reward.timeout_s` from
+    the answer before) not counting that time. The sandbox's call returns when it ran (a user function taken for a
+    built-in, so that it would be asked ahead as one); the jailed call is a stand-in that notes when it ended."""
     import time
 
-    runner = runner_of(["regex_format", "code_tests"], timeout_s=1.0, isolation="best_effort")
-    runner.jailed[1] = lambda prompt, completion, **_: (time.sleep(1.5), 1.0)[1]
-    kwargs = [{"pattern": "(a+)+b"}, {}]
-    completions = [("q", completion, {}) for completion in ["b", "a" * 27 + "c", "ab"]]
+    runner = runner_of([f"{FIXTURES}.clock_reward", "code_tests"], isolation="best_effort")
+    runner.sandbox.in_server[0] = True  # asked as a built-in's call is
+    ended = []
+
+    def stand_in(prompt: str, completion: str, **_) -> float:
+        time.sleep(0.3)
+        ended.append(time.monotonic())
+        return 1.0
+
+    runner.jailed[1] = stand_in
+    completions = [("q", str(number), {}) for number in range(4)]
     try:
-        alone = [runner.score([0, 1], [1.0, 1.0], kwargs, *each)[2][0] for each in completions]
-        together = [errors[0] for _, _, errors in runner.score_each([0, 1], [1.0, 1.0], kwargs, completions)]
+        scored = list(runner.score_each([0, 1], [0.0, 1.0], [{}, {}], completions))
     finally:
         runner.close()
-    assert [error and error.kind for error in alone] == [None, "timeout", None], alone
-    assert together == alone
+    assert all(errors == [None, None] for _, _, errors in scored), scored
+    ran = [scores[0] for _, scores, _ in scored]
+    assert len(ended) == 4 and all(ran[number + 1] > ended[number] for number in range(3)), (ran, ended)
 
 
 def test_a_user_functions_call_is_asked_alone_so_its_process_holds_no_other_completion():
