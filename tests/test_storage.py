@@ -81,10 +81,13 @@ def private_disk_cluster(s3_server):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def join_worker(address: str, private: Path, root: Path, env: dict, attempts: int = 2) -> None:
-    """Start the worker node in its own mount namespace (a tmpfs on `private`) and wait until it has joined. A
-    `ray start` that exits at once (a port taken between choosing it and binding it) is tried again on new ports;
-    the failure names the node's own output."""
+def join_worker(address: str, private: Path, root: Path, env: dict, attempts: int = 3) -> None:
+    """Start the worker node in its own mount namespace (a tmpfs on `private`) and wait until it has joined. The wait
+    reads the node's own output (`ray start` says when its raylet has registered) and asks the cluster once then: a
+    `ray status` a second would be a Ray client's start-up a second, CPU the starting node needs on a busy machine.
+    A `ray start` that exits (a port taken between choosing it and binding it, or its raylet not registered within
+    the 30 s Ray allows, which a machine busy with the suite's other worker can take) is tried again on new ports; the
+    failure names the node's own output."""
     for attempt in range(1, attempts + 1):
         log = root / f"worker-{attempt}.log"
         temp_dir, ports = root / f"worker-{attempt}", " ".join(own_ports())
@@ -94,11 +97,13 @@ def join_worker(address: str, private: Path, root: Path, env: dict, attempts: in
         with log.open("w") as out:
             node = subprocess.Popen(["unshare", "-m", "sh", "-c", worker], env=env, start_new_session=True,
                                     stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while cluster_cpus(address) < 4 and node.poll() is None and time.monotonic() < deadline:
-            time.sleep(1)
-        if cluster_cpus(address) >= 4:
-            return
+        deadline = time.monotonic() + 180
+        while "Ray runtime started" not in log.read_text() and node.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        while node.poll() is None and time.monotonic() < deadline:  # started: its CPUs as the cluster counts them
+            if cluster_cpus(address) >= 4:
+                return
+            time.sleep(2)
         assert node.poll() is not None and attempt < attempts, (
             f"the worker node did not join: {log.read_text()[-2000:]}"
         )
