@@ -63,16 +63,14 @@ def run_suite(repo: Path, target: str, log: Path, cpu: bool = False, accounting:
     for line in text:
         workers = workers or bool(WORKERS.match(line))
         if match := SUMMARY.match(line):
-            phases["workers" if workers else "serial"] = match.groupdict()
+            phases["workers" if workers else "serial"] = {"seconds": float(match["seconds"]), "counts": match["counts"]}
             workers = False
     durations = sorted(((float(m["seconds"]), m["test"]) for line in text if (m := DURATION.match(line))), reverse=True)
     lines = [json.loads(line) for line in phase_log.read_text().splitlines()] if phase_log.exists() else []
     tests = [line for line in lines if "test" in line]  # the rest: each pytest process's pid
     return {
         "wall_s": round(wall, 1),
-        "phases": {
-            name: {"seconds": float(phase["seconds"]), "counts": phase["counts"]} for name, phase in phases.items()
-        },
+        "phases": phases,
         "exit": code,
         "slowest": durations,
         "modules": by_module(tests),
@@ -138,7 +136,7 @@ def main() -> None:
     if args.baseline:
         base, this = found["baseline"], found["this"]
         ratios = {"wall": round(this["wall_s"] / base["wall_s"], 3)}
-        for name in base["phases"].keys() & this["phases"].keys():
+        for name in [name for name in ("serial", "workers") if name in base["phases"] and name in this["phases"]]:
             ratios[f"{name} phase"] = round(this["phases"][name]["seconds"] / base["phases"][name]["seconds"], 3)
         print(json.dumps({"row": "ratios", "this_over_baseline": ratios}))
 
