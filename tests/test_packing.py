@@ -1,6 +1,7 @@
 """Packed micro-batches (`grpo_dist.algo.scoring`) against the padded forward on the tiny model, in this process: the
-same loss for every aggregation, with the KL, entropy and importance weights, and the same gradients; chunked
-log-prob selection against the full log-softmax; micro-batches by a token budget, balanced over the ranks."""
+same loss for every aggregation, with the KL, entropy and importance weights, and the same gradients, whether each
+row is its own sequence or a group's rows share their prompt's tokens; chunked log-prob selection against the full
+log-softmax; micro-batches by a token budget, balanced over the ranks."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def ragged_batch(lengths=(40, 7, 23, 1, 23, 12, 7), prompt=5) -> TrainBatch:
     return TrainBatch(input_ids, attention_mask, completion_mask, sampling * completion_mask, advantages, 0)
 
 
+def grouped_batch() -> TrainBatch:
+    """Three groups' rows, interleaved: prompts of 6, 9 and 6 tokens (the two of 6 different), each row's completion
+    its own length after it; a trajectory with an observation inside, a row with no counted token (its whole text
+    a prompt no other row has), and a row that is its group's prompt and one token."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (length,), generator=generator) for length in (6, 9, 6)]
+    completions = [(0, 7), (1, 3), (2, 5), (0, 1), (1, 12), (2, 5), (0, 4), (1, 6), (2, 9)]  # (group, its length)
+    rows, width = len(completions) + 1, 9 + 12
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention_mask, completion_mask = torch.zeros(rows, width, dtype=torch.long), torch.zeros(rows, width)
+    for row, (group, length) in enumerate(completions):
+        prompt = prompts[group]
+        input_ids[row, : len(prompt)] = prompt
+        input_ids[row, len(prompt) : len(prompt) + length] = torch.randint(3, 60, (length,), generator=generator)
+        attention_mask[row, : len(prompt) + length] = 1
+        completion_mask[row, len(prompt) : len(prompt) + length] = 1.0
+    completion_mask[4, 12:15] = 0.0  # an observation inside a trajectory
+    input_ids[-1, :8] = torch.randint(3, 60, (8,), generator=generator)  # nothing counted: a prompt alone
+    attention_mask[-1, :8] = 1
+    sampling = torch.randn(rows, width, generator=generator) * 0.1 - 2.0
+    advantages = torch.linspace(-1.0, 1.0, rows)
+    return TrainBatch(input_ids, attention_mask, completion_mask, sampling * completion_mask, advantages, 0)
+
+
 def padded_scores(model, batch: TrainBatch, temperature: float):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     return token_logprobs_and_entropy(logits, batch.input_ids, temperature)
@@ -59,8 +84,9 @@ def full_loss(batch: TrainBatch, logprobs, entropy, reference, aggregation: str)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
-def test_packed_loss_and_gradients_equal_the_padded_ones(model, aggregation):
-    batch, temperature = ragged_batch(), 0.7
+@pytest.mark.parametrize("rows", [ragged_batch, grouped_batch], ids=["own prompts", "shared prompts"])
+def test_packed_loss_and_gradients_equal_the_padded_ones(model, aggregation, rows):
+    batch, temperature = rows(), 0.7
     with torch.no_grad():
         reference = token_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
                                    batch.input_ids, temperature) - 0.02  # fmt: skip
@@ -104,6 +130,29 @@ def test_logits_are_computed_only_where_the_next_token_counts():
     assert starts == [0, 40, 47, 70, 71, 94, 106, 113]
     assert packed.position_ids[0, 40:47].tolist() == list(range(7))  # each sequence from position 0
     assert torch.equal(packed.input_ids[0, packed.keep + 1], packed.targets)  # the next token is the target
+
+
+def test_rows_with_one_prompt_share_its_tokens_and_see_nothing_of_each_other(model):
+    batch = grouped_batch()
+    packed = scoring.pack(batch)
+    alone = scoring.pack(batch, share=False)
+    tokens = int(batch.attention_mask.sum())
+    assert alone.input_ids.shape == (1, tokens)
+    assert packed.input_ids.shape == (1, tokens - (3 - 1) * 6 - (3 - 1) * 9 - (3 - 1) * 6)  # each prompt once
+    assert torch.equal(packed.input_ids[0, packed.keep + 1][packed.columns > 9], packed.targets[packed.columns > 9])
+    assert torch.equal(packed.position_ids[0, packed.keep], packed.columns - 1)  # each at its place in its own row
+    with torch.no_grad():
+        shared = scoring.packed_scores(model, batch, 1.0, entropy=True)
+        separate = scoring.selected_logprobs(model(**alone.model_inputs()).logits[0], alone.targets, 1.0)[0]
+    torch.testing.assert_close(shared[0], alone.unpack(separate), atol=1e-5, rtol=1e-5)
+    changed = grouped_batch()
+    changed.input_ids[1, 9:12] = torch.randint(3, 60, (3,), generator=torch.Generator().manual_seed(5))
+    changed.input_ids[3, 4] = 59 - changed.input_ids[3, 4]  # the first group's prompt, in one of its rows only
+    with torch.no_grad():
+        after = scoring.packed_scores(model, changed, 1.0)[0]
+    untouched = [0, 2, 4, 5, 6, 7, 8, 9]  # row 1's siblings (4, 7) and row 3's (0, 6), and the others
+    torch.testing.assert_close(after[untouched], shared[0][untouched], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[1], shared[0][1]) and not torch.allclose(after[3], shared[0][3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

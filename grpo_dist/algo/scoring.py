@@ -6,11 +6,18 @@ Padded (`learner.packing: false`): the micro-batch's rows padded to its longest,
 
 Packing (`learner.packing`, on by default): the micro-batch's sequences are laid end to end, each with its own
 position ids from 0, and attention never crosses from one into another: on a GPU in bf16/fp16 by torch's
-variable-length flash attention, elsewhere by causal attention over the sequences of each length at once (the
+variable-length flash attention, elsewhere by causal attention over the sequences of each shape at once (the
 `grpo_packed` attention registered with transformers). Logits are computed only where the next token counts in the
 loss (`TrainBatch.completion_mask`): a prompt's positions get none. Scores come back in the batch's padded [b, T]
 layout, so the loss and every aggregation read them exactly as they read the padded forward's; positions that do
 not count hold 0.
+
+Shared prompts (packing, wherever the variable-length attention does not run): a group's G rows begin with the
+same prompt, whose tokens see only each other, so their keys, values and hidden states are the same in every row.
+The packed row holds such a prompt once, each row's own tokens following it with the positions they have in the
+row; those attend to the prompt and causally to each other (`Layout`). Every token sees exactly what it sees in its
+own row, so the scores and gradients are the unshared ones (the prompt's gradient is the sum of its rows'), from
+fewer tokens: a group of 16 short answers to a 9-token prompt is 41 tokens, not 176.
 
 `selected_logprobs` reads the logits in chunks of about `CHUNK_ELEMENTS` entries: the float32 log-softmax of the whole
 [positions, vocabulary] block is never held, in the forward or the backward, which recomputes each chunk's
@@ -40,20 +47,21 @@ CHUNK_ELEMENTS = 1 << 25
 class Packed:
     """One micro-batch as one row: the model's inputs and where each scored position goes back."""
 
-    input_ids: torch.Tensor  # [1, N] the sequences end to end
-    position_ids: torch.Tensor  # [1, N] from 0 in each sequence
-    cu_seq_lens: torch.Tensor  # [b + 1] int32: where each sequence starts, and N
-    max_length: int  # the longest sequence
-    buckets: list[torch.Tensor]  # per sequence length: [n, L] the positions of its n sequences of that length
-    inverse: torch.Tensor  # [N] where each position is among the buckets' positions one after the other
+    input_ids: torch.Tensor  # [1, N] the segments end to end
+    position_ids: torch.Tensor  # [1, N] each token's position in its own sequence
+    cu_seq_lens: torch.Tensor  # [s + 1] int32: where each segment starts, and N
+    max_length: int  # the longest segment
+    blocks: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]  # attention by block (`Layout.blocks`)
+    inverse: torch.Tensor  # [N] where each position is among the blocks' queries one after the other
     keep: torch.Tensor  # [K] positions whose next token counts in the loss
     targets: torch.Tensor  # [K] that next token
     rows: torch.Tensor  # [K] its row in the padded layout
     columns: torch.Tensor  # [K] its column there
     shape: tuple[int, int]  # the padded layout [b, T]
+    shared: bool  # whether rows with one prompt share its tokens (no variable-length attention then)
 
     def model_inputs(self) -> dict:
-        """Keyword arguments of a Hugging Face causal LM's forward: the packed row, its sequence boundaries (read by
+        """Keyword arguments of a Hugging Face causal LM's forward: the packed row, its segments' bounds (read by
         the attention) and the positions to compute logits at."""
         return {
             "input_ids": self.input_ids,
@@ -63,8 +71,9 @@ class Packed:
             "cu_seq_lens_k": self.cu_seq_lens,
             "max_length_q": self.max_length,
             "max_length_k": self.max_length,
-            "packed_buckets": self.buckets,
+            "packed_blocks": self.blocks,
             "packed_inverse": self.inverse,
+            "packed_shared": self.shared,
             "logits_to_keep": self.keep,
         }
 
@@ -74,43 +83,108 @@ class Packed:
         return out.index_put((self.rows, self.columns), values)
 
 
-def pack(batch: TrainBatch, host: TrainBatch | None = None) -> Packed:
-    """The packed form of a right-padded micro-batch. Its layout is worked out on the CPU from the masks of `host`,
-    the same micro-batch in host memory where the caller has it (else from one copy of the masks, a wait on the
-    device)."""
+class Layout:
+    """Where each row's tokens go in the packed row, worked out on the CPU. A row's prompt is its tokens before its
+    first counted one; rows given together (a group's, whose prompts are equal) keep one copy of it, each row's own
+    tokens following it. Attention runs a block at a time, blocks of one shape together: a block's queries are one
+    sequence's tokens (a whole row, or a shared prompt) attending causally among themselves, or one row's own
+    tokens after a shared prompt, attending to the prompt and causally among themselves."""
+
+    def __init__(self, rows: int, width: int):
+        self.width = width  # the padded layout's T
+        self.sources: list[torch.Tensor] = []  # per segment: [n] the padded layout's flat index of each token
+        self.starts = [0]  # where each segment starts in the packed row, and its end
+        self.prompt_at = torch.zeros(rows, dtype=torch.long)  # [b] where each row's prompt starts
+        self.prompt = torch.zeros(rows, dtype=torch.long)  # [b] its length
+        self.own_at = torch.zeros(rows, dtype=torch.long)  # [b] where the row's own tokens after it start
+        self.by_shape: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def add(self, rows: list[int], prompt: int, lengths: list[int]) -> None:
+        """One segment: `rows` sharing their first `prompt` tokens (a row alone: all of it is its prompt)."""
+        start, first = self.starts[-1], rows[0] * self.width
+        if len(rows) == 1:
+            prompt = lengths[0]
+        pieces = [torch.arange(first, first + prompt)]
+        self._block(torch.arange(start, start + prompt), None)
+        end = start + prompt
+        for row, length in zip(rows, lengths, strict=True):
+            self.prompt_at[row], self.prompt[row], self.own_at[row] = start, prompt, end
+            if own := length - prompt:
+                pieces.append(torch.arange(row * self.width + prompt, row * self.width + length))
+                self._block(torch.arange(end, end + own), torch.arange(start, start + prompt))
+                end += own
+        self.sources.append(torch.cat(pieces))
+        self.starts.append(end)
+
+    def _block(self, queries: torch.Tensor, prompt: torch.Tensor | None) -> None:
+        keys = queries if prompt is None else torch.cat([prompt, queries])
+        found = self.by_shape.setdefault((len(queries), len(keys)), ([], []))
+        found[0].append(queries)
+        found[1].append(keys)
+
+    def positions(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """[K] the packed positions of the tokens at (`rows`, `columns`) of the padded layout, [K] each."""
+        prompt = self.prompt[rows]
+        in_prompt = self.prompt_at[rows] + columns
+        return torch.where(columns < prompt, in_prompt, self.own_at[rows] + columns - prompt)
+
+    def blocks(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Per shape: [n, Lq] the queries' positions, [n, Lk] their keys' and [Lq, Lk] which key each query sees
+        (both None: the queries themselves, causally)."""
+        found = []
+        for (length, seen), (queries, keys) in self.by_shape.items():
+            if length == seen:
+                found.append((torch.stack(queries), None, None))
+            else:  # every prompt token, then causally the row's own
+                visible = torch.ones(length, seen, dtype=torch.bool).tril(diagonal=seen - length)
+                found.append((torch.stack(queries), torch.stack(keys), visible))
+        return found
+
+
+def pack(batch: TrainBatch, host: TrainBatch | None = None, share: bool = True) -> Packed:
+    """The packed form of a right-padded micro-batch. Its layout is worked out on the CPU from `host`, the same
+    micro-batch in host memory where the caller has it (else from a copy of its masks and ids, a wait on the
+    device). With `share`, rows with one prompt (a group's) share its tokens: the same scores from fewer tokens."""
     device = batch.input_ids.device
     source = host if host is not None else batch
-    masks = torch.stack([source.attention_mask.float(), source.completion_mask.float()]).cpu()  # [2, b, T]
-    real = masks[0] != 0  # [b, T]; right padding: each row's first L tokens
-    counted = (masks[1] != 0) & real  # [b, T] tokens whose log-prob enters the loss
+    real = source.attention_mask.cpu() != 0  # [b, T]; right padding: each row's first L tokens
+    counted = (source.completion_mask.cpu() != 0) & real  # [b, T] tokens whose log-prob enters the loss
     counted[:, 0] = False  # the first token has no position before it
     lengths = real.sum(dim=1)  # [b]
-    starts = F.pad(lengths.cumsum(0), (1, 0))  # [b + 1]
+    prompts = torch.where(counted.any(dim=1), counted.int().argmax(dim=1), lengths).tolist()  # [b]
+    segments: dict[bytes | int, list[int]] = {}
+    ids = source.input_ids.cpu() if share else None
+    for row, length in enumerate(lengths.tolist()):
+        if length:
+            key = ids[row, : prompts[row]].numpy().tobytes() if share else row
+            segments.setdefault(key, []).append(row)
     width = real.shape[1]
-    tokens = real.view(-1).nonzero().squeeze(1)  # [N] flat index of each real token, row by row
+    layout = Layout(len(lengths), width)
+    for rows in segments.values():
+        layout.add(rows, prompts[rows[0]], lengths[rows].tolist())
     rows, columns = counted.nonzero(as_tuple=True)  # [K] each
-    by_length: dict[int, list[int]] = {}
-    for start, length in zip(starts.tolist(), lengths.tolist(), strict=False):
-        by_length.setdefault(length, []).append(start)
-    buckets = [torch.tensor(firsts)[:, None] + torch.arange(length) for length, firsts in by_length.items() if length]
-    order = torch.cat([bucket.reshape(-1) for bucket in buckets])  # [N]
+    blocks = layout.blocks()
+    order = torch.cat([queries.reshape(-1) for queries, _, _ in blocks])  # [N]
+    flat = torch.cat(layout.sources)  # [N]
 
-    def there(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device, non_blocking=True)
+    def there(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(device, non_blocking=True)
 
-    ids = batch.input_ids.reshape(-1)
+    starts = torch.tensor(layout.starts)
+    padded_ids = batch.input_ids.reshape(-1)
     return Packed(
-        input_ids=ids[there(tokens)][None],
-        position_ids=there(tokens % width)[None],
+        input_ids=padded_ids[there(flat)][None],
+        position_ids=there(flat % width)[None],
         cu_seq_lens=there(starts.to(torch.int32)),
-        max_length=int(lengths.max()),
-        buckets=[there(bucket) for bucket in buckets],
+        max_length=int((starts[1:] - starts[:-1]).max()),
+        blocks=[tuple(there(part) for part in block) for block in blocks],
         inverse=there(order.argsort()),
-        keep=there(starts[rows] + columns - 1),  # the position that predicts the counted token
-        targets=ids[there(rows * width + columns)],
+        keep=there(layout.positions(rows, columns - 1)),  # the position that predicts the counted token
+        targets=padded_ids[there(rows * width + columns)],
         rows=there(rows),
         columns=there(columns),
         shape=tuple(batch.input_ids.shape),
+        shared=share,
     )
 
 
@@ -184,10 +258,16 @@ def packed_scores(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of the counted tokens of `batch` (and their next-token entropies) from one packed forward
     of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count."""
-    packed = pack(batch, host)
+    packed = pack(batch, host, share=shares_prompts(batch.input_ids.device, next(model.parameters()).dtype))
     logits = without(model(**packed.model_inputs()).logits[0], banned)  # [K, V]
     logprobs, entropies = selected_logprobs(logits, packed.targets, temperature, entropy)
     return packed.unpack(logprobs), None if entropies is None else packed.unpack(entropies)
+
+
+def shares_prompts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a packed forward on `device` in `dtype` shares a group's prompt among its rows: everywhere but where
+    torch's variable-length attention runs (a GPU in bf16 or fp16), which takes whole sequences only."""
+    return not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen() is not None)
 
 
 def selected_logprobs(
@@ -262,7 +342,8 @@ def _register() -> None:
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: query [1, H, N, D], key and value [1, H_kv, N, D] -> [1, N, H, D].
-    Causal within each sequence of `cu_seq_lens_q`; without it, transformers' SDPA attention."""
+    Packed (given `cu_seq_lens_q`): each token sees what it sees in its own row (`Layout`); without it,
+    transformers' SDPA attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     bounds = kwargs.get("cu_seq_lens_q")
@@ -273,20 +354,26 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    varlen = _varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
+    half = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+    varlen = _varlen() if half and not kwargs["packed_shared"] else None
     if varlen is not None:
         q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # [N, H, D] each
         out = varlen(q, k, v, bounds, bounds, kwargs["max_length_q"], kwargs["max_length_k"], scale=scaling)
         return out[None], None
+
+    def gathered(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [1, H, N, D] -> [n, H, L, D]
+        return tensor[0][:, positions.reshape(-1)].unflatten(1, positions.shape).transpose(0, 1)
+
     parts = []
-    for positions in kwargs["packed_buckets"]:  # the sequences of one length at once: [n, L] positions
-        count, length = positions.shape
-        q, k, v = (
-            tensor[0][:, positions.reshape(-1)].unflatten(1, (count, length)).transpose(0, 1)
-            for tensor in (query, key, value)
-        )  # [n, H, L, D] each
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)  # [n, H, L, D]
-        parts.append(out.transpose(1, 2).flatten(0, 1))  # [n L, H, D]
+    for queries, keys, visible in kwargs["packed_blocks"]:  # [n, Lq] positions; [n, Lk] and [Lq, Lk], or None
+        q = gathered(query, queries)
+        if keys is None:  # a sequence's tokens among themselves
+            out = F.scaled_dot_product_attention(q, gathered(key, queries), gathered(value, queries), is_causal=True,
+                                                 scale=scaling)  # fmt: skip
+        else:  # a row's own tokens after its shared prompt
+            k, v = gathered(key, keys), gathered(value, keys)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling)  # [n, H, Lq, D]
+        parts.append(out.transpose(1, 2).flatten(0, 1))  # [n Lq, H, D]
     return torch.cat(parts)[kwargs["packed_inverse"]][None], None
 
 
