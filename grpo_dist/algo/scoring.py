@@ -92,41 +92,40 @@ class Layout:
 
     def __init__(self, rows: int, width: int):
         self.width = width  # the padded layout's T
-        self.sources: list[torch.Tensor] = []  # per segment: [n] the padded layout's flat index of each token
+        self.sources: list[int] = []  # [N] the padded layout's flat index of each packed token
         self.starts = [0]  # where each segment starts in the packed row, and its end
-        self.prompt_at = torch.zeros(rows, dtype=torch.long)  # [b] where each row's prompt starts
-        self.prompt = torch.zeros(rows, dtype=torch.long)  # [b] its length
-        self.own_at = torch.zeros(rows, dtype=torch.long)  # [b] where the row's own tokens after it start
-        self.by_shape: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.prompt_at = [0] * rows  # [b] where each row's prompt starts
+        self.prompt = [0] * rows  # [b] its length
+        self.own_at = [0] * rows  # [b] where the row's own tokens after it start
+        self.by_shape: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # (Lq, Lk) -> queries, keys
 
     def add(self, rows: list[int], prompt: int, lengths: list[int]) -> None:
         """One segment: `rows` sharing their first `prompt` tokens (a row alone: all of it is its prompt)."""
-        start, first = self.starts[-1], rows[0] * self.width
+        start, first = len(self.sources), rows[0] * self.width
         if len(rows) == 1:
             prompt = lengths[0]
-        pieces = [torch.arange(first, first + prompt)]
-        self._block(torch.arange(start, start + prompt), None)
-        end = start + prompt
+        self.sources.extend(range(first, first + prompt))
+        self._block(range(start, start + prompt))
         for row, length in zip(rows, lengths, strict=True):
+            end = len(self.sources)
             self.prompt_at[row], self.prompt[row], self.own_at[row] = start, prompt, end
-            if own := length - prompt:
-                pieces.append(torch.arange(row * self.width + prompt, row * self.width + length))
-                self._block(torch.arange(end, end + own), torch.arange(start, start + prompt))
-                end += own
-        self.sources.append(torch.cat(pieces))
-        self.starts.append(end)
+            if length > prompt:
+                self.sources.extend(range(row * self.width + prompt, row * self.width + length))
+                self._block(range(end, end + length - prompt), range(start, start + prompt))
+        self.starts.append(len(self.sources))
 
-    def _block(self, queries: torch.Tensor, prompt: torch.Tensor | None) -> None:
-        keys = queries if prompt is None else torch.cat([prompt, queries])
-        found = self.by_shape.setdefault((len(queries), len(keys)), ([], []))
-        found[0].append(queries)
-        found[1].append(keys)
+    def _block(self, queries: range, prompt: range = range(0)) -> None:
+        found = self.by_shape.setdefault((len(queries), len(prompt) + len(queries)), ([], []))
+        found[0].extend(queries)
+        if prompt:
+            found[1].extend(prompt)
+            found[1].extend(queries)
 
     def positions(self, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         """[K] the packed positions of the tokens at (`rows`, `columns`) of the padded layout, [K] each."""
-        prompt = self.prompt[rows]
-        in_prompt = self.prompt_at[rows] + columns
-        return torch.where(columns < prompt, in_prompt, self.own_at[rows] + columns - prompt)
+        prompt = torch.tensor(self.prompt)[rows]
+        in_prompt = torch.tensor(self.prompt_at)[rows] + columns
+        return torch.where(columns < prompt, in_prompt, torch.tensor(self.own_at)[rows] + columns - prompt)
 
     def blocks(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Per shape: [n, Lq] the queries' positions, [n, Lk] their keys' and [Lq, Lk] which key each query sees
@@ -134,10 +133,10 @@ class Layout:
         found = []
         for (length, seen), (queries, keys) in self.by_shape.items():
             if length == seen:
-                found.append((torch.stack(queries), None, None))
+                found.append((torch.tensor(queries).view(-1, length), None, None))
             else:  # every prompt token, then causally the row's own
                 visible = torch.ones(length, seen, dtype=torch.bool).tril(diagonal=seen - length)
-                found.append((torch.stack(queries), torch.stack(keys), visible))
+                found.append((torch.tensor(queries).view(-1, length), torch.tensor(keys).view(-1, seen), visible))
         return found
 
 
@@ -165,7 +164,7 @@ def pack(batch: TrainBatch, host: TrainBatch | None = None, share: bool = True) 
     rows, columns = counted.nonzero(as_tuple=True)  # [K] each
     blocks = layout.blocks()
     order = torch.cat([queries.reshape(-1) for queries, _, _ in blocks])  # [N]
-    flat = torch.cat(layout.sources)  # [N]
+    flat = torch.tensor(layout.sources)  # [N]
 
     def there(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(device, non_blocking=True)
