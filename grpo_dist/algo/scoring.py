@@ -51,7 +51,7 @@ class Packed:
     position_ids: torch.Tensor  # [1, N] each token's position in its own sequence
     cu_seq_lens: torch.Tensor  # [s + 1] int32: where each segment starts, and N
     max_length: int  # the longest segment
-    blocks: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]  # attention by block (`Layout.blocks`)
+    blocks: list[tuple[torch.Tensor, torch.Tensor | None]]  # attention a block at a time (`Layout.blocks`)
     inverse: torch.Tensor  # [N] where each position is among the blocks' queries one after the other
     keep: torch.Tensor  # [K] positions whose next token counts in the loss
     targets: torch.Tensor  # [K] that next token
@@ -127,17 +127,12 @@ class Layout:
         in_prompt = torch.tensor(self.prompt_at)[rows] + columns
         return torch.where(columns < prompt, in_prompt, torch.tensor(self.own_at)[rows] + columns - prompt)
 
-    def blocks(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-        """Per shape: [n, Lq] the queries' positions, [n, Lk] their keys' and [Lq, Lk] which key each query sees
-        (both None: the queries themselves, causally)."""
-        found = []
-        for (length, seen), (queries, keys) in self.by_shape.items():
-            if length == seen:
-                found.append((torch.tensor(queries).view(-1, length), None, None))
-            else:  # every prompt token, then causally the row's own
-                visible = torch.ones(length, seen, dtype=torch.bool).tril(diagonal=seen - length)
-                found.append((torch.tensor(queries).view(-1, length), torch.tensor(keys).view(-1, seen), visible))
-        return found
+    def blocks(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per shape: [n, Lq] the queries' positions and [n, Lk] their keys' (None: the queries themselves)."""
+        return [
+            (torch.tensor(queries).view(-1, length), None if length == seen else torch.tensor(keys).view(-1, seen))
+            for (length, seen), (queries, keys) in self.by_shape.items()
+        ]
 
 
 def pack(batch: TrainBatch, host: TrainBatch | None = None, share: bool = True) -> Packed:
@@ -163,7 +158,7 @@ def pack(batch: TrainBatch, host: TrainBatch | None = None, share: bool = True) 
         layout.add(rows, prompts[rows[0]], lengths[rows].tolist())
     rows, columns = counted.nonzero(as_tuple=True)  # [K] each
     blocks = layout.blocks()
-    order = torch.cat([queries.reshape(-1) for queries, _, _ in blocks])  # [N]
+    order = torch.cat([queries.reshape(-1) for queries, _ in blocks])  # [N]
     flat = torch.tensor(layout.sources)  # [N]
 
     def there(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -176,7 +171,7 @@ def pack(batch: TrainBatch, host: TrainBatch | None = None, share: bool = True) 
         position_ids=there(flat % width)[None],
         cu_seq_lens=there(starts.to(torch.int32)),
         max_length=int((starts[1:] - starts[:-1]).max()),
-        blocks=[tuple(there(part) for part in block) for block in blocks],
+        blocks=[(there(queries), there(keys)) for queries, keys in blocks],
         inverse=there(order.argsort()),
         keep=there(layout.positions(rows, columns - 1)),  # the position that predicts the counted token
         targets=padded_ids[there(rows * width + columns)],
@@ -343,6 +338,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers' attention signature: query [1, H, N, D], key and value [1, H_kv, N, D] -> [1, N, H, D].
     Packed (given `cu_seq_lens_q`): each token sees what it sees in its own row (`Layout`); without it,
     transformers' SDPA attention."""
+    from torch.nn.attention.bias import causal_lower_right
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     bounds = kwargs.get("cu_seq_lens_q")
@@ -364,14 +360,15 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         return tensor[0][:, positions.reshape(-1)].unflatten(1, positions.shape).transpose(0, 1)
 
     parts = []
-    for queries, keys, visible in kwargs["packed_blocks"]:  # [n, Lq] positions; [n, Lk] and [Lq, Lk], or None
+    for queries, keys in kwargs["packed_blocks"]:  # [n, Lq] positions, and [n, Lk] their keys' (None: the same)
         q = gathered(query, queries)
         if keys is None:  # a sequence's tokens among themselves
             out = F.scaled_dot_product_attention(q, gathered(key, queries), gathered(value, queries), is_causal=True,
                                                  scale=scaling)  # fmt: skip
-        else:  # a row's own tokens after its shared prompt
-            k, v = gathered(key, keys), gathered(value, keys)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling)  # [n, H, Lq, D]
+        else:  # a row's own tokens after its shared prompt: every prompt token, then causally its own
+            visible = causal_lower_right(queries.shape[1], keys.shape[1])  # no [Lq, Lk] mask held
+            out = F.scaled_dot_product_attention(q, gathered(key, keys), gathered(value, keys), attn_mask=visible,
+                                                 scale=scaling)  # fmt: skip
         parts.append(out.transpose(1, 2).flatten(0, 1))  # [n Lq, H, D]
     return torch.cat(parts)[kwargs["packed_inverse"]][None], None
 
