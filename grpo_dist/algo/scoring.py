@@ -159,7 +159,7 @@ def pack(batch: TrainBatch, host: TrainBatch | None = None, share: bool = True) 
     rows, columns = counted.nonzero(as_tuple=True)  # [K] each
     blocks = layout.blocks()
     order = torch.cat([queries.reshape(-1) for queries, _ in blocks])  # [N]
-    flat = torch.tensor(layout.sources)  # [N]
+    flat = torch.tensor(layout.sources, dtype=torch.long)  # [N]
 
     def there(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(device, non_blocking=True)
