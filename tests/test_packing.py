@@ -155,6 +155,21 @@ def test_rows_with_one_prompt_share_its_tokens_and_see_nothing_of_each_other(mod
     assert not torch.allclose(after[1], shared[0][1]) and not torch.allclose(after[3], shared[0][3])
 
 
+def test_a_model_called_without_its_parameters_is_scored_and_prompts_are_shared_where_every_layer_attends(model):
+    """The learner's LoRA reference (`lora.AdapterOff`) is a callable with no parameters of its own; a hybrid model's
+    recurrent layers would read a shared segment as one sequence, and a GPU's variable-length attention takes whole
+    sequences."""
+    batch = grouped_batch()
+    with torch.no_grad():
+        wrapped = scoring.packed_scores(lambda **inputs: model(**inputs), batch, 1.0)[0]
+        alone = scoring.packed_scores(model, batch, 1.0, share=False)[0]
+    torch.testing.assert_close(wrapped, alone, atol=1e-5, rtol=1e-5)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert scoring.shares_prompts(cpu, model.config) and not scoring.shares_prompts(gpu, model.config)
+    hybrid = model.config.__class__(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+    assert not scoring.shares_prompts(cpu, hybrid)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_selection_equals_the_full_log_softmax(monkeypatch, dtype):
     monkeypatch.setattr(scoring, "CHUNK_ELEMENTS", 7 * 301)  # 50 rows of 301: 8 chunks, the last short

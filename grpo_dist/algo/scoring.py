@@ -12,7 +12,7 @@ loss (`TrainBatch.completion_mask`): a prompt's positions get none. Scores come 
 layout, so the loss and every aggregation read them exactly as they read the padded forward's; positions that do
 not count hold 0.
 
-Shared prompts (packing, wherever the variable-length attention does not run): a group's G rows begin with the
+Shared prompts (packing on a CPU, where every layer attends: `shares_prompts`): a group's G rows begin with the
 same prompt, whose tokens see only each other, so their keys, values and hidden states are the same in every row.
 The packed row holds such a prompt once, each row's own tokens following it with the positions they have in the
 row; those attend to the prompt and causally to each other (`Layout`). Every token sees exactly what it sees in its
@@ -191,16 +191,18 @@ def scores(
     host: TrainBatch | None = None,
     pixels: dict[str, torch.Tensor] | None = None,
     banned: torch.Tensor | None = None,
+    share: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of `batch`'s tokens under `model` (a Hugging Face causal LM, or a DeepSpeed engine around
     one) and with `entropy` the entropies: packed (only the tokens that count in the loss; 0 elsewhere) or padded.
     `host`: the same micro-batch in host memory, if the caller has it (see `pack`). `pixels`: the rows' image
     tensors a vision-language model reads beside their tokens (padded only). `banned`: token ids the engines never
-    sample (a vision-language model's image placeholders), scored out of every distribution as theirs are."""
+    sample (a vision-language model's image placeholders), scored out of every distribution as theirs are.
+    `share`: whether packed rows with one prompt share its tokens (`shares_prompts`; None: on a CPU)."""
     if packed:
         if pixels:
             raise ValueError("packed scoring takes no images: a batch with images is scored padded")
-        return packed_scores(model, batch, temperature, entropy, host, banned)
+        return packed_scores(model, batch, temperature, entropy, host, banned, share)
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **(pixels or {})).logits  # [b,T,V]
     logits = without(logits, banned)
     if entropy:
@@ -249,19 +251,23 @@ def packed_scores(
     entropy: bool = False,
     host: TrainBatch | None = None,
     banned: torch.Tensor | None = None,
+    share: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[b, T] log-probs of the counted tokens of `batch` (and their next-token entropies) from one packed forward
-    of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count."""
-    packed = pack(batch, host, share=shares_prompts(batch.input_ids.device, next(model.parameters()).dtype))
+    of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count.
+    `share`: whether rows with one prompt share its tokens (`shares_prompts`; None: on a CPU)."""
+    packed = pack(batch, host, batch.input_ids.device.type != "cuda" if share is None else share)
     logits = without(model(**packed.model_inputs()).logits[0], banned)  # [K, V]
     logprobs, entropies = selected_logprobs(logits, packed.targets, temperature, entropy)
     return packed.unpack(logprobs), None if entropies is None else packed.unpack(entropies)
 
 
-def shares_prompts(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a packed forward on `device` in `dtype` shares a group's prompt among its rows: everywhere but where
-    torch's variable-length attention runs (a GPU in bf16 or fp16), which takes whole sequences only."""
-    return not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _varlen() is not None)
+def shares_prompts(device: torch.device, config) -> bool:
+    """Whether a packed forward on `device` of a model with `config` (its text config) shares a group's prompt
+    among its rows: on a CPU (on a GPU torch's variable-length attention takes whole sequences), where every layer
+    attends (a recurrent layer, as a hybrid model's linear attention, reads the segments' bounds as sequences)."""
+    kinds = getattr(config, "layer_types", None) or []
+    return device.type != "cuda" and all(kind in ("full_attention", "sliding_attention") for kind in kinds)
 
 
 def selected_logprobs(

@@ -692,10 +692,10 @@ class LearnerConfig(_Section):
     room). It must hold the longest sequence the learner can get. null: `micro_batch_size` sequences each."""
     packing: bool = True
     """Pack each micro-batch's sequences into one row without padding (each keeps its own positions; attention
-    never crosses between them) and compute logits only where the next token counts in the loss; where torch's
-    variable-length attention does not run (a CPU, or a GPU in fp32), a group's rows in one micro-batch hold their
-    shared prompt once (the same scores from fewer tokens). false: pad every sequence of a micro-batch to its
-    longest and compute logits at every position."""
+    never crosses between them) and compute logits only where the next token counts in the loss; on a CPU, a
+    group's rows in one micro-batch hold their shared prompt once (the same scores from fewer tokens; not for a
+    model with recurrent layers). false: pad every sequence of a micro-batch to its longest and compute logits at
+    every position."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """DeepSpeed ZeRO stage: 1 shards the optimizer state over the ranks, 2 also the gradients, 3 also the
     parameters (and the reference model)."""

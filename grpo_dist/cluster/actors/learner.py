@@ -28,7 +28,7 @@ import torch
 
 from grpo_dist.algo import policy_loss
 from grpo_dist.algo.batch import TrainBatch, TrainShard
-from grpo_dist.algo.scoring import scores, token_logprobs, use_packed_attention
+from grpo_dist.algo.scoring import scores, shares_prompts, token_logprobs, use_packed_attention
 from grpo_dist.algo.throughput import flop_params, peak_flops, step_flops
 from grpo_dist.cluster.actors.learner_weights import LearnerWeights
 from grpo_dist.cluster.ray_cluster import share_of_cores
@@ -178,6 +178,7 @@ class Learner(LearnerWeights):
             model = lora.wrap(model, self.cfg.lora)
         self.engine = self._deepspeed_engine(model)
         self.device = self.engine.device
+        self.share_prompts = shares_prompts(self.device, model.config.get_text_config())  # packed: a prompt once
         placeholders = vision.placeholder_ids(self.model_path)  # never sampled (`grpo_dist.models.vision`)
         self.banned = torch.tensor(placeholders, device=self.device) if placeholders else None
         self.reference_engine = None  # the reference's DeepSpeed engine, under ZeRO-3
@@ -402,7 +403,10 @@ class Learner(LearnerWeights):
             found = vision.batch_pixels([self.row_pixels[row] for row in rows.tolist()])
             pixels = {name: tensor.to(self.device) for name, tensor in found.items()}
         packed = self.cfg.packing
-        return scores(model, micro, self.temperature, entropy, packed, host, pixels=pixels, banned=self.banned)
+        return scores(
+            model, micro, self.temperature, entropy, packed, host, pixels=pixels, banned=self.banned,
+            share=self.share_prompts,
+        )  # fmt: skip
 
     def _micro_loss(self, micro: TrainBatch, rows, old_logprobs, ref_logprobs):
         logprobs, entropy = self._scores(self.engine, micro, rows, entropy=True)  # [b, T] each
