@@ -256,16 +256,17 @@ def packed_scores(
     """[b, T] log-probs of the counted tokens of `batch` (and their next-token entropies) from one packed forward
     of `model` (a Hugging Face causal LM, or a DeepSpeed engine around one), 0 at positions that do not count.
     `share`: whether rows with one prompt share its tokens (`shares_prompts`; None: on a CPU)."""
-    packed = pack(batch, host, batch.input_ids.device.type != "cuda" if share is None else share)
+    packed = pack(batch, host, shares_prompts(batch.input_ids.device) if share is None else share)
     logits = without(model(**packed.model_inputs()).logits[0], banned)  # [K, V]
     logprobs, entropies = selected_logprobs(logits, packed.targets, temperature, entropy)
     return packed.unpack(logprobs), None if entropies is None else packed.unpack(entropies)
 
 
-def shares_prompts(device: torch.device, config) -> bool:
-    """Whether a packed forward on `device` of a model with `config` (its text config) shares a group's prompt
-    among its rows: on a CPU (on a GPU torch's variable-length attention takes whole sequences), where every layer
-    attends (a recurrent layer, as a hybrid model's linear attention, reads the segments' bounds as sequences)."""
+def shares_prompts(device: torch.device, config=None) -> bool:
+    """Whether a packed forward on `device` of a model with `config` (its text config; None: one whose every layer
+    attends) shares a group's prompt among its rows: on a CPU (on a GPU torch's variable-length attention takes
+    whole sequences), where every layer attends (a recurrent layer, as a hybrid model's linear attention, reads the
+    segments' bounds as sequences)."""
     kinds = getattr(config, "layer_types", None) or []
     return device.type != "cuda" and all(kind in ("full_attention", "sliding_attention") for kind in kinds)
 
